@@ -1,0 +1,33 @@
+# Two commands from a fresh machine: `make demo` and `make test`.
+# Each creates the virtualenv (and the test tools) it needs on first use.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: demo test lint tools bench chaos clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install --quiet --upgrade pip
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+## Run the whole service on an embedded PostgreSQL 18 and print a summary.
+demo: $(STAMP)
+	$(BIN)/receipts demo
+
+## Install helm, promtool, hadolint into .tools/ (idempotent).
+tools:
+	bash scripts/install-tools.sh
+
+## The full test suite (real PostgreSQL, real processes, real helm/promtool).
+test: $(STAMP) tools
+	PATH="$(CURDIR)/.tools/bin:$(CURDIR)/$(BIN):$$PATH" $(BIN)/pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+lint: $(STAMP)
+	$(BIN)/ruff check src tests bench
+	$(BIN)/mypy
+
+clean:
+	rm -rf $(VENV) .tools .tmp build dist src/*.egg-info
