@@ -1,0 +1,201 @@
+"""Receipt delivery over HTTP (httpx): ``deliver(job) → Outcome``; no database access.
+
+The contract (DESIGN §3): POST a JSON body naming the order to the provider
+with ``Idempotency-Key: receipt:<order_id>``, the same on every attempt, and an
+identical body on every attempt (providers may reject a reused key whose body
+differs). The answer is classified:
+
+=================================  =========  ==================================
+provider answer                    verdict    reason label
+=================================  =========  ==================================
+2xx (incl. a replayed success)     delivered  ``delivered``
+409 (same key still in progress)   retry      ``in_progress``
+429                                retry      ``rate_limited`` (Retry-After)
+5xx                                retry      ``provider_5xx`` (Retry-After)
+401, 403                           retry      ``auth_rejected`` (opens breaker)
+other 4xx                          permanent  ``rejected``
+1xx/3xx (we never follow)          retry      ``unexpected_status``
+timeout (incl. hang after headers) retry      ``timeout`` (outcome unknown)
+connection lost after sending      retry      ``connection_lost`` (unknown)
+connect error, nothing sent        retry      ``connect_error``
+=================================  =========  ==================================
+
+The whole exchange, body included, is bounded by one deadline
+(``delivery_timeout_seconds``), and at most ``MAX_BODY_BYTES`` of the response
+are read, so a slow-drip or 50 MB answer cannot hold a slot or memory.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import json
+from dataclasses import dataclass
+from typing import Protocol
+
+import httpx
+
+from receipts.jobqueue import Job
+from receipts.retry import parse_retry_after
+
+MAX_BODY_BYTES = 64 * 1024
+USER_AGENT = "receipts-worker/0.1"
+
+
+class Verdict(enum.StrEnum):
+    """What the worker does with an attempt: ack it, retry later, or fail the job."""
+
+    DELIVERED = "delivered"
+    RETRY = "retry"
+    PERMANENT = "permanent"
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """The classified result of one delivery attempt.
+
+    Attributes:
+        verdict: delivered / retry / permanent.
+        reason: low-cardinality label for metrics and logs (see the module table).
+        status: HTTP status, or None when no response arrived.
+        retry_after_seconds: the provider's parsed ``Retry-After``, seconds, or None.
+        detail: a short human-readable reason, stored as ``last_error``.
+        uncertain: True when the provider may have acted (timeout or connection
+            lost after sending): retry with the same key, never a new one.
+    """
+
+    verdict: Verdict
+    reason: str
+    status: int | None = None
+    retry_after_seconds: float | None = None
+    detail: str = ""
+    uncertain: bool = False
+
+
+class Deliverer(Protocol):
+    """Anything the worker can hand a claimed job to (HTTP, or a bench no-op)."""
+
+    async def deliver(self, job: Job) -> Outcome: ...
+
+    async def aclose(self) -> None: ...
+
+
+def classify(status: int, headers: httpx.Headers, body: bytes) -> Outcome:
+    """Map an HTTP response to an :class:`Outcome` (the table in this module)."""
+    retry_after = parse_retry_after(headers.get("retry-after"), date_header=headers.get("date"))
+    if 200 <= status < 300:
+        return Outcome(Verdict.DELIVERED, "delivered", status)
+    if status == 409:
+        return Outcome(Verdict.RETRY, "in_progress", status, retry_after, "409 request in progress")
+    if status == 429:
+        return Outcome(Verdict.RETRY, "rate_limited", status, retry_after, "429 rate limited")
+    if status >= 500:
+        return Outcome(Verdict.RETRY, "provider_5xx", status, retry_after, f"{status} provider error")
+    if status in (401, 403):
+        return Outcome(
+            Verdict.RETRY, "auth_rejected", status, retry_after, f"{status} credentials rejected"
+        )
+    if 400 <= status < 500:
+        return Outcome(Verdict.PERMANENT, "rejected", status, None, f"{status} {_reason(body)}")
+    return Outcome(Verdict.RETRY, "unexpected_status", status, retry_after, f"unexpected {status}")
+
+
+def _reason(body: bytes) -> str:
+    """A short, printable reason from a 4xx body (JSON ``error``/``detail`` or text)."""
+    text = body[:2048].decode("utf-8", "replace")
+    try:
+        data = json.loads(text)
+        if isinstance(data, dict):
+            text = str(data.get("error") or data.get("detail") or data.get("message") or text)
+    except ValueError:
+        pass
+    clean = "".join(ch if ch.isprintable() else " " for ch in text).strip()
+    return clean[:200] or "rejected"
+
+
+class HttpDeliverer:
+    """Deliver receipts with one shared ``httpx.AsyncClient``.
+
+    Args:
+        url: the provider endpoint (POST).
+        timeout_seconds: deadline for the whole exchange, seconds.
+        token: bearer token for ``Authorization``, or None.
+        max_connections: HTTP connection pool size (normally the slot count).
+    """
+
+    def __init__(
+        self,
+        url: str,
+        *,
+        timeout_seconds: float,
+        token: str | None = None,
+        max_connections: int = 100,
+    ) -> None:
+        self.url = url
+        self.timeout_seconds = timeout_seconds
+        headers = {"User-Agent": USER_AGENT, "Content-Type": "application/json"}
+        if token:
+            headers["Authorization"] = f"Bearer {token}"
+        self._client = httpx.AsyncClient(
+            headers=headers,
+            timeout=httpx.Timeout(timeout_seconds, connect=min(5.0, timeout_seconds)),
+            limits=httpx.Limits(
+                max_connections=max_connections, max_keepalive_connections=max_connections
+            ),
+            follow_redirects=False,
+            trust_env=False,
+        )
+
+    async def aclose(self) -> None:
+        """Close the HTTP connection pool."""
+        await self._client.aclose()
+
+    async def deliver(self, job: Job) -> Outcome:
+        """POST *job*'s receipt and classify the answer; never raises for I/O errors."""
+        body = json.dumps(
+            {"order_id": job.order_id, "job_id": str(job.id), "idempotency_key": job.idempotency_key},
+            separators=(",", ":"),
+        ).encode()
+        headers = {"Idempotency-Key": job.idempotency_key, "X-Receipts-Attempt": str(job.attempt)}
+        loop = asyncio.get_running_loop()
+        deadline = loop.time() + self.timeout_seconds
+        try:
+            async with asyncio.timeout_at(deadline):
+                request = self._client.build_request("POST", self.url, content=body, headers=headers)
+                response = await self._client.send(request, stream=True)
+        except TimeoutError:
+            return Outcome(
+                Verdict.RETRY, "timeout", None, None,
+                f"no answer within {self.timeout_seconds:g}s", uncertain=True,
+            )
+        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+            return Outcome(Verdict.RETRY, "connect_error", None, None, _short(exc))
+        except httpx.TimeoutException as exc:
+            return Outcome(Verdict.RETRY, "timeout", None, None, _short(exc), uncertain=True)
+        except (httpx.TransportError, httpx.DecodingError) as exc:
+            return Outcome(Verdict.RETRY, "connection_lost", None, None, _short(exc), uncertain=True)
+        except httpx.InvalidURL as exc:
+            return Outcome(Verdict.RETRY, "connect_error", None, None, _short(exc))
+        try:
+            if response.is_success:
+                return Outcome(Verdict.DELIVERED, "delivered", response.status_code)
+            # Only a failure's body matters (its reason); read a bounded prefix
+            # within what is left of the deadline.
+            data = bytearray()
+            try:
+                async with asyncio.timeout_at(deadline):
+                    async for chunk in response.aiter_raw():
+                        data += chunk
+                        if len(data) >= MAX_BODY_BYTES:
+                            break
+            except (TimeoutError, httpx.TransportError):
+                pass
+            return classify(response.status_code, response.headers, bytes(data))
+        finally:
+            await response.aclose()
+
+
+
+def _short(exc: BaseException) -> str:
+    text = str(exc).strip() or type(exc).__name__
+    return f"{type(exc).__name__}: {text}"[:200]

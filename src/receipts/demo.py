@@ -1,0 +1,387 @@
+"""``receipts demo``: the whole service, its faults and its guarantees, in one command.
+
+What it does (DESIGN §8):
+
+1. starts an embedded PostgreSQL 18 (or uses ``--dsn``) and migrates it;
+2. starts the reference provider with latency and faults (503, 429 with
+   Retry-After, 422 for a few orders, and receipts recorded but never
+   answered: timeouts and reset connections);
+3. starts several ``receipts worker`` processes and a ``receipts recover
+   --loop`` process, then places orders, each with its receipt job in one
+   order transaction;
+4. SIGKILLs a worker in the middle of its deliveries (and starts a
+   replacement), and SIGSTOPs another for longer than the lease so that its
+   late acks are refused as stale;
+5. waits until the queue is drained, stops everything with SIGTERM and
+   prints a summary checked against the database and the provider.
+
+Exit status 0 when nothing was lost (every order's job is done or failed,
+every done job has a receipt at the provider), 1 otherwise.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from receipts.embedded import EmbeddedPostgres, free_port
+from receipts.jobqueue import enqueue
+from receipts.migrate import apply_migrations
+from receipts.settings import redact_dsn
+
+LEASE_SECONDS = 6.0
+DRAIN_TIMEOUT_SECONDS = 240.0
+SUMMARY_METRICS = (
+    "receipts_claims_total", "receipts_jobs_claimed_total", "receipts_acks_total",
+    "receipts_stale_acks_total", "receipts_retries_total", "receipts_failures_total",
+    "receipts_leases_lost_total", "receipts_ready_jobs", "receipts_queue_lag_seconds",
+    "receipts_expired_leases", "receipts_jobs", "receipts_inflight_deliveries",
+    "receipts_pool_connections",
+)
+
+
+@dataclass(slots=True)
+class DemoOptions:
+    """Demo knobs: *orders* placed, *workers* processes × *concurrency* slots."""
+
+    dsn: str | None = None
+    orders: int = 3000
+    workers: int = 3
+    concurrency: int = 32
+    seed: int = 7
+    quiet: bool = False
+
+
+@dataclass(slots=True)
+class _Proc:
+    name: str
+    popen: subprocess.Popen[bytes]
+    port: int | None = None
+    log: Path | None = None
+
+
+@dataclass(slots=True)
+class _Run:
+    opts: DemoOptions
+    dsn: str
+    workdir: Path
+    run_id: str
+    provider_port: int = 0
+    procs: list[_Proc] = field(default_factory=list)
+    events: list[str] = field(default_factory=list)
+    max_lag_seconds: float = 0.0
+
+
+def _say(run: _Run, text: str) -> None:
+    run.events.append(text)
+    if not run.opts.quiet:
+        print(f"  · {text}", flush=True)
+
+
+def _spawn(run: _Run, name: str, args: list[str], env: dict[str, str],
+           port: int | None = None) -> _Proc:
+    log = run.workdir / f"{name}.log"
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("RECEIPTS_")}
+    full_env |= env
+    with log.open("wb") as fh:
+        popen = subprocess.Popen([sys.executable, "-m", "receipts", *args], env=full_env,
+                                 stdout=fh, stderr=subprocess.STDOUT)
+    proc = _Proc(name, popen, port, log)
+    run.procs.append(proc)
+    return proc
+
+
+def _http_json(url: str, timeout: float = 2.0) -> Any:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return json.loads(resp.read())
+
+
+def _scrape(port: int) -> dict[str, float]:
+    """Prometheus text → {series: value} for this project's metrics."""
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
+        text = resp.read().decode()
+    values = {}
+    for line in text.splitlines():
+        if line.startswith("receipts_"):
+            key, _, value = line.rpartition(" ")
+            values[key] = float(value)
+    return values
+
+
+def _wait_http(url: str, timeout: float = 15.0) -> None:
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            with urllib.request.urlopen(url, timeout=1):
+                return
+        except OSError:
+            if time.monotonic() > deadline:
+                raise
+            time.sleep(0.05)
+
+
+def _worker_env(run: _Run, port: int) -> dict[str, str]:
+    return {
+        "RECEIPTS_DATABASE_URL": run.dsn,
+        "RECEIPTS_PROVIDER_URL": f"http://127.0.0.1:{run.provider_port}/receipts",
+        "RECEIPTS_CONCURRENCY": str(run.opts.concurrency),
+        "RECEIPTS_LEASE_SECONDS": str(LEASE_SECONDS),
+        "RECEIPTS_LEASE_MARGIN_SECONDS": "2",
+        "RECEIPTS_DELIVERY_TIMEOUT_SECONDS": "2",
+        "RECEIPTS_POLL_INTERVAL_SECONDS": "0.5",
+        "RECEIPTS_RETRY_BASE_SECONDS": "0.5",
+        "RECEIPTS_RETRY_CAP_SECONDS": "4",
+        "RECEIPTS_RETRY_AFTER_MAX_SECONDS": "5",
+        "RECEIPTS_MAX_ATTEMPTS": "8",
+        "RECEIPTS_SHUTDOWN_GRACE_SECONDS": "5",
+        "RECEIPTS_QUEUE_STATS_INTERVAL_SECONDS": "1",
+        "RECEIPTS_RECOVERY_DELAY_SECONDS": "0.5",
+        "RECEIPTS_METRICS_PORT": str(port),
+        "RECEIPTS_LOG_LEVEL": "INFO",
+    }
+
+
+def _start_worker(run: _Run, index: int) -> _Proc:
+    port = free_port()
+    proc = _spawn(run, f"worker-{index}", ["worker"], _worker_env(run, port), port)
+    _wait_http(f"http://127.0.0.1:{port}/healthz")
+    return proc
+
+
+def _place_orders(run: _Run, start: int, count: int, errors: list[BaseException]) -> None:
+    """Each order and its receipt job in one transaction, as the orders API does."""
+    try:
+        with psycopg.connect(run.dsn) as conn:
+            for n in range(start, start + count):
+                order_id = f"{run.run_id}-{n:06d}"
+                with conn.transaction():
+                    conn.execute("INSERT INTO demo_orders (id) VALUES (%s)", (order_id,))
+                    enqueue(conn, order_id)
+    except BaseException as exc:  # reported by the caller
+        errors.append(exc)
+
+
+def _counts(run: _Run) -> dict[str, int]:
+    with psycopg.connect(run.dsn, autocommit=True) as conn:
+        rows = conn.execute(
+            "SELECT state, count(*) FROM receipt_jobs WHERE order_id LIKE %s GROUP BY state",
+            (run.run_id + "-%",),
+        ).fetchall()
+        lag = conn.execute(
+            "SELECT coalesce(extract(epoch FROM statement_timestamp() - min(run_at)), 0)"
+            " FROM receipt_jobs WHERE state = 'ready' AND run_at <= statement_timestamp()"
+        ).fetchone()
+    run.max_lag_seconds = max(run.max_lag_seconds, float(lag[0]) if lag else 0.0)
+    return {state: int(n) for state, n in rows}
+
+
+def _kill_mid_delivery(run: _Run, victim: _Proc) -> None:
+    assert victim.port is not None
+    deadline = time.monotonic() + 20
+    while time.monotonic() < deadline:
+        with contextlib.suppress(OSError):
+            if _scrape(victim.port).get("receipts_inflight_deliveries", 0) > 0:
+                break
+        time.sleep(0.02)
+    victim.popen.send_signal(signal.SIGKILL)
+    victim.popen.wait()
+    _say(run, f"SIGKILLed {victim.name} (pid {victim.popen.pid}) in the middle of its deliveries")
+
+
+def _pause_past_lease(run: _Run, victim: _Proc) -> None:
+    victim.popen.send_signal(signal.SIGSTOP)
+    _say(run, f"SIGSTOPped {victim.name} for {LEASE_SECONDS + 3:g}s (longer than its "
+              f"{LEASE_SECONDS:g}s leases)")
+    time.sleep(LEASE_SECONDS + 3)
+    victim.popen.send_signal(signal.SIGCONT)
+    _say(run, f"SIGCONTed {victim.name}: its late acks must be refused as stale")
+
+
+def _stop_all(run: _Run) -> dict[str, int | None]:
+    codes: dict[str, int | None] = {}
+    for proc in run.procs:
+        if proc.popen.poll() is None:
+            proc.popen.send_signal(signal.SIGTERM)
+    for proc in run.procs:
+        try:
+            codes[proc.name] = proc.popen.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            proc.popen.kill()
+            codes[proc.name] = proc.popen.wait()
+    return codes
+
+
+def run_demo(opts: DemoOptions) -> int:
+    """Run the demo; returns the exit status (0: nothing lost)."""
+    workdir = Path(tempfile.mkdtemp(prefix="receipts-demo-"))
+    pg: EmbeddedPostgres | None = None
+    ok = False
+    try:
+        if opts.dsn:
+            dsn = opts.dsn
+            print(f"receipts demo: using {redact_dsn(dsn)}")
+        else:
+            print("receipts demo: starting an embedded PostgreSQL 18 …", flush=True)
+            pg = EmbeddedPostgres().start()
+            dsn = pg.create_database("receipts_demo")
+        run = _Run(opts, dsn, workdir, run_id=f"demo{int(time.time()) % 100000:05d}")
+        ok = _demo(run)
+    finally:
+        if pg is not None:
+            pg.cleanup()
+        if ok:
+            shutil.rmtree(workdir, ignore_errors=True)
+        else:
+            print(f"receipts demo: logs kept in {workdir}", file=sys.stderr)
+    return 0 if ok else 1
+
+
+def _demo(run: _Run) -> bool:
+    opts = run.opts
+    applied = apply_migrations(run.dsn)
+    _say(run, f"migrated ({len(applied)} migration(s) applied)")
+    with psycopg.connect(run.dsn, autocommit=True) as conn:
+        conn.execute("CREATE TABLE IF NOT EXISTS demo_orders ("
+                     " id TEXT PRIMARY KEY, placed_at TIMESTAMPTZ NOT NULL DEFAULT now())")
+
+    run.provider_port = free_port()
+    _spawn(run, "provider", [
+        "provider", "--port", str(run.provider_port), "--latency-ms", "15", "--jitter-ms", "35",
+        "--error-rate", "0.04", "--rate-limit-rate", "0.02", "--retry-after", "1",
+        "--reject-rate", "0.005", "--timeout-rate", "0.01", "--reset-rate", "0.01",
+        "--hang-seconds", "4", "--seed", str(opts.seed),
+    ], {})
+    _wait_http(f"http://127.0.0.1:{run.provider_port}/stats")
+    _say(run, f"reference provider on :{run.provider_port} (latency 15–50 ms, 4% 503, 2% 429, "
+              "0.5% of orders rejected 422, 1% hang and 1% reset after recording)")
+
+    workers = [_start_worker(run, i) for i in range(opts.workers)]
+    _spawn(run, "recover", ["recover", "--loop", "1"], _worker_env(run, 0))
+    _say(run, f"{opts.workers} workers × {opts.concurrency} slots, recovery sweeping every 1s")
+
+    started = time.monotonic()
+    errors: list[BaseException] = []
+    per_thread = -(-opts.orders // 4)
+    placers = [threading.Thread(target=_place_orders,
+                                args=(run, i * per_thread,
+                                      max(0, min(per_thread, opts.orders - i * per_thread)),
+                                      errors))
+               for i in range(4)]
+    for t in placers:
+        t.start()
+
+    # Faults: kill one worker mid-delivery once work flows; pause another past its lease.
+    while sum(_counts(run).values()) < max(1, opts.orders // 5) and not errors:
+        time.sleep(0.05)
+    _kill_mid_delivery(run, workers[0])
+    workers.append(_start_worker(run, opts.workers))
+    _say(run, f"started replacement worker-{opts.workers}")
+    if len(workers) > 2:
+        _pause_past_lease(run, workers[1])
+    for t in placers:
+        t.join()
+    if errors:
+        raise errors[0]
+    _say(run, f"placed {opts.orders} orders, each with its receipt job in one transaction")
+
+    deadline = time.monotonic() + DRAIN_TIMEOUT_SECONDS
+    while time.monotonic() < deadline:
+        counts = _counts(run)
+        if counts.get("ready", 0) + counts.get("running", 0) == 0:
+            break
+        time.sleep(0.25)
+    elapsed = time.monotonic() - started
+
+    live = [w for w in workers if w.popen.poll() is None]
+    scraped = [_scrape(w.port) for w in live if w.port]
+    metrics_port = live[-1].port if live else None
+    excerpt = _metrics_excerpt(metrics_port) if metrics_port else ""
+    base = f"http://127.0.0.1:{run.provider_port}"
+    provider_stats = _http_json(f"{base}/stats")
+    provider_receipts = _http_json(f"{base}/receipts", timeout=10)
+    codes = _stop_all(run)
+    return _summary(run, elapsed, scraped, codes, provider_stats, provider_receipts,
+                    metrics_port, excerpt)
+
+
+def _metrics_excerpt(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
+        text = resp.read().decode()
+    keep = [ln for ln in text.splitlines()
+            if ln.startswith(SUMMARY_METRICS) and "_created" not in ln]
+    return "\n".join(keep)
+
+
+def _summary(run: _Run, elapsed: float, scraped: list[dict[str, float]],
+             codes: dict[str, int | None], provider_stats: dict[str, Any],
+             provider_receipts: dict[str, Any], metrics_port: int | None,
+             excerpt: str) -> bool:
+    prefix = run.run_id + "-%"
+    with psycopg.connect(run.dsn, autocommit=True) as conn:
+        orders = conn.execute("SELECT count(*) FROM demo_orders WHERE id LIKE %s",
+                              (prefix,)).fetchone()[0]  # type: ignore[index]
+        rows = conn.execute(
+            "SELECT j.order_id, j.state, j.attempts FROM demo_orders o"
+            " LEFT JOIN receipt_jobs j ON j.order_id = o.id WHERE o.id LIKE %s", (prefix,)
+        ).fetchall()
+    states: dict[str | None, int] = {}
+    for _, state, _ in rows:
+        states[state] = states.get(state, 0) + 1
+    done_orders = {order for order, state, _ in rows if state == "done"}
+    keys = {v["order_id"] for k, v in provider_receipts.items() if k.startswith("receipt:")}
+    ours = {k for k in keys if k.startswith(run.run_id + "-")}
+    done_without_receipt = len(done_orders - ours)
+    lost = sum(n for state, n in states.items() if state not in ("done", "failed"))
+    redeliveries = sum(max(0, attempts - 1) for _, _, attempts in rows if attempts)
+
+    def total(name: str) -> int:
+        return int(sum(v for m in scraped for k, v in m.items()
+                       if k == name or k.startswith(name + "{")))
+
+    duplicates = int(provider_stats.get("duplicates_suppressed", 0))
+    worker_codes = {k: v for k, v in codes.items() if k.startswith("worker")}
+    bad_exits = {k: v for k, v in worker_codes.items() if v not in (0, -9)}
+    ok = lost == 0 and done_without_receipt == 0 and not bad_exits and orders == run.opts.orders
+    delivered = states.get("done", 0)
+    lines = [
+        "",
+        "receipts demo — summary",
+        f"  orders placed                  {orders}",
+        f"  receipts delivered (done)      {delivered}",
+        f"  failed (provider said 4xx)     {states.get('failed', 0)}",
+        f"  lost (not done, not failed)    {lost}",
+        f"  done without a receipt         {done_without_receipt}",
+        f"  receipts at provider (unique)  {len(ours)}",
+        f"  duplicates suppressed          {duplicates}  (same Idempotency-Key sent again)",
+        f"  redeliveries (attempts > 1)    {redeliveries}",
+        f"  stale acks refused             {total('receipts_stale_acks_total')}"
+        "  (surviving workers)",
+        f"  retries by surviving workers   {total('receipts_retries_total')}",
+        f"  throughput                     {delivered / elapsed:.0f} receipts/s over "
+        f"{elapsed:.1f}s",
+        f"  worst queue lag seen           {run.max_lag_seconds:.2f}s",
+        f"  worker exit codes              "
+        + ", ".join(f"{k}={'SIGKILL' if v == -9 else v}" for k, v in worker_codes.items()),
+        f"  metrics endpoint served        http://127.0.0.1:{metrics_port}/metrics"
+        " (excerpt below, scraped before shutdown)",
+        "",
+        excerpt,
+        "",
+        "result: " + ("OK — nothing lost" if ok else "FAILED — see above"),
+    ]
+    print("\n".join(lines), flush=True)
+    return ok

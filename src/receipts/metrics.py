@@ -1,0 +1,192 @@
+"""Every metric of the service on one registry, and the HTTP endpoint that serves it.
+
+Names are fixed by DESIGN §9 (dashboards and alerts depend on them): one
+``receipts_`` prefix, base units (seconds), ``_total`` on counters, and
+low-cardinality labels whose values are the queue's own vocabulary.
+
+The endpoint (aiohttp) serves ``/metrics``, ``/healthz`` (the process is
+alive) and ``/readyz`` (the database answered recently). A scrape only reads
+values already in memory: it never queries the database nor borrows a pool
+connection. Queue gauges are refreshed in the background by the worker, at
+most once per ``queue_stats_interval_seconds``.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+from aiohttp import web
+from prometheus_client import (
+    CONTENT_TYPE_LATEST,
+    CollectorRegistry,
+    Counter,
+    Gauge,
+    Histogram,
+    ProcessCollector,
+    generate_latest,
+)
+
+from receipts.jobqueue import JobState, QueueStats
+
+DELIVERY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 1, 2, 5, 10, 30, 60)
+STATEMENT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5)
+BATCH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500)
+
+
+class Metrics:
+    """The service's metrics, registered on a private :class:`CollectorRegistry`.
+
+    One instance per process; pass it to the worker and the HTTP server.
+    Pass ``registry=None`` to get a fresh registry (tests create many).
+    """
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        r = self.registry
+        ProcessCollector(registry=r)
+        self.claims = Counter("receipts_claims", "Claim statements run.", registry=r)
+        self.jobs_claimed = Counter("receipts_jobs_claimed", "Jobs claimed.", registry=r)
+        self.claim_batch = Histogram(
+            "receipts_claim_batch_size", "Jobs returned per claim statement.",
+            buckets=BATCH_BUCKETS, registry=r,
+        )
+        self.acks = Counter("receipts_acks", "Acks that completed a job.", registry=r)
+        self.stale_acks = Counter(
+            "receipts_stale_acks",
+            "Acks or reschedules refused by the token/lease guard (token replaced or lease "
+            "expired); the row was left untouched.",
+            registry=r,
+        )
+        self.retries = Counter(
+            "receipts_retries", "Jobs rescheduled after a failed attempt, by reason.",
+            ["reason"], registry=r,
+        )
+        self.failures = Counter(
+            "receipts_failures", "Jobs moved to failed, by reason.", ["reason"], registry=r
+        )
+        self.leases_lost = Counter(
+            "receipts_leases_lost",
+            "This process's leases that expired before it could ack or reschedule.",
+            registry=r,
+        )
+        self.delivery_duration = Histogram(
+            "receipts_delivery_duration_seconds", "Provider call duration by outcome.",
+            ["outcome"], buckets=DELIVERY_BUCKETS, registry=r,
+        )
+        self.inflight = Gauge(
+            "receipts_inflight_deliveries", "Deliveries in progress.", registry=r
+        )
+        self.slots = Gauge(
+            "receipts_concurrency_slots", "Configured delivery slots.", registry=r
+        )
+        self.statement_duration = Histogram(
+            "receipts_db_statement_duration_seconds",
+            "Queue statement latency as seen by the worker.",
+            ["statement"], buckets=STATEMENT_BUCKETS, registry=r,
+        )
+        self.db_errors = Counter(
+            "receipts_db_errors", "Queue statements that failed, by statement.",
+            ["statement"], registry=r,
+        )
+        self.breaker_open = Gauge(
+            "receipts_provider_breaker_open",
+            "1 while claiming is paused because the provider rejected our credentials.",
+            registry=r,
+        )
+        self.pool_connections = Gauge(
+            "receipts_pool_connections",
+            "Database pool connections: size, in_use, waiting (requests queued).",
+            ["state"], registry=r,
+        )
+        # Queue gauges, read from the database.
+        self.expired_leases = Gauge(
+            "receipts_expired_leases",
+            "Running jobs whose lease has expired (awaiting recovery).", registry=r,
+        )
+        self.ready_jobs = Gauge(
+            "receipts_ready_jobs", "Ready jobs that are due now (the autoscaling signal).",
+            registry=r,
+        )
+        self.queue_lag = Gauge(
+            "receipts_queue_lag_seconds",
+            "Age of the oldest due ready job in seconds (0 when none).", registry=r,
+        )
+        self.jobs = Gauge("receipts_jobs", "Rows by state.", ["state"], registry=r)
+        self.oldest_transaction = Gauge(
+            "receipts_oldest_transaction_age_seconds",
+            "Age of the oldest open transaction in the database (xmin horizon threat).",
+            registry=r,
+        )
+        self.dead_tuples = Gauge(
+            "receipts_table_dead_tuples", "Dead tuples in receipt_jobs (pg_stat_user_tables).",
+            registry=r,
+        )
+        self.queue_stats_timestamp = Gauge(
+            "receipts_queue_stats_timestamp_seconds",
+            "Unix time of the last successful queue gauge refresh.", registry=r,
+        )
+        self.ready = Gauge(
+            "receipts_database_ready", "1 while the database answers this process.", registry=r
+        )
+        # Pre-create the label values operators alert on, so series exist at 0.
+        for reason in ("provider_5xx", "rate_limited", "timeout", "connection_lost",
+                       "connect_error", "in_progress", "auth_rejected", "unexpected_status"):
+            self.retries.labels(reason)
+        for reason in ("rejected", "max_attempts"):
+            self.failures.labels(reason)
+        for state in JobState:
+            self.jobs.labels(str(state))
+
+    def observe_queue(self, stats: QueueStats) -> None:
+        """Set the queue gauges from a :class:`QueueStats` snapshot."""
+        self.ready_jobs.set(stats.ready_due)
+        self.queue_lag.set(stats.lag_seconds)
+        self.expired_leases.set(stats.expired)
+        self.jobs.labels(JobState.READY).set(stats.ready)
+        self.jobs.labels(JobState.RUNNING).set(stats.running)
+        self.jobs.labels(JobState.DONE).set(stats.done_estimate)
+        self.jobs.labels(JobState.FAILED).set(stats.failed)
+        self.oldest_transaction.set(stats.oldest_transaction_seconds)
+        self.dead_tuples.set(stats.dead_tuples)
+        self.queue_stats_timestamp.set(time.time())
+
+    def render(self) -> bytes:
+        """The registry in the Prometheus text exposition format."""
+        return generate_latest(self.registry)
+
+
+def make_app(metrics: Metrics, is_ready: Callable[[], bool]) -> web.Application:
+    """The aiohttp app serving ``/metrics``, ``/healthz`` and ``/readyz``.
+
+    *is_ready* is called per ``/readyz`` request; it must only read memory.
+    """
+
+    async def metrics_view(_: web.Request) -> web.Response:
+        return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def healthz(_: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def readyz(_: web.Request) -> web.Response:
+        if is_ready():
+            return web.json_response({"status": "ready"})
+        return web.json_response({"status": "database unavailable"}, status=503)
+
+    app = web.Application()
+    app.router.add_get("/metrics", metrics_view)
+    app.router.add_get("/healthz", healthz)
+    app.router.add_get("/readyz", readyz)
+    return app
+
+
+async def start_server(app: web.Application, port: int, host: str = "0.0.0.0") -> web.AppRunner:
+    """Start serving *app* on *host*:*port*; returns the runner (``await runner.cleanup()``).
+
+    Raises ``OSError`` when the port is taken.
+    """
+    runner = web.AppRunner(app, access_log=None, handle_signals=False)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_address=True)
+    await site.start()
+    return runner

@@ -1,0 +1,254 @@
+"""The reference receipt provider (``receipts provider``): a real HTTP server.
+
+It behaves like a well-behaved receipt API that honours idempotency keys, and
+can misbehave on purpose for the demo, the tests and staging.
+
+``POST /receipts`` with ``Idempotency-Key`` and a JSON body:
+
+* the first success for a key records one receipt; later requests with that
+  key replay the stored answer (``Idempotent-Replayed: true``) and count as a
+  *duplicate suppressed*;
+* a key whose first request is still being processed answers 409;
+* faults, drawn per request from a seeded RNG (:class:`Faults`): latency,
+  503, 429 with ``Retry-After``, 422 for a fixed share of keys (permanent),
+  and three "unknown outcome" faults that happen *after* the receipt was
+  recorded: a hang (the client times out), a reset connection, and a hang
+  after the response headers.
+
+``GET /stats`` returns counters as JSON, ``GET /receipts`` every recorded key
+with its request count, ``PUT /faults`` changes faults at run time (JSON with
+any :class:`Faults` field), ``POST /reset`` forgets everything.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hashlib
+import json
+import random
+import time
+from collections import Counter
+from dataclasses import asdict, dataclass, fields, replace
+from typing import Any
+
+from aiohttp import web
+
+from receipts.logs import get_logger
+
+log = get_logger("provider")
+
+
+@dataclass(frozen=True, slots=True)
+class Faults:
+    """Fault injection settings; every ``*_rate`` is a probability in [0, 1].
+
+    Attributes:
+        latency_seconds: added to every processed request, seconds.
+        latency_jitter_seconds: uniform extra latency in [0, this], seconds.
+        error_rate: answer 503 before doing anything.
+        rate_limit_rate: answer 429 with ``Retry-After: retry_after_seconds``.
+        retry_after_seconds: value of that header (seconds; may be any string
+            via ``retry_after_raw``).
+        retry_after_raw: if set, sent verbatim as ``Retry-After`` instead.
+        reject_rate: share of keys (by hash, so stable per key) answered 422.
+        timeout_rate: record the receipt, then hang ``hang_seconds`` (client times out).
+        reset_rate: record the receipt, then drop the connection without answering.
+        hang_after_headers_rate: record, send 200 headers, then hang before the body.
+        hang_seconds: how long a hang lasts, seconds.
+        status: if set, every POST answers this status (e.g. 401) and records nothing.
+        body_bytes: size of the JSON answer padding (to test huge bodies).
+    """
+
+    latency_seconds: float = 0.0
+    latency_jitter_seconds: float = 0.0
+    error_rate: float = 0.0
+    rate_limit_rate: float = 0.0
+    retry_after_seconds: float = 1.0
+    retry_after_raw: str | None = None
+    reject_rate: float = 0.0
+    timeout_rate: float = 0.0
+    reset_rate: float = 0.0
+    hang_after_headers_rate: float = 0.0
+    hang_seconds: float = 30.0
+    status: int | None = None
+    body_bytes: int = 0
+
+    @classmethod
+    def from_mapping(cls, data: dict[str, Any], base: Faults | None = None) -> Faults:
+        """A copy of *base* (or defaults) with the known keys of *data* applied.
+
+        Raises ``ValueError`` for an unknown key or a rate outside [0, 1].
+        """
+        names = {f.name for f in fields(cls)}
+        unknown = set(data) - names
+        if unknown:
+            raise ValueError(f"unknown fault setting(s): {', '.join(sorted(unknown))}")
+        result = replace(base or cls(), **data)
+        for f in fields(cls):
+            if f.name.endswith("_rate") and not 0.0 <= float(getattr(result, f.name)) <= 1.0:
+                raise ValueError(f"{f.name} must be between 0 and 1")
+        return result
+
+
+class ReferenceProvider:
+    """State and request handling of the reference provider.
+
+    Args:
+        faults: initial :class:`Faults`.
+        token: when set, requests must carry ``Authorization: Bearer <token>``.
+        seed: seed of the fault RNG (None: random).
+    """
+
+    def __init__(self, faults: Faults | None = None, *, token: str | None = None,
+                 seed: int | None = None) -> None:
+        self.faults = faults or Faults()
+        self.token = token
+        self.rng = random.Random(seed)
+        self.receipts: dict[str, dict[str, Any]] = {}
+        self.in_progress: set[str] = set()
+        self.stats: Counter[str] = Counter()
+
+    def reset(self) -> None:
+        """Forget every receipt and counter."""
+        self.receipts.clear()
+        self.in_progress.clear()
+        self.stats.clear()
+
+    def _rejects(self, key: str) -> bool:
+        digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
+        return int.from_bytes(digest[:4], "big") / 2**32 < self.faults.reject_rate
+
+    async def handle_post(self, request: web.Request) -> web.StreamResponse:
+        """``POST /receipts``: see the module doc for the behaviour."""
+        f = self.faults
+        self.stats["requests"] += 1
+        if self.token is not None and request.headers.get("Authorization") != f"Bearer {self.token}":
+            return self._answer(401, {"error": "invalid credentials"})
+        if f.status is not None:
+            return self._answer(f.status, {"error": f"forced status {f.status}"})
+        key = request.headers.get("Idempotency-Key", "")
+        if not key:
+            return self._answer(400, {"error": "Idempotency-Key header is required"})
+        try:
+            body = await request.json()
+            order_id = str(body["order_id"])
+        except (ValueError, KeyError, TypeError):
+            return self._answer(400, {"error": "body must be JSON with order_id"})
+        if f.error_rate and self.rng.random() < f.error_rate:
+            return self._answer(503, {"error": "injected provider error"})
+        if f.rate_limit_rate and self.rng.random() < f.rate_limit_rate:
+            retry_after = f.retry_after_raw or f"{f.retry_after_seconds:g}"
+            return self._answer(429, {"error": "slow down"}, {"Retry-After": retry_after})
+        if key in self.receipts:
+            self.stats["duplicates_suppressed"] += 1
+            self.receipts[key]["requests"] += 1
+            return self._answer(200, self.receipts[key]["answer"], {"Idempotent-Replayed": "true"})
+        if key in self.in_progress:
+            return self._answer(409, {"error": "a request with this key is in progress"})
+        if f.reject_rate and self._rejects(key):
+            return self._answer(422, {"error": "order cannot receive a receipt"})
+        self.in_progress.add(key)
+        try:
+            delay = f.latency_seconds + self.rng.uniform(0, f.latency_jitter_seconds)
+            if delay > 0:
+                await asyncio.sleep(delay)
+            answer = {"receipt_id": hashlib.sha256(key.encode("utf-8", "surrogatepass"))
+                      .hexdigest()[:16], "order_id": order_id}
+            if f.body_bytes:
+                answer["padding"] = "x" * f.body_bytes
+            self.receipts[key] = {"order_id": order_id, "requests": 1, "answer": answer,
+                                  "at": time.time()}
+            self.stats["receipts"] += 1
+        finally:
+            self.in_progress.discard(key)
+        draw = self.rng.random()
+        if draw < f.timeout_rate:
+            self.stats["fault_timeout"] += 1
+            await asyncio.sleep(f.hang_seconds)
+        elif draw < f.timeout_rate + f.reset_rate:
+            self.stats["fault_reset"] += 1
+            if request.transport is not None:
+                request.transport.abort()
+            raise asyncio.CancelledError  # nothing more to send on a dead connection
+        elif draw < f.timeout_rate + f.reset_rate + f.hang_after_headers_rate:
+            self.stats["fault_hang_after_headers"] += 1
+            response = web.StreamResponse(status=200, headers={"Content-Type": "application/json"})
+            await response.prepare(request)
+            await asyncio.sleep(f.hang_seconds)
+            return response
+        return self._answer(201, answer)
+
+    def _answer(self, status: int, body: dict[str, Any],
+                headers: dict[str, str] | None = None) -> web.Response:
+        self.stats[f"status_{status}"] += 1
+        return web.json_response(body, status=status, headers=headers)
+
+    def snapshot(self) -> dict[str, Any]:
+        """Counters as a JSON-able dict (``receipts`` = distinct keys delivered)."""
+        data: dict[str, Any] = dict(self.stats)
+        data["receipts"] = len(self.receipts)
+        data.setdefault("duplicates_suppressed", 0)
+        data.setdefault("requests", 0)
+        data["faults"] = asdict(self.faults)
+        return data
+
+    def app(self) -> web.Application:
+        """The aiohttp application serving this provider."""
+
+        async def stats(_: web.Request) -> web.Response:
+            return web.json_response(self.snapshot())
+
+        async def receipts(_: web.Request) -> web.Response:
+            return web.json_response(
+                {k: {"order_id": v["order_id"], "requests": v["requests"]}
+                 for k, v in self.receipts.items()}
+            )
+
+        async def put_faults(request: web.Request) -> web.Response:
+            try:
+                data = await request.json()
+                if not isinstance(data, dict):
+                    raise ValueError("body must be a JSON object")
+                self.faults = Faults.from_mapping(data, self.faults)
+            except (ValueError, TypeError) as exc:
+                return web.json_response({"error": str(exc)}, status=400)
+            log.info("faults_changed", extra={"faults": asdict(self.faults)})
+            return web.json_response(asdict(self.faults))
+
+        async def reset(_: web.Request) -> web.Response:
+            self.reset()
+            return web.json_response({"status": "reset"})
+
+        app = web.Application(client_max_size=1024 * 1024)
+        app.router.add_post("/receipts", self.handle_post)
+        app.router.add_get("/receipts", receipts)
+        app.router.add_get("/stats", stats)
+        app.router.add_put("/faults", put_faults)
+        app.router.add_post("/reset", reset)
+        return app
+
+
+async def serve(provider: ReferenceProvider, host: str, port: int,
+                stop: asyncio.Event, ready: asyncio.Event | None = None) -> None:
+    """Serve *provider* on *host*:*port* until *stop* is set.
+
+    Sets *ready* once listening. Raises ``OSError`` when the port is taken.
+    """
+    runner = web.AppRunner(provider.app(), access_log=None, handle_signals=False,
+                           shutdown_timeout=1.0)
+    await runner.setup()
+    site = web.TCPSite(runner, host, port, reuse_address=True, backlog=1024)
+    await site.start()
+    log.info("provider_started", extra={"host": host, "port": port,
+                                        "faults": asdict(provider.faults)})
+    if ready is not None:
+        ready.set()
+    try:
+        await stop.wait()
+    finally:
+        await runner.cleanup()
+
+
+def faults_json(faults: Faults) -> str:
+    """*faults* as a JSON string (for logs and the CLI)."""
+    return json.dumps(asdict(faults), sort_keys=True)

@@ -1,0 +1,128 @@
+"""Recovery (``receipts recover``): return abandoned attempts, then prune.
+
+:func:`run_once` is one full sweep, as the recovery CronJob runs it:
+
+1. expired leases in batches of at most 100, each batch its own committed
+   statement with ``SKIP LOCKED`` (so concurrent sweeps split the work),
+   until a batch comes back short: ready again after a jittered delay, or
+   failed at max attempts, ``last_error = 'lease expired'``;
+2. ready rows that can never be claimed (max attempts lowered) → failed;
+3. done/failed rows past retention, in bounded batches (skipped when
+   retention is 0).
+
+Safe to run concurrently with itself and with workers. Returns what it did
+as a :class:`RecoveryReport`; optionally pushes the counts to a Pushgateway.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import asdict, dataclass
+
+from receipts.jobqueue import JobQueue
+from receipts.logs import get_logger
+from receipts.settings import Settings
+
+log = get_logger("recovery")
+
+MAX_BATCHES_PER_SWEEP = 10_000  # a bound, never reached in practice
+
+
+@dataclass(slots=True)
+class RecoveryReport:
+    """Counts from one sweep (rows)."""
+
+    expired_to_ready: int = 0
+    expired_to_failed: int = 0
+    exhausted_to_failed: int = 0
+    pruned: int = 0
+    duration_seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        """The counts as a plain dict (for JSON output)."""
+        return asdict(self)
+
+    def summary(self) -> str:
+        """One human-readable line."""
+        return (
+            f"recovered {self.expired_to_ready} expired lease(s) to ready, "
+            f"{self.expired_to_failed} to failed; failed {self.exhausted_to_failed} "
+            f"exhausted ready job(s); pruned {self.pruned} finished row(s) "
+            f"in {self.duration_seconds:.2f}s"
+        )
+
+
+async def run_once(queue: JobQueue, settings: Settings) -> RecoveryReport:
+    """One sweep (expired leases, exhausted ready rows, retention); see the module doc.
+
+    Raises the queue's errors (``DatabaseUnavailable``, ``SchemaMissing``);
+    batches committed before an error stay committed.
+    """
+    start = time.perf_counter()
+    report = RecoveryReport()
+    batch = settings.recovery_batch_size
+    for _ in range(MAX_BATCHES_PER_SWEEP):
+        result = await queue.recover_expired(
+            batch=batch, delay_seconds=settings.recovery_delay_seconds
+        )
+        report.expired_to_ready += result.to_ready
+        report.expired_to_failed += result.to_failed
+        if result.to_ready + result.to_failed < batch:
+            break
+    for _ in range(MAX_BATCHES_PER_SWEEP):
+        n = await queue.fail_exhausted(batch=batch)
+        report.exhausted_to_failed += n
+        if n < batch:
+            break
+    if settings.retention_seconds > 0:
+        for _ in range(MAX_BATCHES_PER_SWEEP):
+            n = await queue.prune(
+                retention_seconds=settings.retention_seconds, batch=settings.prune_batch_size
+            )
+            report.pruned += n
+            if n < settings.prune_batch_size:
+                break
+    report.duration_seconds = time.perf_counter() - start
+    log.info("recovery_sweep", extra=report.as_dict())
+    return report
+
+
+def push_report(report: RecoveryReport, gateway_url: str, *, job: str = "receipts-recover") -> None:
+    """Push *report*'s counts to a Prometheus Pushgateway under ``job``.
+
+    Pushes ``receipts_recovery_expired_total{result}``,
+    ``receipts_recovery_exhausted_total``, ``receipts_recovery_pruned_total``
+    (this sweep's counts) and ``receipts_recovery_last_success_timestamp_seconds``.
+    Raises ``OSError``/``urllib.error.URLError`` when the gateway is unreachable.
+    """
+    from prometheus_client import CollectorRegistry, Counter, Gauge, push_to_gateway
+
+    registry = CollectorRegistry()
+    expired = Counter("receipts_recovery_expired", "Expired leases recovered in the last sweep.",
+                      ["result"], registry=registry)
+    expired.labels("ready").inc(report.expired_to_ready)
+    expired.labels("failed").inc(report.expired_to_failed)
+    Counter("receipts_recovery_exhausted", "Exhausted ready jobs failed in the last sweep.",
+            registry=registry).inc(report.exhausted_to_failed)
+    Counter("receipts_recovery_pruned", "Finished rows pruned in the last sweep.",
+            registry=registry).inc(report.pruned)
+    Gauge("receipts_recovery_last_success_timestamp_seconds",
+          "Unix time the last recovery sweep finished.", registry=registry).set_to_current_time()
+    push_to_gateway(gateway_url, job=job, registry=registry, timeout=10)
+
+
+async def run_loop(queue: JobQueue, settings: Settings, every_seconds: float,
+                   stop: asyncio.Event) -> None:
+    """Sweep every *every_seconds* until *stop* is set; outages are logged, not raised."""
+    from receipts.jobqueue import QueueError
+
+    while not stop.is_set():
+        try:
+            await run_once(queue, settings)
+        except QueueError as exc:
+            log.warning("recovery_failed", extra={"error": str(exc)})
+        try:
+            await asyncio.wait_for(stop.wait(), timeout=every_seconds)
+        except TimeoutError:
+            pass

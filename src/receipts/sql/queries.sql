@@ -1,0 +1,212 @@
+-- Every runtime statement of the queue, one named block each. jobqueue.py loads
+-- this file once; a method there carries the name of the block it runs.
+-- Each state transition names the state it expects, so a late writer changes
+-- nothing. Time is always the database's statement_timestamp().
+
+-- name: enqueue
+-- Runs inside the caller's (order) transaction. Duplicate order ids are a no-op.
+INSERT INTO receipt_jobs (id, order_id)
+VALUES (%(id)s, %(order_id)s)
+ON CONFLICT (order_id) DO NOTHING
+RETURNING id;
+
+-- name: notify_ready
+-- Wakes listening workers when the enclosing transaction commits.
+SELECT pg_notify('receipts_ready', '');
+
+-- name: claim
+-- {limit} is a literal per batch size: a bind parameter there lets a prepared
+-- generic plan fall to a seq scan + hash join (DESIGN §10).
+-- SKIP LOCKED must be inside the CTE to lock the candidate rows.
+WITH candidate AS (
+  SELECT id
+  FROM receipt_jobs
+  WHERE state = 'ready'
+    AND run_at <= statement_timestamp()
+    AND attempts < %(max_attempts)s
+  ORDER BY run_at, id
+  FOR UPDATE SKIP LOCKED
+  LIMIT {limit}
+)
+UPDATE receipt_jobs AS j
+SET state = 'running',
+    attempts = j.attempts + 1,
+    lease_token = gen_random_uuid(),
+    lease_until = statement_timestamp() + make_interval(secs => %(lease_seconds)s)
+FROM candidate AS c
+WHERE j.id = c.id
+RETURNING j.id, j.order_id, j.lease_token, j.attempts;
+
+-- name: ack
+-- Many (id, token) pairs in one statement. The guard is id + token + unexpired
+-- lease: the CHECK constraint makes a matching non-null token imply 'running',
+-- and leaving state out keeps the planner on the primary key (DESIGN §10).
+UPDATE receipt_jobs AS j
+SET state = 'done',
+    lease_token = NULL,
+    lease_until = NULL,
+    finished_at = statement_timestamp()
+FROM unnest(%(ids)s::uuid[], %(tokens)s::uuid[]) AS a(id, token)
+WHERE j.id = a.id
+  AND j.lease_token = a.token
+  AND j.lease_until > statement_timestamp()
+RETURNING j.id;
+
+-- name: reschedule
+-- A failed attempt (known failure or unknown outcome), guarded like ack.
+-- Ready again after %(delay_seconds)s, or failed when the attempts are used up
+-- or the failure is permanent: never a ready row with attempts >= max.
+UPDATE receipt_jobs
+SET state = CASE WHEN %(permanent)s OR attempts >= %(max_attempts)s
+                 THEN 'failed' ELSE 'ready' END,
+    run_at = statement_timestamp() + make_interval(secs => %(delay_seconds)s),
+    finished_at = CASE WHEN %(permanent)s OR attempts >= %(max_attempts)s
+                       THEN statement_timestamp() END,
+    lease_token = NULL,
+    lease_until = NULL,
+    last_error = %(error)s
+WHERE id = %(id)s
+  AND lease_token = %(token)s
+  AND lease_until > statement_timestamp()
+RETURNING state;
+
+-- name: confirm_lease
+-- Does this attempt still own the row? (used when an outcome is uncertain)
+SELECT 1 FROM receipt_jobs
+WHERE id = %(id)s AND lease_token = %(token)s AND lease_until > statement_timestamp();
+
+-- name: recover_expired
+-- One bounded batch of abandoned attempts; the caller commits each batch.
+WITH expired AS (
+  SELECT id
+  FROM receipt_jobs
+  WHERE state = 'running'
+    AND lease_until <= statement_timestamp()
+  ORDER BY lease_until, id
+  FOR UPDATE SKIP LOCKED
+  LIMIT %(batch)s
+)
+UPDATE receipt_jobs AS j
+SET state = CASE WHEN j.attempts >= %(max_attempts)s THEN 'failed' ELSE 'ready' END,
+    run_at = statement_timestamp()
+             + make_interval(secs => %(delay_seconds)s * (0.5 + random() / 2)),
+    finished_at = CASE WHEN j.attempts >= %(max_attempts)s THEN statement_timestamp() END,
+    lease_token = NULL,
+    lease_until = NULL,
+    last_error = 'lease expired'
+FROM expired AS e
+WHERE j.id = e.id
+RETURNING j.state;
+
+-- name: fail_exhausted
+-- Ready rows that can never be claimed (max attempts was lowered): fail them
+-- so that none waits forever.
+WITH exhausted AS (
+  SELECT id
+  FROM receipt_jobs
+  WHERE state = 'ready' AND attempts >= %(max_attempts)s
+  ORDER BY run_at, id
+  FOR UPDATE SKIP LOCKED
+  LIMIT %(batch)s
+)
+UPDATE receipt_jobs AS j
+SET state = 'failed',
+    finished_at = statement_timestamp(),
+    last_error = coalesce(j.last_error || '; ', '') || 'attempts exhausted (max lowered)'
+FROM exhausted AS e
+WHERE j.id = e.id
+RETURNING j.id;
+
+-- name: prune
+-- One bounded batch of finished rows older than the retention window.
+WITH old AS (
+  SELECT id
+  FROM receipt_jobs
+  WHERE state IN ('done', 'failed')
+    AND finished_at < statement_timestamp() - make_interval(secs => %(retention_seconds)s)
+  ORDER BY finished_at, id
+  FOR UPDATE SKIP LOCKED
+  LIMIT %(batch)s
+)
+DELETE FROM receipt_jobs AS j
+USING old
+WHERE j.id = old.id
+RETURNING j.id;
+
+-- name: retry_failed
+-- Operator retry: failed -> ready, attempts reset, due now. last_error is kept
+-- (prefixed) so the history of why it failed survives until the next attempt.
+UPDATE receipt_jobs
+SET state = 'ready',
+    attempts = 0,
+    run_at = statement_timestamp(),
+    finished_at = NULL,
+    last_error = 'manual retry after: ' || coalesce(last_error, 'unknown')
+WHERE id = ANY(%(ids)s::uuid[])
+  AND state = 'failed'
+RETURNING id;
+
+-- name: retry_all_failed
+UPDATE receipt_jobs
+SET state = 'ready',
+    attempts = 0,
+    run_at = statement_timestamp(),
+    finished_at = NULL,
+    last_error = 'manual retry after: ' || coalesce(last_error, 'unknown')
+WHERE state = 'failed'
+RETURNING id;
+
+-- name: queue_stats
+-- The gauges, in one statement. Each count walks one small partial index, so
+-- it stays cheap with millions of done rows; done is an estimate from the
+-- table statistics (live rows minus the other states), never a count.
+SELECT
+  ready_due, ready, running, expired, failed, lag_seconds,
+  greatest(coalesce(t.n_live_tup, 0) - ready - running - failed, 0) AS done_estimate,
+  coalesce(t.n_dead_tup, 0) AS dead_tuples,
+  (SELECT coalesce(extract(epoch FROM statement_timestamp() - min(xact_start)), 0)
+     FROM pg_stat_activity
+     WHERE xact_start IS NOT NULL AND backend_type = 'client backend'
+       AND pid <> pg_backend_pid()) AS oldest_xact_seconds
+FROM (
+  SELECT
+    (SELECT count(*) FROM receipt_jobs
+       WHERE state = 'ready' AND run_at <= statement_timestamp()) AS ready_due,
+    (SELECT count(*) FROM receipt_jobs WHERE state = 'ready') AS ready,
+    (SELECT count(*) FROM receipt_jobs WHERE state = 'running') AS running,
+    (SELECT count(*) FROM receipt_jobs
+       WHERE state = 'running' AND lease_until <= statement_timestamp()) AS expired,
+    (SELECT count(*) FROM receipt_jobs WHERE state = 'failed') AS failed,
+    (SELECT coalesce(extract(epoch FROM statement_timestamp() - min(run_at)), 0)
+       FROM receipt_jobs
+       WHERE state = 'ready' AND run_at <= statement_timestamp()) AS lag_seconds
+) AS q
+LEFT JOIN pg_stat_user_tables AS t ON t.relid = 'receipt_jobs'::regclass;
+
+-- name: state_counts
+-- Exact rows by state, for `receipts jobs stats` (an operator command; it
+-- counts every done row).
+SELECT state, count(*) FROM receipt_jobs GROUP BY state;
+
+-- name: oldest_failed
+SELECT min(finished_at) FROM receipt_jobs WHERE state = 'failed';
+
+-- name: list_jobs
+SELECT id, order_id, state, attempts, run_at, lease_until, last_error, created_at, finished_at
+FROM receipt_jobs
+WHERE state = %(state)s
+  AND (%(since)s::timestamptz IS NULL OR coalesce(finished_at, created_at) >= %(since)s)
+ORDER BY coalesce(finished_at, run_at) DESC, id
+LIMIT %(limit)s;
+
+-- name: show_job
+SELECT id, order_id, state, attempts, run_at, lease_token, lease_until, last_error,
+       created_at, finished_at
+FROM receipt_jobs
+WHERE id = %(id)s;
+
+-- name: show_job_by_order
+SELECT id, order_id, state, attempts, run_at, lease_token, lease_until, last_error,
+       created_at, finished_at
+FROM receipt_jobs
+WHERE order_id = %(order_id)s;
