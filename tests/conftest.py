@@ -1,0 +1,235 @@
+"""Shared fixtures: real PostgreSQL servers, fresh databases, the reference provider.
+
+Servers: ``pg18`` is an embedded PostgreSQL 18 started once per session;
+``pg15`` is the machine's PostgreSQL 15 on 127.0.0.1:5432 (or the DSN in
+``RECEIPTS_TEST_PG15_DSN``), used when it answers. ``--pg`` picks which run
+(default: all that are available; ``RECEIPTS_TEST_REQUIRE_PG15=1`` turns a
+missing PostgreSQL 15 into an error instead of a skip).
+
+Each test gets its own database cloned from a migrated template database, so
+tests never see each other's rows and cloning costs tens of milliseconds.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import itertools
+import os
+import socket
+from collections.abc import AsyncIterator, Iterator
+from dataclasses import dataclass, field
+
+import psycopg
+import pytest
+
+from receipts.embedded import EmbeddedPostgres, free_port
+from receipts.migrate import apply_migrations
+from receipts.provider import Faults, ReferenceProvider, serve
+from receipts.settings import Settings, load_settings
+
+TEMPLATE = "receipts_template"
+PG15_DSN = os.environ.get("RECEIPTS_TEST_PG15_DSN", "postgresql://postgres@127.0.0.1:5432/test")
+_counter = itertools.count()
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--pg", default="all", choices=["all", "pg18", "pg15"],
+                     help="which PostgreSQL servers the integration tests run on")
+
+
+@dataclass
+class Server:
+    """A PostgreSQL server the tests may create databases on."""
+
+    name: str
+    admin_dsn: str
+    embedded: EmbeddedPostgres | None = None
+    _template_ready: bool = field(default=False)
+
+    def dsn_for(self, database: str) -> str:
+        info = psycopg.conninfo.conninfo_to_dict(self.admin_dsn)
+        info["dbname"] = database
+        return psycopg.conninfo.make_conninfo(**info)  # type: ignore[arg-type]
+
+    def _ensure_template(self) -> None:
+        if self._template_ready:
+            return
+        with psycopg.connect(self.admin_dsn, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{TEMPLATE}" WITH (FORCE)')
+            conn.execute(f'CREATE DATABASE "{TEMPLATE}"')
+        apply_migrations(self.dsn_for(TEMPLATE))
+        self._template_ready = True
+
+    def new_database(self, migrated: bool = True) -> str:
+        """Create a fresh database (a clone of the migrated template); return its DSN."""
+        self._ensure_template()
+        name = f"receipts_t{os.getpid()}_{next(_counter)}"
+        with psycopg.connect(self.admin_dsn, autocommit=True) as conn:
+            if migrated:
+                conn.execute(f'CREATE DATABASE "{name}" TEMPLATE "{TEMPLATE}"')
+            else:
+                conn.execute(f'CREATE DATABASE "{name}"')
+        return self.dsn_for(name)
+
+    def drop_database(self, dsn: str) -> None:
+        name = psycopg.conninfo.conninfo_to_dict(dsn)["dbname"]
+        with contextlib.suppress(psycopg.Error), psycopg.connect(
+            self.admin_dsn, autocommit=True
+        ) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+
+def _pg15_available() -> bool:
+    info = psycopg.conninfo.conninfo_to_dict(PG15_DSN)
+    try:
+        with socket.create_connection((str(info.get("host", "127.0.0.1")),
+                                       int(info.get("port", 5432))), timeout=1):
+            pass
+        with psycopg.connect(PG15_DSN, connect_timeout=3) as conn:
+            conn.execute("SELECT 1")
+        return True
+    except (OSError, psycopg.Error):
+        return False
+
+
+@pytest.fixture(scope="session")
+def pg18() -> Iterator[Server]:
+    server = EmbeddedPostgres(fast=True)
+    server.start()
+    try:
+        yield Server("pg18", server.dsn, embedded=server)
+    finally:
+        server.cleanup()
+
+
+@pytest.fixture(scope="session")
+def pg15() -> Server:
+    if not _pg15_available():
+        if os.environ.get("RECEIPTS_TEST_REQUIRE_PG15") == "1":
+            pytest.fail(f"PostgreSQL 15 is required but does not answer at {PG15_DSN}")
+        pytest.skip("no PostgreSQL 15 on 127.0.0.1:5432")
+    return Server("pg15", PG15_DSN)
+
+
+def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
+    if "server" in metafunc.fixturenames:
+        choice = metafunc.config.getoption("--pg")
+        names = ["pg18", "pg15"] if choice == "all" else [choice]
+        metafunc.parametrize("server", names, indirect=True)
+
+
+@pytest.fixture(scope="session")
+def server(request: pytest.FixtureRequest) -> Server:
+    """The PostgreSQL server under test (parametrised: pg18, pg15)."""
+    return request.getfixturevalue(request.param)  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def dsn(server: Server) -> Iterator[str]:
+    """A fresh, migrated database on the server under test."""
+    url = server.new_database()
+    try:
+        yield url
+    finally:
+        server.drop_database(url)
+
+
+def make_settings(dsn: str, **overrides: object) -> Settings:
+    """Test settings: short lease, no metrics port, fast backoff, unless overridden."""
+    values: dict[str, object] = {
+        "database_url": dsn,
+        "provider_url": "http://127.0.0.1:9/receipts",
+        "lease_seconds": 30.0,
+        "lease_margin_seconds": 5.0,
+        "delivery_timeout_seconds": 5.0,
+        "poll_interval_seconds": 0.1,
+        "retry_base_seconds": 0.05,
+        "retry_cap_seconds": 0.2,
+        "metrics_port": 0,
+        "shutdown_grace_seconds": 5.0,
+        "queue_stats_interval_seconds": 1.0,
+    }
+    values.update(overrides)
+    return load_settings(**values)
+
+
+@pytest.fixture
+def settings(dsn: str) -> Settings:
+    return make_settings(dsn)
+
+
+@pytest.fixture
+async def queue(settings: Settings) -> AsyncIterator[object]:
+    """An open :class:`JobQueue` on the test database."""
+    from receipts.jobqueue import JobQueue, make_pool
+
+    pool = make_pool(settings, "test", max_size=4)
+    await pool.open(wait=True, timeout=10)
+    try:
+        yield JobQueue(pool, lease_seconds=settings.lease_seconds,
+                       max_attempts=settings.max_attempts)
+    finally:
+        await pool.close()
+
+
+@dataclass
+class RunningProvider:
+    """A reference provider served in the test's event loop."""
+
+    provider: ReferenceProvider
+    port: int
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/receipts"
+
+    def set_faults(self, **changes: object) -> None:
+        self.provider.faults = Faults.from_mapping(changes, self.provider.faults)
+
+
+@pytest.fixture
+async def provider() -> AsyncIterator[RunningProvider]:
+    """The reference provider on a free port, no faults (change them per test)."""
+    ref = ReferenceProvider(seed=1)
+    port = free_port()
+    stop, ready = asyncio.Event(), asyncio.Event()
+    task = asyncio.create_task(serve(ref, "127.0.0.1", port, stop, ready))
+    await asyncio.wait_for(ready.wait(), 10)
+    try:
+        yield RunningProvider(ref, port)
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 10)
+
+
+def enqueue_many(dsn: str, order_ids: list[str]) -> None:
+    """Enqueue *order_ids* in one transaction (test helper)."""
+    from receipts.jobqueue import enqueue
+
+    with psycopg.connect(dsn) as conn:
+        for order_id in order_ids:
+            enqueue(conn, order_id, notify=False)
+
+
+def fetch_rows(dsn: str, sql: str, params: tuple[object, ...] = ()) -> list[tuple[object, ...]]:
+    """Run a read query on *dsn* and return all rows (test helper)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return conn.execute(sql, params).fetchall()  # type: ignore[arg-type]
+
+
+def check_invariants(dsn: str, max_attempts: int) -> None:
+    """Assert DESIGN §2's invariants on every row of *dsn*'s queue."""
+    bad_ready = fetch_rows(dsn, "SELECT id FROM receipt_jobs WHERE state = 'ready'"
+                                " AND attempts >= %s", (max_attempts,))
+    assert not bad_ready, f"ready jobs with attempts >= max: {bad_ready}"
+    bad_running = fetch_rows(dsn, "SELECT id FROM receipt_jobs WHERE state = 'running'"
+                                  " AND (lease_token IS NULL OR lease_until IS NULL)")
+    assert not bad_running, f"running jobs without token or deadline: {bad_running}"
+    odd = fetch_rows(dsn, "SELECT id FROM receipt_jobs WHERE state NOT IN"
+                          " ('ready', 'running', 'done', 'failed')")
+    assert not odd
+
+
+__all__ = ["RunningProvider", "Server", "check_invariants", "enqueue_many", "fetch_rows",
+           "free_port", "make_settings"]

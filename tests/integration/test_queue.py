@@ -1,0 +1,221 @@
+"""The queue statements against a real PostgreSQL: enqueue, claim, ack, reschedule, recover."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+
+import psycopg
+import pytest
+
+from receipts.jobqueue import (
+    InvalidOrderId,
+    JobQueue,
+    JobState,
+    SchemaMissing,
+    enqueue,
+    make_pool,
+)
+from receipts.migrate import apply_migrations
+from tests.conftest import check_invariants, enqueue_many, fetch_rows, make_settings
+
+
+def test_migrations_apply_once_and_again_as_a_noop(server):
+    dsn = server.new_database(migrated=False)
+    try:
+        assert apply_migrations(dsn) == ["0001_receipt_jobs.sql"]
+        assert apply_migrations(dsn) == []
+        indexes = {r[0] for r in fetch_rows(
+            dsn, "SELECT indexname FROM pg_indexes WHERE tablename = 'receipt_jobs'")}
+        assert {"receipt_jobs_ready", "receipt_jobs_expired"} <= indexes
+    finally:
+        server.drop_database(dsn)
+
+
+def test_concurrent_migration_runners_do_not_collide(server):
+    from concurrent.futures import ThreadPoolExecutor
+
+    dsn = server.new_database(migrated=False)
+    try:
+        with ThreadPoolExecutor(6) as pool:
+            results = list(pool.map(lambda _: apply_migrations(dsn), range(6)))
+        assert sorted(len(r) for r in results) == [0, 0, 0, 0, 0, 1]
+        assert fetch_rows(dsn, "SELECT count(*) FROM receipts_schema_migrations") == [(1,)]
+    finally:
+        server.drop_database(dsn)
+
+
+def test_enqueue_rolls_back_with_the_order_and_commits_with_it(dsn):
+    with psycopg.connect(dsn) as conn:
+        with conn.transaction(force_rollback=True):
+            assert enqueue(conn, "order-rolled-back") is True
+        with conn.transaction():
+            assert enqueue(conn, "order-1") is True
+        with conn.transaction():
+            assert enqueue(conn, "order-1") is False
+    rows = fetch_rows(dsn, "SELECT order_id, state, attempts FROM receipt_jobs")
+    assert rows == [("order-1", "ready", 0)]
+
+
+@pytest.mark.parametrize("bad", ["", "x" * 201, "a\x00b", "line\nbreak", "\udcff"])
+def test_enqueue_refuses_order_ids_the_queue_cannot_carry(dsn, bad):
+    with psycopg.connect(dsn) as conn, pytest.raises(InvalidOrderId):
+        enqueue(conn, bad)
+    assert fetch_rows(dsn, "SELECT count(*) FROM receipt_jobs") == [(0,)]
+
+
+async def test_claim_returns_at_most_the_limit_with_fresh_tokens(dsn, queue: JobQueue):
+    enqueue_many(dsn, [f"o{i}" for i in range(5)])
+    first = await queue.claim(3)
+    second = await queue.claim(3)
+    assert len(first) == 3 and len(second) == 2
+    assert len({j.token for j in first + second}) == 5
+    assert {j.attempt for j in first + second} == {1}
+    assert await queue.claim(3) == []
+    check_invariants(dsn, 5)
+
+
+async def test_a_stale_worker_cannot_ack_a_newer_attempt(dsn, queue: JobQueue):
+    enqueue_many(dsn, ["order-stale"])
+    (old,) = await queue.claim(1)
+    # The lease runs out (moved into the past, as time passes for a paused worker).
+    fetch_rows(dsn, "UPDATE receipt_jobs SET lease_until = now() - interval '1 second'"
+                    " RETURNING id")
+    batch = await queue.recover_expired(batch=100, delay_seconds=0)
+    assert batch.to_ready == 1
+    (new,) = await queue.claim(1)
+    assert new.id == old.id and new.token != old.token and new.attempt == 2
+
+    assert await queue.ack([(old.id, old.token)]) == set()
+    assert await queue.reschedule(old, delay_seconds=0, error="late") is None
+    assert fetch_rows(dsn, "SELECT state, lease_token FROM receipt_jobs") == [
+        ("running", new.token)]
+    assert await queue.ack([(new.id, new.token)]) == {new.id}
+    assert fetch_rows(dsn, "SELECT state, lease_token FROM receipt_jobs") == [("done", None)]
+
+
+async def test_an_ack_after_the_lease_expired_is_refused_even_without_recovery(dsn, queue):
+    enqueue_many(dsn, ["order-late"])
+    (job,) = await queue.claim(1)
+    fetch_rows(dsn, "UPDATE receipt_jobs SET lease_until = now() - interval '1 ms' RETURNING 1")
+    assert await queue.ack([(job.id, job.token)]) == set()
+    assert fetch_rows(dsn, "SELECT state FROM receipt_jobs") == [("running",)]
+
+
+async def test_batched_ack_reports_only_the_pairs_it_completed(dsn, queue: JobQueue):
+    enqueue_many(dsn, [f"o{i}" for i in range(4)])
+    jobs = await queue.claim(4)
+    pairs = [(j.id, j.token) for j in jobs]
+    pairs[0] = (jobs[0].id, uuid.uuid4())  # a wrong token
+    assert await queue.ack(pairs) == {j.id for j in jobs[1:]}
+    assert fetch_rows(dsn, "SELECT count(*) FROM receipt_jobs WHERE state = 'done'") == [(3,)]
+
+
+async def test_failures_end_in_failed_at_max_attempts_never_ready(dsn, settings):
+    pool = make_pool(settings, "test")
+    await pool.open()
+    queue = JobQueue(pool, lease_seconds=30, max_attempts=3)
+    try:
+        enqueue_many(dsn, ["order-5xx"])
+        states = []
+        for _ in range(3):
+            (job,) = await queue.claim(1)
+            states.append(await queue.reschedule(job, delay_seconds=0, error="503 provider"))
+            check_invariants(dsn, 3)
+        assert states == [JobState.READY, JobState.READY, JobState.FAILED]
+        assert await queue.claim(1) == []
+        assert fetch_rows(dsn, "SELECT state, attempts, last_error FROM receipt_jobs") == [
+            ("failed", 3, "503 provider")]
+    finally:
+        await pool.close()
+
+
+async def test_permanent_failure_fails_at_once(dsn, queue):
+    enqueue_many(dsn, ["order-422"])
+    (job,) = await queue.claim(1)
+    assert await queue.reschedule(job, delay_seconds=0, error="422 bad", permanent=True) == "failed"
+
+
+async def test_recovery_fails_expired_jobs_at_max_attempts(dsn, settings):
+    pool = make_pool(settings, "test")
+    await pool.open()
+    queue = JobQueue(pool, lease_seconds=30, max_attempts=1)
+    try:
+        enqueue_many(dsn, ["order-crash"])
+        await queue.claim(1)
+        fetch_rows(dsn, "UPDATE receipt_jobs SET lease_until = now() - interval '1 s' RETURNING 1")
+        batch = await queue.recover_expired(batch=100, delay_seconds=0)
+        assert (batch.to_ready, batch.to_failed) == (0, 1)
+        assert fetch_rows(dsn, "SELECT state, last_error FROM receipt_jobs") == [
+            ("failed", "lease expired")]
+    finally:
+        await pool.close()
+
+
+async def test_recovery_leaves_live_leases_alone(dsn, queue):
+    enqueue_many(dsn, ["order-live"])
+    (job,) = await queue.claim(1)
+    batch = await queue.recover_expired(batch=100, delay_seconds=0)
+    assert (batch.to_ready, batch.to_failed) == (0, 0)
+    assert await queue.ack([(job.id, job.token)]) == {job.id}
+
+
+async def test_lease_arithmetic_uses_the_database_clock_in_any_session_timezone(dsn, settings):
+    pool = make_pool(settings, "test")
+    await pool.open()
+    try:
+        async with pool.connection() as conn:
+            await conn.execute("SET TimeZone = 'Pacific/Kiritimati'")  # UTC+14
+        queue = JobQueue(pool, lease_seconds=30, max_attempts=5)
+        enqueue_many(dsn, ["order-tz"])
+        (job,) = await queue.claim(1)
+        (remaining,) = fetch_rows(
+            dsn, "SELECT extract(epoch FROM lease_until - now()) FROM receipt_jobs")[0]
+        assert 25 < float(remaining) <= 30
+        assert await queue.ack([(job.id, job.token)]) == {job.id}
+    finally:
+        await pool.close()
+
+
+async def test_eight_concurrent_claimers_never_share_a_live_job(dsn, settings):
+    enqueue_many(dsn, [f"order-{i:05d}" for i in range(2000)])
+    pool = make_pool(settings, "test", max_size=8)
+    await pool.open()
+    queue = JobQueue(pool, lease_seconds=60, max_attempts=5)
+    claimed: list[uuid.UUID] = []
+    biggest = 0
+
+    async def claimer() -> None:
+        nonlocal biggest
+        while True:
+            jobs = await queue.claim(7)
+            biggest = max(biggest, len(jobs))
+            if not jobs:
+                return
+            claimed.extend(j.id for j in jobs)
+            await asyncio.sleep(0)
+            assert await queue.ack([(j.id, j.token) for j in jobs]) == {j.id for j in jobs}
+
+    try:
+        await asyncio.gather(*(claimer() for _ in range(8)))
+    finally:
+        await pool.close()
+    assert len(claimed) == 2000 and len(set(claimed)) == 2000
+    assert biggest <= 7
+    assert fetch_rows(dsn, "SELECT state, count(*) FROM receipt_jobs GROUP BY state") == [
+        ("done", 2000)]
+
+
+async def test_operations_before_migrations_raise_schema_missing(server):
+    dsn = server.new_database(migrated=False)
+    try:
+        settings = make_settings(dsn)
+        pool = make_pool(settings, "test")
+        await pool.open()
+        try:
+            with pytest.raises(SchemaMissing, match="receipts migrate"):
+                await JobQueue(pool, lease_seconds=30, max_attempts=5).claim(1)
+        finally:
+            await pool.close()
+    finally:
+        server.drop_database(dsn)
