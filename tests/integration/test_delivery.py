@@ -1,0 +1,220 @@
+"""Every row of the provider-outcome table (DESIGN §3), against a real HTTP server."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from email.utils import format_datetime
+from datetime import UTC, datetime, timedelta
+
+import pytest
+from aiohttp import web
+
+from receipts.delivery import HttpDeliverer, Verdict
+from receipts.embedded import free_port
+from receipts.jobqueue import Job
+from receipts.retry import BackoffPolicy, parse_retry_after
+
+
+def a_job(order_id: str = "order-1", attempt: int = 1) -> Job:
+    return Job(id=uuid.uuid4(), order_id=order_id, token=uuid.uuid4(), attempt=attempt)
+
+
+@pytest.fixture
+async def stub():
+    """A real HTTP server whose single handler each test sets."""
+    handler: dict[str, object] = {}
+    seen: list[dict[str, str]] = []
+
+    async def dispatch(request: web.Request) -> web.StreamResponse:
+        seen.append({"key": request.headers.get("Idempotency-Key", ""),
+                     "body": await request.text()})
+        return await handler["fn"](request)  # type: ignore[operator]
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", dispatch)
+    runner = web.AppRunner(app, shutdown_timeout=0.5)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+
+    class Stub:
+        url = f"http://127.0.0.1:{port}/receipts"
+        requests = seen
+
+        def answer(self, fn) -> None:
+            handler["fn"] = fn
+
+    yield Stub()
+    await runner.cleanup()
+
+
+def status(code: int, headers: dict[str, str] | None = None, body: str = "{}"):
+    async def fn(_: web.Request) -> web.Response:
+        return web.Response(status=code, text=body, headers=headers,
+                            content_type="application/json")
+    return fn
+
+
+@pytest.mark.parametrize(
+    ("code", "verdict", "reason"),
+    [
+        (200, Verdict.DELIVERED, "delivered"),
+        (201, Verdict.DELIVERED, "delivered"),
+        (409, Verdict.RETRY, "in_progress"),
+        (429, Verdict.RETRY, "rate_limited"),
+        (500, Verdict.RETRY, "provider_5xx"),
+        (503, Verdict.RETRY, "provider_5xx"),
+        (401, Verdict.RETRY, "auth_rejected"),
+        (403, Verdict.RETRY, "auth_rejected"),
+        (400, Verdict.PERMANENT, "rejected"),
+        (404, Verdict.PERMANENT, "rejected"),
+        (410, Verdict.PERMANENT, "rejected"),
+        (422, Verdict.PERMANENT, "rejected"),
+        (302, Verdict.RETRY, "unexpected_status"),
+    ],
+)
+async def test_each_status_is_classified_as_the_contract_says(stub, code, verdict, reason):
+    stub.answer(status(code, {"Location": "/elsewhere"} if code == 302 else None,
+                       '{"error": "order unknown"}'))
+    deliverer = HttpDeliverer(stub.url, timeout_seconds=2)
+    try:
+        outcome = await deliverer.deliver(a_job())
+    finally:
+        await deliverer.aclose()
+    assert (outcome.verdict, outcome.reason, outcome.status) == (verdict, reason, code)
+    if verdict is Verdict.PERMANENT:
+        assert outcome.detail == f"{code} order unknown"
+
+
+async def test_the_idempotency_key_and_body_are_identical_on_every_attempt(stub):
+    stub.answer(status(503))
+    deliverer = HttpDeliverer(stub.url, timeout_seconds=2)
+    job = a_job("order-42")
+    try:
+        for attempt in (1, 2, 3):
+            await deliverer.deliver(Job(job.id, job.order_id, uuid.uuid4(), attempt))
+    finally:
+        await deliverer.aclose()
+    assert {r["key"] for r in stub.requests} == {"receipt:order-42"}
+    assert len({r["body"] for r in stub.requests}) == 1
+
+
+async def test_retry_after_is_parsed_from_the_answer(stub):
+    stub.answer(status(429, {"Retry-After": "7"}))
+    deliverer = HttpDeliverer(stub.url, timeout_seconds=2)
+    try:
+        outcome = await deliverer.deliver(a_job())
+    finally:
+        await deliverer.aclose()
+    assert outcome.retry_after_seconds == 7.0
+
+
+async def test_a_provider_that_never_answers_times_out_as_an_unknown_outcome(stub):
+    async def hang(_: web.Request) -> web.Response:
+        await asyncio.sleep(30)
+        return web.Response()
+
+    stub.answer(hang)
+    deliverer = HttpDeliverer(stub.url, timeout_seconds=0.5)
+    start = time.monotonic()
+    try:
+        outcome = await deliverer.deliver(a_job())
+    finally:
+        await deliverer.aclose()
+    assert time.monotonic() - start < 2
+    assert (outcome.verdict, outcome.reason, outcome.uncertain) == (Verdict.RETRY, "timeout", True)
+
+
+async def test_a_provider_that_hangs_after_sending_headers_frees_the_slot_in_time(stub):
+    async def headers_then_hang(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(status=503)
+        await response.prepare(request)
+        await response.write(b"partial")
+        await asyncio.sleep(30)
+        return response
+
+    stub.answer(headers_then_hang)
+    deliverer = HttpDeliverer(stub.url, timeout_seconds=0.5)
+    start = time.monotonic()
+    try:
+        outcome = await deliverer.deliver(a_job())
+    finally:
+        await deliverer.aclose()
+    assert time.monotonic() - start < 2
+    assert (outcome.verdict, outcome.reason) == (Verdict.RETRY, "provider_5xx")
+
+
+async def test_a_connection_reset_after_sending_is_an_unknown_outcome(stub):
+    async def reset(request: web.Request) -> web.Response:
+        await request.read()
+        assert request.transport is not None
+        request.transport.abort()
+        await asyncio.sleep(1)
+        return web.Response()
+
+    stub.answer(reset)
+    deliverer = HttpDeliverer(stub.url, timeout_seconds=2)
+    try:
+        outcome = await deliverer.deliver(a_job())
+    finally:
+        await deliverer.aclose()
+    assert (outcome.verdict, outcome.reason, outcome.uncertain) == (
+        Verdict.RETRY, "connection_lost", True)
+
+
+async def test_a_connect_error_before_sending_is_a_known_failure():
+    deliverer = HttpDeliverer(f"http://127.0.0.1:{free_port()}/receipts", timeout_seconds=2)
+    try:
+        outcome = await deliverer.deliver(a_job())
+    finally:
+        await deliverer.aclose()
+    assert (outcome.verdict, outcome.reason, outcome.uncertain) == (
+        Verdict.RETRY, "connect_error", False)
+
+
+async def test_a_huge_failure_body_is_read_only_up_to_a_bound(stub):
+    stub.answer(status(422, body='{"error": "' + "x" * 5_000_000 + '"}'))
+    deliverer = HttpDeliverer(stub.url, timeout_seconds=5)
+    try:
+        outcome = await deliverer.deliver(a_job())
+    finally:
+        await deliverer.aclose()
+    assert outcome.verdict is Verdict.PERMANENT and len(outcome.detail) <= 210
+
+
+@pytest.mark.parametrize(
+    ("header", "expected"),
+    [
+        ("120", 120.0),
+        ("0", 0.0),
+        ("-5", None),
+        ("soon", None),
+        ("", None),
+        ("31536000", 31536000.0),  # a year: parsed, then clamped by the policy
+    ],
+)
+def test_retry_after_values_are_parsed_or_ignored(header, expected):
+    assert parse_retry_after(header) == expected
+
+
+def test_retry_after_as_a_date_is_measured_against_the_providers_clock():
+    provider_now = datetime(2030, 1, 1, tzinfo=UTC)
+    later = format_datetime(provider_now + timedelta(seconds=90), usegmt=True)
+    assert parse_retry_after(later, date_header=format_datetime(provider_now, usegmt=True)) == 90
+    past = format_datetime(provider_now - timedelta(seconds=90), usegmt=True)
+    assert parse_retry_after(past, date_header=format_datetime(provider_now, usegmt=True)) is None
+
+
+def test_backoff_is_full_jitter_under_a_cap_and_honours_a_clamped_retry_after():
+    import random
+
+    policy = BackoffPolicy(base_seconds=1, cap_seconds=30, retry_after_max_seconds=600)
+    rng = random.Random(3)
+    draws = [policy.delay(3, rng=rng) for _ in range(2000)]
+    assert 0 <= min(draws) < 0.1 and 3.9 < max(draws) <= 4.0  # U(0, 1 * 2**2)
+    assert max(policy.delay(50, rng=rng) for _ in range(200)) <= 30
+    assert policy.delay(1, retry_after_seconds=45, rng=rng) >= 45
+    assert policy.delay(1, retry_after_seconds=31536000, rng=rng) == 600
+    assert policy.delay(1, retry_after_seconds=-1, rng=rng) <= 1

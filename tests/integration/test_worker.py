@@ -1,0 +1,185 @@
+"""The worker loop in-process against a real database and the reference provider."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+from receipts.delivery import HttpDeliverer
+from receipts.jobqueue import JobQueue, make_pool
+from receipts.metrics import Metrics
+from receipts.settings import Settings
+from receipts.worker import Worker
+from tests.conftest import check_invariants, enqueue_many, fetch_rows, make_settings
+
+
+class Running:
+    """A Worker running in this event loop, with its metrics."""
+
+    def __init__(self, settings: Settings) -> None:
+        self.settings = settings
+        self.metrics = Metrics()
+        self.pool = make_pool(settings, "worker")
+        self.queue = JobQueue(self.pool, lease_seconds=settings.lease_seconds,
+                              max_attempts=settings.max_attempts)
+        self.deliverer = HttpDeliverer(settings.provider_url,
+                                       timeout_seconds=settings.delivery_timeout_seconds)
+        self.worker = Worker(settings, self.queue, self.deliverer, self.metrics)
+        self.task: asyncio.Task[None] | None = None
+
+    async def __aenter__(self) -> Running:
+        await self.pool.open(wait=False)
+        self.task = asyncio.create_task(self.worker.run())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.worker.stop()
+        assert self.task is not None
+        await asyncio.wait_for(self.task, 30)
+        await self.deliverer.aclose()
+        await self.pool.close()
+
+    def value(self, name: str, **labels: str) -> float:
+        return self.metrics.registry.get_sample_value(name, labels or None) or 0.0
+
+
+async def until(predicate: Callable[[], bool], timeout: float = 30.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.05)
+
+
+def states(dsn: str) -> dict[str, int]:
+    return dict(fetch_rows(dsn, "SELECT state, count(*) FROM receipt_jobs GROUP BY state"))
+
+
+async def test_a_worker_delivers_every_job_exactly_once_at_the_provider(dsn, provider):
+    enqueue_many(dsn, [f"order-{i}" for i in range(300)])
+    settings = make_settings(dsn, provider_url=provider.url, concurrency=16)
+    async with Running(settings) as run:
+        await until(lambda: states(dsn) == {"done": 300})
+        assert run.value("receipts_acks_total") == 300
+        assert run.value("receipts_stale_acks_total") == 0
+    assert len(provider.provider.receipts) == 300
+    assert {v["requests"] for v in provider.provider.receipts.values()} == {1}
+
+
+async def test_claims_never_exceed_free_slots(dsn, provider):
+    provider.set_faults(latency_seconds=0.2)
+    enqueue_many(dsn, [f"order-{i}" for i in range(40)])
+    settings = make_settings(dsn, provider_url=provider.url, concurrency=5)
+    async with Running(settings) as run:
+        peak = 0
+        deadline = time.monotonic() + 30
+        while states(dsn).get("done", 0) < 40 and time.monotonic() < deadline:
+            running = states(dsn).get("running", 0)
+            peak = max(peak, running, run.worker.inflight)
+            await asyncio.sleep(0.02)
+        assert states(dsn) == {"done": 40}
+    assert 1 <= peak <= 5
+
+
+async def test_a_job_that_always_gets_5xx_fails_after_max_attempts(dsn, provider):
+    provider.set_faults(error_rate=1.0)
+    enqueue_many(dsn, ["order-doomed"])
+    settings = make_settings(dsn, provider_url=provider.url, max_attempts=4,
+                             retry_base_seconds=0.01, retry_cap_seconds=0.05)
+    async with Running(settings) as run:
+        deadline = time.monotonic() + 30
+        while states(dsn) != {"failed": 1}:
+            check_invariants(dsn, 4)
+            assert time.monotonic() < deadline
+            await asyncio.sleep(0.01)
+        assert run.value("receipts_retries_total", reason="provider_5xx") == 3
+        assert run.value("receipts_failures_total", reason="max_attempts") == 1
+    assert fetch_rows(dsn, "SELECT attempts, last_error FROM receipt_jobs") == [
+        (4, "503 provider error")]
+
+
+async def test_a_permanent_rejection_fails_the_job_with_its_reason(dsn, provider):
+    provider.set_faults(reject_rate=1.0)
+    enqueue_many(dsn, ["order-bad"])
+    settings = make_settings(dsn, provider_url=provider.url)
+    async with Running(settings) as run:
+        await until(lambda: states(dsn) == {"failed": 1})
+        assert run.value("receipts_failures_total", reason="rejected") == 1
+    assert fetch_rows(dsn, "SELECT attempts, last_error FROM receipt_jobs") == [
+        (1, "422 order cannot receive a receipt")]
+
+
+async def test_rejected_credentials_pause_claiming_instead_of_burning_attempts(dsn, provider):
+    provider.set_faults(status=401)
+    enqueue_many(dsn, [f"order-{i}" for i in range(50)])
+    settings = make_settings(dsn, provider_url=provider.url, concurrency=4,
+                             auth_pause_seconds=0.5)
+    async with Running(settings) as run:
+        await until(lambda: run.value("receipts_provider_breaker_open") == 1)
+        await asyncio.sleep(1.2)  # two pauses' worth: only single probes go out
+        attempted = fetch_rows(dsn, "SELECT count(*) FROM receipt_jobs WHERE attempts > 0")[0][0]
+        assert attempted <= 4 + 3
+        provider.set_faults(status=None)
+        await until(lambda: states(dsn) == {"done": 50}, timeout=30)
+        assert run.value("receipts_provider_breaker_open") == 0
+
+
+async def test_the_worker_clock_and_timezone_do_not_matter(dsn, provider, monkeypatch):
+    real_time = time.time
+    monkeypatch.setattr(time, "time", lambda: real_time() + 3600)  # an hour ahead
+    monkeypatch.setenv("PGTZ", "Pacific/Kiritimati")
+    enqueue_many(dsn, [f"order-{i}" for i in range(20)])
+    settings = make_settings(dsn, provider_url=provider.url, lease_seconds=15,
+                             lease_margin_seconds=5, delivery_timeout_seconds=5)
+    async with Running(settings) as run:
+        await until(lambda: states(dsn) == {"done": 20})
+        assert run.value("receipts_stale_acks_total") == 0
+
+
+async def test_stop_lets_inflight_deliveries_finish_and_ack(dsn, provider):
+    provider.set_faults(latency_seconds=0.8)
+    enqueue_many(dsn, [f"order-{i}" for i in range(10)])
+    settings = make_settings(dsn, provider_url=provider.url, concurrency=3)
+    run = Running(settings)
+    async with run:
+        await until(lambda: run.worker.inflight == 3)
+    assert states(dsn) == {"done": 3, "ready": 7}
+    assert run.value("receipts_jobs_claimed_total") == 3
+
+
+async def test_stop_abandons_deliveries_past_the_grace_period_to_recovery(dsn, provider):
+    provider.set_faults(latency_seconds=10)
+    enqueue_many(dsn, ["order-slow"])
+    settings = make_settings(dsn, provider_url=provider.url, shutdown_grace_seconds=0.3,
+                             delivery_timeout_seconds=20)
+    run = Running(settings)
+    start = time.monotonic()
+    async with run:
+        await until(lambda: run.worker.inflight == 1)
+    assert time.monotonic() - start < 10
+    assert states(dsn) == {"running": 1}  # its lease will expire; recovery returns it
+
+
+async def test_the_worker_survives_a_database_outage_and_resumes(provider):
+    from receipts.embedded import EmbeddedPostgres
+
+    pg = EmbeddedPostgres(fast=True).start()
+    try:
+        from receipts.migrate import apply_migrations
+
+        dsn = pg.create_database("outage")
+        apply_migrations(dsn)
+        enqueue_many(dsn, [f"before-{i}" for i in range(10)])
+        settings = make_settings(dsn, provider_url=provider.url)
+        async with Running(settings) as run:
+            await until(lambda: states(dsn) == {"done": 10})
+            pg.stop()
+            await until(lambda: not run.worker.is_ready(), timeout=20)
+            await asyncio.sleep(1.0)
+            assert run.task is not None and not run.task.done()
+            pg.start()
+            enqueue_many(dsn, [f"after-{i}" for i in range(10)])
+            await until(lambda: states(dsn) == {"done": 20}, timeout=60)
+            await until(run.worker.is_ready, timeout=10)
+    finally:
+        pg.cleanup()
