@@ -64,7 +64,8 @@ def _check_dsn(dsn: str) -> None:
     try:
         conninfo_to_dict(dsn)
     except Exception as exc:  # psycopg.ProgrammingError; message may echo the DSN
-        raise ValueError(f"is not a valid libpq connection string ({redact_dsn(str(exc))})") from None
+        detail = " ".join(str(exc).split())
+        raise ValueError(f"is not a valid libpq connection string ({redact_dsn(detail)})") from None
 
 
 class Settings(BaseSettings):
