@@ -20,6 +20,7 @@ from __future__ import annotations
 import asyncio
 import random
 import time
+import uuid
 from dataclasses import dataclass, field
 
 from receipts.jobqueue import DatabaseUnavailable, Job, JobQueue, QueueError
@@ -33,7 +34,9 @@ log = get_logger("acks")
 class _Pending:
     job: Job
     claimed_at: float  # time.monotonic() when the claim returned
-    result: asyncio.Future[bool] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
+    result: asyncio.Future[bool] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
 
 
 class AckBatcher:
@@ -136,7 +139,7 @@ class AckBatcher:
                 keep.append(item)
         return keep
 
-    def _settle(self, batch: list[_Pending], done: set[object]) -> None:
+    def _settle(self, batch: list[_Pending], done: set[uuid.UUID]) -> None:
         acked = 0
         for item in batch:
             ok = item.job.id in done

@@ -90,7 +90,9 @@ def classify(status: int, headers: httpx.Headers, body: bytes) -> Outcome:
     if status == 429:
         return Outcome(Verdict.RETRY, "rate_limited", status, retry_after, "429 rate limited")
     if status >= 500:
-        return Outcome(Verdict.RETRY, "provider_5xx", status, retry_after, f"{status} provider error")
+        return Outcome(
+            Verdict.RETRY, "provider_5xx", status, retry_after, f"{status} provider error"
+        )
     if status in (401, 403):
         return Outcome(
             Verdict.RETRY, "auth_rejected", status, retry_after, f"{status} credentials rejected"
@@ -153,7 +155,11 @@ class HttpDeliverer:
     async def deliver(self, job: Job) -> Outcome:
         """POST *job*'s receipt and classify the answer; never raises for I/O errors."""
         body = json.dumps(
-            {"order_id": job.order_id, "job_id": str(job.id), "idempotency_key": job.idempotency_key},
+            {
+                "order_id": job.order_id,
+                "job_id": str(job.id),
+                "idempotency_key": job.idempotency_key,
+            },
             separators=(",", ":"),
         ).encode()
         headers = {"Idempotency-Key": job.idempotency_key, "X-Receipts-Attempt": str(job.attempt)}
@@ -161,7 +167,9 @@ class HttpDeliverer:
         deadline = loop.time() + self.timeout_seconds
         try:
             async with asyncio.timeout_at(deadline):
-                request = self._client.build_request("POST", self.url, content=body, headers=headers)
+                request = self._client.build_request(
+                    "POST", self.url, content=body, headers=headers
+                )
                 response = await self._client.send(request, stream=True)
         except TimeoutError:
             return Outcome(
@@ -173,7 +181,9 @@ class HttpDeliverer:
         except httpx.TimeoutException as exc:
             return Outcome(Verdict.RETRY, "timeout", None, None, _short(exc), uncertain=True)
         except (httpx.TransportError, httpx.DecodingError) as exc:
-            return Outcome(Verdict.RETRY, "connection_lost", None, None, _short(exc), uncertain=True)
+            return Outcome(
+                Verdict.RETRY, "connection_lost", None, None, _short(exc), uncertain=True
+            )
         except httpx.InvalidURL as exc:
             return Outcome(Verdict.RETRY, "connect_error", None, None, _short(exc))
         try:

@@ -374,7 +374,7 @@ def _summary(run: _Run, elapsed: float, scraped: list[dict[str, float]],
         f"  throughput                     {delivered / elapsed:.0f} receipts/s over "
         f"{elapsed:.1f}s",
         f"  worst queue lag seen           {run.max_lag_seconds:.2f}s",
-        f"  worker exit codes              "
+        "  worker exit codes              "
         + ", ".join(f"{k}={'SIGKILL' if v == -9 else v}" for k, v in worker_codes.items()),
         f"  metrics endpoint served        http://127.0.0.1:{metrics_port}/metrics"
         " (excerpt below, scraped before shutdown)",

@@ -142,13 +142,13 @@ def statements() -> dict[str, str]:
 
 
 def _query(name: str) -> sql.SQL:
-    return sql.SQL(statements()[name])  # type: ignore[arg-type]
+    return sql.SQL(statements()[name])  # type: ignore[arg-type,unused-ignore]
 
 
 @cache
 def _claim_query(limit: int) -> sql.Composed:
     """The claim statement with *limit* as a literal (DESIGN §10: no bind LIMIT)."""
-    return sql.SQL(statements()["claim"]).format(limit=sql.Literal(limit))  # type: ignore[arg-type]
+    return sql.SQL(statements()["claim"]).format(limit=sql.Literal(limit))  # type: ignore[arg-type,unused-ignore]
 
 
 # ------------------------------------------------------------------- error seam
@@ -304,7 +304,7 @@ class JobQueue:
         except (psycopg.Error, PoolTimeout) as exc:
             raise _translate(exc) from exc
 
-    async def _rows(self, query: sql.Composable, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+    async def _rows(self, query: sql.SQL | sql.Composed, params: dict[str, Any]) -> list[tuple[Any, ...]]:
         async with self._conn() as conn:
             cur = await conn.execute(query, params)
             return await cur.fetchall() if cur.description else []

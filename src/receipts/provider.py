@@ -16,8 +16,10 @@ can misbehave on purpose for the demo, the tests and staging.
   after the response headers.
 
 ``GET /stats`` returns counters as JSON, ``GET /receipts`` every recorded key
-with its request count, ``PUT /faults`` changes faults at run time (JSON with
-any :class:`Faults` field), ``POST /reset`` forgets everything.
+with its request count, ``GET /requests`` every keyed POST as ``[key, attempt]``
+(attempt from ``X-Receipts-Attempt``) in arrival order, ``PUT /faults``
+changes faults at run time (JSON with any :class:`Faults` field), ``POST
+/reset`` forgets everything.
 """
 
 from __future__ import annotations
@@ -107,12 +109,14 @@ class ReferenceProvider:
         self.receipts: dict[str, dict[str, Any]] = {}
         self.in_progress: set[str] = set()
         self.stats: Counter[str] = Counter()
+        self.request_log: list[tuple[str, str]] = []
 
     def reset(self) -> None:
         """Forget every receipt and counter."""
         self.receipts.clear()
         self.in_progress.clear()
         self.stats.clear()
+        self.request_log.clear()
 
     def _rejects(self, key: str) -> bool:
         digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
@@ -122,13 +126,17 @@ class ReferenceProvider:
         """``POST /receipts``: see the module doc for the behaviour."""
         f = self.faults
         self.stats["requests"] += 1
-        if self.token is not None and request.headers.get("Authorization") != f"Bearer {self.token}":
+        authorization = request.headers.get("Authorization")
+        if self.token is not None and authorization != f"Bearer {self.token}":
             return self._answer(401, {"error": "invalid credentials"})
         if f.status is not None:
             return self._answer(f.status, {"error": f"forced status {f.status}"})
         key = request.headers.get("Idempotency-Key", "")
         if not key:
             return self._answer(400, {"error": "Idempotency-Key header is required"})
+        # Every keyed request, before any fault: (key, X-Receipts-Attempt), for tests
+        # that must prove which attempts reached the provider (GET /requests).
+        self.request_log.append((key, request.headers.get("X-Receipts-Attempt", "")))
         try:
             body = await request.json()
             order_id = str(body["order_id"])
@@ -204,6 +212,9 @@ class ReferenceProvider:
                  for k, v in self.receipts.items()}
             )
 
+        async def requests_log(_: web.Request) -> web.Response:
+            return web.json_response(self.request_log)
+
         async def put_faults(request: web.Request) -> web.Response:
             try:
                 data = await request.json()
@@ -223,6 +234,7 @@ class ReferenceProvider:
         app.router.add_post("/receipts", self.handle_post)
         app.router.add_get("/receipts", receipts)
         app.router.add_get("/stats", stats)
+        app.router.add_get("/requests", requests_log)
         app.router.add_put("/faults", put_faults)
         app.router.add_post("/reset", reset)
         return app

@@ -8,6 +8,7 @@ maximum so that a hostile or broken value cannot park a job for a year.
 
 from __future__ import annotations
 
+import contextlib
 import random
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -78,10 +79,8 @@ def parse_retry_after(value: str | None, *, date_header: str | None = None) -> f
         return None
     now = datetime.now(UTC)
     if date_header:
-        try:
+        with contextlib.suppress(TypeError, ValueError, IndexError):
             now = parsedate_to_datetime(date_header) or now
-        except (TypeError, ValueError, IndexError):
-            pass
     if when.tzinfo is None:
         when = when.replace(tzinfo=UTC)
     if now.tzinfo is None:
