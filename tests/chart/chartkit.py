@@ -11,6 +11,7 @@ Run as a script to regenerate the plain rule file from the chart:
 
 from __future__ import annotations
 
+import atexit
 import functools
 import os
 import shutil
@@ -65,6 +66,7 @@ def find_tool(name: str) -> str:
 def helm_env() -> dict[str, str]:
     """Environment for helm with its cache/config/data homes in a private temp folder."""
     home = Path(tempfile.mkdtemp(prefix="receipts-helm-"))
+    atexit.register(shutil.rmtree, home, True)
     env = dict(os.environ)
     for var in ("HELM_CACHE_HOME", "HELM_CONFIG_HOME", "HELM_DATA_HOME"):
         path = home / var.lower()

@@ -8,7 +8,6 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-
 from chartkit import CHART, DASHBOARD, find_tool, one, render, run
 
 # The service's metric names (DESIGN §5/§9 and the recovery job's Pushgateway metrics).
@@ -33,7 +32,7 @@ EXPORTED = {
     "receipts_recovery_pruned_total",
 }
 HISTOGRAMS = {"receipts_delivery_duration_seconds"}
-ALLOWED = EXPORTED | {f"{h}{suffix}" for h in HISTOGRAMS for suffix in ("_bucket", "_sum", "_count")}
+ALLOWED = EXPORTED | {f"{h}{end}" for h in HISTOGRAMS for end in ("_bucket", "_sum", "_count")}
 PROCESS_METRIC = re.compile(r"^process_[a-z_]+$")
 
 # Grafana variables, replaced by values PromQL accepts.

@@ -18,7 +18,6 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-
 from chartkit import DOCKERFILE, REPO, find_tool, run
 
 # What .dockerignore lets into the build context, and what the Dockerfile COPYs.
@@ -159,7 +158,8 @@ def installed_receipts(world_readable_tmp: Path) -> tuple[Path, str | None]:
 
 
 def run_installed(venv: Path, user: str | None, *args: str) -> subprocess.CompletedProcess[str]:
-    home = Path(tempfile.mkdtemp(prefix="receipts-home-"))
+    home = venv.parent / "home"  # the only writable place, like the image's /tmp
+    home.mkdir(exist_ok=True)
     home.chmod(0o777)
     env = {
         "PATH": f"{venv / 'bin'}:/usr/bin:/bin",

@@ -10,8 +10,6 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from kubernetes_validate.utils import SchemaNotFoundError, VersionNotSupportedError
-
 from chartkit import (
     CHART,
     CI_VALUES,
@@ -26,6 +24,7 @@ from chartkit import (
     render,
     template,
 )
+from kubernetes_validate.utils import SchemaNotFoundError, VersionNotSupportedError
 
 SCENARIOS: list[tuple[Path, ...]] = [(), *((path,) for path in CI_VALUES)]
 SCENARIO_IDS = ["defaults", *(path.name.removesuffix("-values.yaml") for path in CI_VALUES)]
