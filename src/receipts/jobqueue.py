@@ -304,7 +304,9 @@ class JobQueue:
         except (psycopg.Error, PoolTimeout) as exc:
             raise _translate(exc) from exc
 
-    async def _rows(self, query: sql.SQL | sql.Composed, params: dict[str, Any]) -> list[tuple[Any, ...]]:
+    async def _rows(
+        self, query: sql.SQL | sql.Composed, params: dict[str, Any]
+    ) -> list[tuple[Any, ...]]:
         async with self._conn() as conn:
             cur = await conn.execute(query, params)
             return await cur.fetchall() if cur.description else []
@@ -452,8 +454,7 @@ class JobQueue:
         Only rows in state failed change: attempts reset to 0, due now. Returns
         the ids that changed; ids in any other state are left alone.
         """
-        if ids is None:
-            rows = await self._rows(_query("retry_all_failed"), {})
-        else:
-            rows = await self._rows(_query("retry_failed"), {"ids": list(ids)})
+        rows = await self._rows(
+            _query("retry_failed"), {"ids": None if ids is None else list(ids)}
+        )
         return [r[0] for r in rows]

@@ -11,7 +11,7 @@ from email.utils import format_datetime
 import pytest
 from aiohttp import web
 
-from receipts.delivery import HttpDeliverer, Verdict
+from receipts.delivery import HttpDeliverer, Outcome, Verdict
 from receipts.embedded import free_port
 from receipts.jobqueue import Job
 from receipts.retry import BackoffPolicy, parse_retry_after
@@ -50,6 +50,15 @@ async def stub():
     await runner.cleanup()
 
 
+async def deliver_once(url: str, timeout: float = 2.0, job: Job | None = None) -> Outcome:
+    """One delivery through a fresh HttpDeliverer (closed afterwards)."""
+    deliverer = HttpDeliverer(url, timeout_seconds=timeout)
+    try:
+        return await deliverer.deliver(job or a_job())
+    finally:
+        await deliverer.aclose()
+
+
 def status(code: int, headers: dict[str, str] | None = None, body: str = "{}"):
     async def fn(_: web.Request) -> web.Response:
         return web.Response(status=code, text=body, headers=headers,
@@ -78,11 +87,7 @@ def status(code: int, headers: dict[str, str] | None = None, body: str = "{}"):
 async def test_each_status_is_classified_as_the_contract_says(stub, code, verdict, reason):
     stub.answer(status(code, {"Location": "/elsewhere"} if code == 302 else None,
                        '{"error": "order unknown"}'))
-    deliverer = HttpDeliverer(stub.url, timeout_seconds=2)
-    try:
-        outcome = await deliverer.deliver(a_job())
-    finally:
-        await deliverer.aclose()
+    outcome = await deliver_once(stub.url, 2)
     assert (outcome.verdict, outcome.reason, outcome.status) == (verdict, reason, code)
     if verdict is Verdict.PERMANENT:
         assert outcome.detail == f"{code} order unknown"
@@ -103,11 +108,7 @@ async def test_the_idempotency_key_and_body_are_identical_on_every_attempt(stub)
 
 async def test_retry_after_is_parsed_from_the_answer(stub):
     stub.answer(status(429, {"Retry-After": "7"}))
-    deliverer = HttpDeliverer(stub.url, timeout_seconds=2)
-    try:
-        outcome = await deliverer.deliver(a_job())
-    finally:
-        await deliverer.aclose()
+    outcome = await deliver_once(stub.url, 2)
     assert outcome.retry_after_seconds == 7.0
 
 
@@ -117,12 +118,8 @@ async def test_a_provider_that_never_answers_times_out_as_an_unknown_outcome(stu
         return web.Response()
 
     stub.answer(hang)
-    deliverer = HttpDeliverer(stub.url, timeout_seconds=0.5)
     start = time.monotonic()
-    try:
-        outcome = await deliverer.deliver(a_job())
-    finally:
-        await deliverer.aclose()
+    outcome = await deliver_once(stub.url, 0.5)
     assert time.monotonic() - start < 2
     assert (outcome.verdict, outcome.reason, outcome.uncertain) == (Verdict.RETRY, "timeout", True)
 
@@ -136,12 +133,8 @@ async def test_a_provider_that_hangs_after_sending_headers_frees_the_slot_in_tim
         return response
 
     stub.answer(headers_then_hang)
-    deliverer = HttpDeliverer(stub.url, timeout_seconds=0.5)
     start = time.monotonic()
-    try:
-        outcome = await deliverer.deliver(a_job())
-    finally:
-        await deliverer.aclose()
+    outcome = await deliver_once(stub.url, 0.5)
     assert time.monotonic() - start < 2
     assert (outcome.verdict, outcome.reason) == (Verdict.RETRY, "provider_5xx")
 
@@ -155,32 +148,20 @@ async def test_a_connection_reset_after_sending_is_an_unknown_outcome(stub):
         return web.Response()
 
     stub.answer(reset)
-    deliverer = HttpDeliverer(stub.url, timeout_seconds=2)
-    try:
-        outcome = await deliverer.deliver(a_job())
-    finally:
-        await deliverer.aclose()
+    outcome = await deliver_once(stub.url, 2)
     assert (outcome.verdict, outcome.reason, outcome.uncertain) == (
         Verdict.RETRY, "connection_lost", True)
 
 
 async def test_a_connect_error_before_sending_is_a_known_failure():
-    deliverer = HttpDeliverer(f"http://127.0.0.1:{free_port()}/receipts", timeout_seconds=2)
-    try:
-        outcome = await deliverer.deliver(a_job())
-    finally:
-        await deliverer.aclose()
+    outcome = await deliver_once(f"http://127.0.0.1:{free_port()}/receipts", 2)
     assert (outcome.verdict, outcome.reason, outcome.uncertain) == (
         Verdict.RETRY, "connect_error", False)
 
 
 async def test_a_huge_failure_body_is_read_only_up_to_a_bound(stub):
     stub.answer(status(422, body='{"error": "' + "x" * 5_000_000 + '"}'))
-    deliverer = HttpDeliverer(stub.url, timeout_seconds=5)
-    try:
-        outcome = await deliverer.deliver(a_job())
-    finally:
-        await deliverer.aclose()
+    outcome = await deliver_once(stub.url, 5)
     assert outcome.verdict is Verdict.PERMANENT and len(outcome.detail) <= 210
 
 

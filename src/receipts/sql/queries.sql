@@ -134,19 +134,9 @@ WHERE j.id = old.id
 RETURNING j.id;
 
 -- name: retry_failed
--- Operator retry: failed -> ready, attempts reset, due now. last_error is kept
--- (prefixed) so the history of why it failed survives until the next attempt.
-UPDATE receipt_jobs
-SET state = 'ready',
-    attempts = 0,
-    run_at = statement_timestamp(),
-    finished_at = NULL,
-    last_error = 'manual retry after: ' || coalesce(last_error, 'unknown')
-WHERE id = ANY(%(ids)s::uuid[])
-  AND state = 'failed'
-RETURNING id;
-
--- name: retry_all_failed
+-- Operator retry: failed -> ready, attempts reset, due now; %(ids)s NULL means
+-- every failed job. last_error is kept (prefixed) so why it failed survives
+-- until the next attempt writes its own.
 UPDATE receipt_jobs
 SET state = 'ready',
     attempts = 0,
@@ -154,6 +144,7 @@ SET state = 'ready',
     finished_at = NULL,
     last_error = 'manual retry after: ' || coalesce(last_error, 'unknown')
 WHERE state = 'failed'
+  AND (%(ids)s::uuid[] IS NULL OR id = ANY(%(ids)s::uuid[]))
 RETURNING id;
 
 -- name: queue_stats
