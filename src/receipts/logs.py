@@ -1,17 +1,24 @@
-"""JSON logs: one object per line on stdout (python-json-logger).
+"""JSON logs: one object per line (python-json-logger).
 
 Each record carries ``time``, ``level``, ``logger`` and a stable ``event``
 name (the log message), plus structured fields passed through ``extra=``:
 job events use ``job_id``, ``order_id``, ``attempt``, ``token`` (first 8
-characters only) and ``outcome``. Every rendered line goes through
-:func:`receipts.settings.redact_dsn`, so a DSN password never leaves the
-process even when a library puts one in an error message.
+characters only) and ``outcome``.
+
+Secrets never leave the process: before a record is serialised, every string
+in it (the event, each field, a formatted exception) goes through
+:func:`receipts.settings.redact_dsn`, and the literal secrets handed to
+:func:`configure_logging` (the DSN password, the provider token) are replaced
+by ``***`` wherever they appear, even outside a DSN. Redacting the fields
+rather than the rendered line keeps every line valid JSON.
 """
 
 from __future__ import annotations
 
+import datetime
 import logging
 import sys
+from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
 from pythonjsonlogger.json import JsonFormatter
@@ -22,26 +29,60 @@ if TYPE_CHECKING:
     from receipts.jobqueue import Job
 
 LOGGER_NAME = "receipts"
+MASK = "***"
+_PLAIN = (int, float, bool, type(None), datetime.date, datetime.time)
 
 
-class _RedactingFormatter(JsonFormatter):
-    def format(self, record: logging.LogRecord) -> str:
-        return redact_dsn(super().format(record))
+class RedactingJsonFormatter(JsonFormatter):
+    """A :class:`JsonFormatter` that masks DSN passwords and known secrets in every field.
+
+    Args:
+        secrets: literal strings to mask (empty strings and strings shorter
+            than 4 characters are ignored: masking them would garble logs).
+        *args, **kwargs: passed to :class:`JsonFormatter`.
+    """
+
+    def __init__(self, *args: Any, secrets: Iterable[str] = (), **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self.secrets = sorted({s for s in secrets if s and len(s) >= 4}, key=len, reverse=True)
+
+    def redact(self, value: Any) -> Any:
+        """*value* with secrets masked; containers are walked, other objects become text."""
+        if isinstance(value, str):
+            text = redact_dsn(value)
+            for secret in self.secrets:
+                text = text.replace(secret, MASK)
+            return text
+        if isinstance(value, _PLAIN):
+            return value
+        if isinstance(value, dict):
+            return {str(k): self.redact(v) for k, v in value.items()}
+        if isinstance(value, list | tuple | set | frozenset):
+            return [self.redact(v) for v in value]
+        return self.redact(str(value))
+
+    def process_log_record(self, log_data: dict[str, Any]) -> dict[str, Any]:
+        """Mask secrets in every field before serialisation."""
+        return {k: self.redact(v) for k, v in log_data.items()}
 
 
-def configure_logging(level: str = "INFO", stream: Any = None) -> None:
-    """Send all logs as JSON lines to *stream* (stdout) at *level* and above.
+def configure_logging(level: str = "INFO", stream: Any = None, *,
+                      secrets: Iterable[str] = ()) -> None:
+    """Send all logs as JSON lines to *stream* (default stdout) at *level* and above.
 
-    Replaces existing root handlers; safe to call more than once.
+    *secrets* are literal strings masked wherever they appear (pass the DSN
+    password and the provider token). Replaces existing root handlers; safe to
+    call more than once. Raises ``ValueError`` for an unknown *level*.
     """
     handler = logging.StreamHandler(stream or sys.stdout)
     handler.setFormatter(
-        _RedactingFormatter(
+        RedactingJsonFormatter(
             "%(asctime)s %(levelname)s %(name)s %(message)s",
             rename_fields={"asctime": "time", "levelname": "level", "name": "logger",
                            "message": "event"},
             timestamp=False,
             json_ensure_ascii=False,
+            secrets=secrets,
         )
     )
     root = logging.getLogger()
@@ -60,7 +101,12 @@ def get_logger(name: str) -> logging.Logger:
 
 
 def job_fields(job: Job, outcome: str) -> dict[str, object]:
-    """The structured fields every job log line carries (token cut to 8 characters)."""
+    """The structured fields every job log line carries (token cut to 8 characters).
+
+    Keys: ``job_id`` (UUID text), ``order_id``, ``attempt`` (1-based int),
+    ``token`` (first 8 hex characters of the lease token), ``outcome`` (the
+    delivery outcome or ack result, e.g. ``delivered``, ``provider_5xx``, ``stale``).
+    """
     return {
         "job_id": str(job.id),
         "order_id": job.order_id,
