@@ -148,31 +148,35 @@ WHERE state = 'failed'
 RETURNING id;
 
 -- name: queue_stats
--- The gauges, in one statement. Each count walks one small partial index, so
+-- The gauges, in one statement that walks each small partial index once
+-- (MATERIALIZED: a CTE referenced twice must not be re-run per reference), so
 -- it stays cheap with millions of done rows; done is an estimate from the
--- table statistics (live rows minus the other states), never a count.
+-- table statistics (live rows minus the other states), never a count. The
+-- oldest transaction is this database's: only its sessions hold back the
+-- cleanup of receipt_jobs (DESIGN §10).
+WITH ready AS MATERIALIZED (
+  SELECT count(*) AS ready,
+         count(*) FILTER (WHERE run_at <= statement_timestamp()) AS ready_due,
+         min(run_at) FILTER (WHERE run_at <= statement_timestamp()) AS oldest_due
+  FROM receipt_jobs WHERE state = 'ready'
+), running AS MATERIALIZED (
+  SELECT count(*) AS running,
+         count(*) FILTER (WHERE lease_until <= statement_timestamp()) AS expired
+  FROM receipt_jobs WHERE state = 'running'
+), failed AS MATERIALIZED (
+  SELECT count(*) AS failed FROM receipt_jobs WHERE state = 'failed'
+)
 SELECT
-  ready_due, ready, running, expired, failed, lag_seconds,
-  greatest(coalesce(t.n_live_tup, 0) - ready - running - failed, 0) AS done_estimate,
-  coalesce(t.n_dead_tup, 0) AS dead_tuples,
+  r.ready_due, r.ready, n.running, n.expired, f.failed,
+  coalesce(extract(epoch FROM statement_timestamp() - r.oldest_due), 0) AS lag_seconds,
+  greatest(pg_stat_get_live_tuples('receipt_jobs'::regclass) - r.ready - n.running - f.failed,
+           0) AS done_estimate,
+  pg_stat_get_dead_tuples('receipt_jobs'::regclass) AS dead_tuples,
   (SELECT coalesce(extract(epoch FROM statement_timestamp() - min(xact_start)), 0)
      FROM pg_stat_activity
      WHERE xact_start IS NOT NULL AND backend_type = 'client backend'
-       AND pid <> pg_backend_pid()) AS oldest_xact_seconds
-FROM (
-  SELECT
-    (SELECT count(*) FROM receipt_jobs
-       WHERE state = 'ready' AND run_at <= statement_timestamp()) AS ready_due,
-    (SELECT count(*) FROM receipt_jobs WHERE state = 'ready') AS ready,
-    (SELECT count(*) FROM receipt_jobs WHERE state = 'running') AS running,
-    (SELECT count(*) FROM receipt_jobs
-       WHERE state = 'running' AND lease_until <= statement_timestamp()) AS expired,
-    (SELECT count(*) FROM receipt_jobs WHERE state = 'failed') AS failed,
-    (SELECT coalesce(extract(epoch FROM statement_timestamp() - min(run_at)), 0)
-       FROM receipt_jobs
-       WHERE state = 'ready' AND run_at <= statement_timestamp()) AS lag_seconds
-) AS q
-LEFT JOIN pg_stat_user_tables AS t ON t.relid = 'receipt_jobs'::regclass;
+       AND datname = current_database() AND pid <> pg_backend_pid()) AS oldest_xact_seconds
+FROM ready AS r, running AS n, failed AS f;
 
 -- name: state_counts
 -- Exact rows by state, for `receipts jobs stats` (an operator command; it
