@@ -51,6 +51,7 @@ async def _with_queue(settings: Settings, role: str,
     """Open a one-connection pool, run *body(queue)*, close the pool."""
     from receipts.jobqueue import JobQueue, make_pool
 
+    await _check_connection(settings, role)
     pool = make_pool(settings, role, max_size=1)
     await pool.open(wait=False)
     try:
@@ -59,6 +60,24 @@ async def _with_queue(settings: Settings, role: str,
         return await body(queue)
     finally:
         await pool.close(timeout=2.0)
+
+
+async def _check_connection(settings: Settings, role: str) -> None:
+    """Connect once, directly, so a one-shot command fails fast with the real reason.
+
+    Raises ``DatabaseUnavailable`` (connection refused, bad password, unknown
+    database, …; the message is redacted) instead of a pool timeout after 5 s.
+    """
+    import psycopg
+
+    from receipts.jobqueue import _translate, connection_kwargs
+
+    try:
+        conn = await psycopg.AsyncConnection.connect(settings.dsn,
+                                                     **connection_kwargs(settings, role))
+    except psycopg.Error as exc:
+        raise _translate(exc) from exc
+    await conn.close()
 
 
 # ------------------------------------------------------------------ commands
@@ -133,6 +152,16 @@ def cmd_enqueue(settings: Settings, args: argparse.Namespace) -> int:
     dupes = len(args.order_ids) - created
     print(f"enqueued {created} job(s); {dupes} order(s) already had one")
     return EXIT_OK
+
+
+def _positive_int(text: str) -> int:
+    try:
+        number = int(text)
+    except ValueError:
+        number = 0
+    if number < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    return number
 
 
 def _parse_since(text: str | None) -> datetime | None:
@@ -218,6 +247,12 @@ def cmd_jobs(settings: Settings, args: argparse.Namespace) -> int:
 
 
 async def _retry(queue: Any, args: argparse.Namespace) -> int:
+    """``jobs retry``: failed → ready (attempts reset, due now), all or nothing.
+
+    Exit 0 when every named job (or every failed job) was retried or, with
+    ``--dry-run``, would be; 1 when a named job is unknown or not failed (then
+    nothing changes); 2 for bad usage.
+    """
     from receipts.jobqueue import JobState
 
     if args.all_failed == bool(args.ids):
@@ -225,27 +260,53 @@ async def _retry(queue: Any, args: argparse.Namespace) -> int:
     ids: list[uuid.UUID] | None = None
     if args.ids:
         try:
-            ids = [uuid.UUID(i) for i in args.ids]
+            ids = list(dict.fromkeys(uuid.UUID(i) for i in args.ids))
         except ValueError:
-            raise UsageError("job ids must be UUIDs") from None
+            raise UsageError("job ids must be UUIDs (see `receipts jobs list`)") from None
+    refused: list[dict[str, str]] = []
+    if ids is None:
+        targets = [r["id"] for r in await queue.list_jobs(JobState.FAILED, limit=1_000_000)]
+    else:
+        for job_id in ids:
+            row = await queue.show_job(str(job_id))
+            if row is None:
+                refused.append({"id": str(job_id), "state": "unknown"})
+            elif row["state"] != JobState.FAILED:
+                refused.append({"id": str(job_id), "state": str(row["state"])})
+        targets = ids
+    if refused:
+        _print_retry(args, [], refused)
+        for item in refused:
+            what = "no such job" if item["state"] == "unknown" else f"is {item['state']}"
+            print(f"receipts: error: job {item['id']} {what}; only failed jobs can be retried",
+                  file=sys.stderr)
+        print("receipts: error: nothing was retried", file=sys.stderr)
+        return EXIT_ERROR
     if args.dry_run:
-        if ids is None:
-            rows = await queue.list_jobs(JobState.FAILED, limit=1_000_000)
-            targets = [r["id"] for r in rows]
-        else:
-            targets = [i for i in ids if (row := await queue.show_job(str(i)))
-                       and row["state"] == JobState.FAILED]
-        print(f"would retry {len(targets)} failed job(s)")
+        _print_retry(args, [str(t) for t in targets], [])
         return EXIT_OK
     changed = await queue.retry_failed(ids)
-    print(f"retried {len(changed)} failed job(s)")
-    if ids is not None:
-        refused = [str(i) for i in ids if i not in set(changed)]
-        if refused:
-            print(f"receipts: not retried (not in state failed, or unknown): "
-                  f"{', '.join(refused)}", file=sys.stderr)
-            return EXIT_ERROR
+    _print_retry(args, [str(c) for c in changed], [])
+    if ids is not None and len(changed) < len(ids):
+        # Another operator or a recovery raced us between the check and the update.
+        missed = sorted(str(i) for i in set(ids) - set(changed))
+        print(f"receipts: error: not retried (no longer failed): {', '.join(missed)}",
+              file=sys.stderr)
+        return EXIT_ERROR
     return EXIT_OK
+
+
+def _print_retry(args: argparse.Namespace, ids: list[str], refused: list[dict[str, str]]) -> None:
+    if args.json:
+        print(json.dumps({"dry_run": bool(args.dry_run), "retried": [] if args.dry_run else ids,
+                          "would_retry": ids if args.dry_run else [], "refused": refused}))
+    elif not refused:
+        verb = "would retry" if args.dry_run else "retried"
+        print(f"{verb} {len(ids)} failed job(s)")
+        for job_id in ids[:20]:
+            print(f"  {job_id}")
+        if len(ids) > 20:
+            print(f"  … and {len(ids) - 20} more")
 
 
 def cmd_provider(settings: Settings | None, args: argparse.Namespace) -> int:
@@ -317,16 +378,22 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--json", action="store_true")
     j = jsub.add_parser("list", help="list jobs in a state, newest first")
     j.add_argument("--state", choices=["ready", "running", "done", "failed"], default="failed")
-    j.add_argument("--limit", type=int, default=50)
+    j.add_argument("--limit", type=_positive_int, default=50)
     j.add_argument("--since", help="only jobs finished (or created) at/after this ISO time")
     j.add_argument("--json", action="store_true")
     j = jsub.add_parser("show", help="one job by id or order id")
     j.add_argument("id")
     j.add_argument("--json", action="store_true")
-    j = jsub.add_parser("retry", help="failed → ready, attempts reset, run now")
-    j.add_argument("ids", nargs="*", metavar="ID")
-    j.add_argument("--all-failed", action="store_true")
-    j.add_argument("--dry-run", action="store_true")
+    j = jsub.add_parser(
+        "retry", help="failed → ready, attempts reset, run now (all or nothing)",
+        description="Make failed jobs deliverable again: state ready, attempts 0, due now; "
+                    "last_error is kept, prefixed 'manual retry after: '. Named jobs are "
+                    "retried only if every one is failed. Exit 0 done, 1 refused (nothing "
+                    "changed) or database error, 2 bad usage.")
+    j.add_argument("ids", nargs="*", metavar="ID", help="job UUIDs")
+    j.add_argument("--all-failed", action="store_true", help="every failed job")
+    j.add_argument("--dry-run", action="store_true", help="show what would change; change nothing")
+    j.add_argument("--json", action="store_true")
 
     p = add("provider", "Run the reference receipt provider (idempotent, with fault injection).")
     p.add_argument("--host", default="127.0.0.1")
@@ -360,6 +427,25 @@ COMMANDS: dict[str, Callable[..., int]] = {
     "enqueue": cmd_enqueue, "jobs": cmd_jobs, "provider": cmd_provider, "demo": cmd_demo,
 }
 NEEDS_SETTINGS = {"migrate", "worker", "recover", "enqueue", "jobs"}
+LOGS_ON_STDOUT = {"worker", "provider"}
+
+
+def _secrets(settings: Settings) -> list[str]:
+    """The literal secrets logs must mask: the DSN password (decoded and as written), the token."""
+    from urllib.parse import urlsplit
+
+    from psycopg.conninfo import conninfo_to_dict
+
+    found: list[str] = []
+    try:
+        found.append(str(conninfo_to_dict(settings.dsn).get("password") or ""))
+        if "://" in settings.dsn:
+            found.append(urlsplit(settings.dsn).password or "")
+    except Exception:  # the settings validator already refused unparsable DSNs
+        pass
+    if settings.provider_token is not None:
+        found.append(settings.provider_token.get_secret_value())
+    return [s for s in found if s]
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -371,11 +457,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         settings: Settings | None = None
+        # Long-running processes log to stdout (the container log); one-shot
+        # commands print their result there, so their logs go to stderr.
+        stream = sys.stdout if args.command in LOGS_ON_STDOUT else sys.stderr
         if args.command in NEEDS_SETTINGS:
             settings = load_settings()
-            configure_logging(settings.log_level)
+            configure_logging(settings.log_level, stream, secrets=_secrets(settings))
         else:
-            configure_logging("INFO" if args.command == "provider" else "WARNING")
+            configure_logging("INFO" if args.command == "provider" else "WARNING", stream)
         return COMMANDS[args.command](settings, args)
     except (SettingsError, UsageError, InvalidOrderId) as exc:
         print(f"receipts: error: {exc}", file=sys.stderr)

@@ -17,6 +17,7 @@ as a :class:`RecoveryReport`; optionally pushes the counts to a Pushgateway.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from dataclasses import asdict, dataclass
 
@@ -122,7 +123,5 @@ async def run_loop(queue: JobQueue, settings: Settings, every_seconds: float,
             await run_once(queue, settings)
         except QueueError as exc:
             log.warning("recovery_failed", extra={"error": str(exc)})
-        try:
+        with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=every_seconds)
-        except TimeoutError:
-            pass

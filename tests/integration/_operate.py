@@ -1,0 +1,128 @@
+"""Helpers for the operate tests: an in-process worker served over real HTTP, scrapes, waits.
+
+:func:`serving_worker` runs a real :class:`~receipts.worker.Worker` (real pool,
+real ``httpx`` deliverer, real aiohttp metrics server on a free port) in the
+test's event loop, so tests can scrape ``/metrics`` exactly as Prometheus does
+and still drive the in-loop reference provider.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import subprocess
+import sys
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+import httpx
+from prometheus_client.parser import text_string_to_metric_families
+
+from receipts.embedded import free_port
+from receipts.settings import Settings
+
+Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
+
+
+def parse_scrape(text: str) -> Samples:
+    """Prometheus text format → {(sample name, sorted labels): value}."""
+    samples: Samples = {}
+    for family in text_string_to_metric_families(text):
+        for s in family.samples:
+            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return samples
+
+
+def value(samples: Samples, name: str, **labels: str) -> float:
+    """One sample's value; KeyError when the series is absent."""
+    return samples[(name, tuple(sorted(labels.items())))]
+
+
+def total(samples: Samples, name: str) -> float:
+    """Sum of a metric's samples over every label set (0 when absent)."""
+    return sum(v for (n, _), v in samples.items() if n == name)
+
+
+def by_label(samples: Samples, name: str, label: str) -> dict[str, float]:
+    """{label value: sample value} for one metric."""
+    return {dict(lbls)[label]: v for (n, lbls), v in samples.items()
+            if n == name and label in dict(lbls)}
+
+
+async def wait_for(predicate: Callable[[], Awaitable[bool]], *, timeout_seconds: float,
+                   what: str, every_seconds: float = 0.05) -> None:
+    """Poll *predicate* until it is true; AssertionError naming *what* after the deadline."""
+    deadline = time.monotonic() + timeout_seconds
+    while not await predicate():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout_seconds:g}s waiting for {what}")
+        await asyncio.sleep(every_seconds)
+
+
+@dataclass
+class ServedWorker:
+    """A running in-process worker and its metrics endpoint."""
+
+    worker: object
+    port: int
+    client: httpx.AsyncClient
+
+    def url(self, path: str) -> str:
+        return f"http://127.0.0.1:{self.port}{path}"
+
+    async def get(self, path: str) -> httpx.Response:
+        return await self.client.get(self.url(path))
+
+    async def scrape(self) -> Samples:
+        response = await self.get("/metrics")
+        response.raise_for_status()
+        return parse_scrape(response.text)
+
+
+@asynccontextmanager
+async def serving_worker(settings: Settings, *, wait_ready: bool = True
+                         ) -> AsyncIterator[ServedWorker]:
+    """Run a Worker with its metrics server until the block ends, then stop and drain it."""
+    from receipts.delivery import HttpDeliverer
+    from receipts.jobqueue import JobQueue, make_pool
+    from receipts.metrics import Metrics, make_app, start_server
+    from receipts.worker import Worker, _watch_pool
+
+    metrics = Metrics()
+    pool = make_pool(settings, "worker")
+    deliverer = HttpDeliverer(settings.provider_url,
+                              timeout_seconds=settings.delivery_timeout_seconds,
+                              max_connections=settings.concurrency)
+    queue = JobQueue(pool, lease_seconds=settings.lease_seconds,
+                     max_attempts=settings.max_attempts)
+    worker = Worker(settings, queue, deliverer, metrics)
+    _watch_pool(pool, metrics)
+    port = free_port()
+    runner = await start_server(make_app(metrics, worker.is_ready), port, host="127.0.0.1")
+    await pool.open(wait=False)
+    task = asyncio.create_task(worker.run())
+    async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
+        served = ServedWorker(worker, port, client)
+        try:
+            if wait_ready:
+                async def ready() -> bool:
+                    return (await served.get("/readyz")).status_code == 200
+                await wait_for(ready, timeout_seconds=15, what="/readyz 200")
+            yield served
+        finally:
+            worker.stop()
+            await asyncio.wait_for(task, 30)
+            await deliverer.aclose()
+            await pool.close(timeout=5.0)
+            await runner.cleanup()
+
+
+def receipts_cli(args: list[str], env: Mapping[str, str], *, timeout_seconds: float = 60
+                 ) -> subprocess.CompletedProcess[str]:
+    """Run ``python -m receipts ARGS`` with only *env*'s ``RECEIPTS_*`` settings."""
+    full = {k: v for k, v in os.environ.items() if not k.startswith("RECEIPTS_")}
+    full.update(env)
+    return subprocess.run([sys.executable, "-m", "receipts", *args], env=full, text=True,
+                          capture_output=True, timeout=timeout_seconds, check=False)

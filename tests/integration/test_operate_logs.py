@@ -1,0 +1,144 @@
+"""Worker and CLI output: JSON log lines with the job fields, and no DSN password anywhere."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import sys
+
+import psycopg
+import pytest
+
+from tests.conftest import RunningProvider, enqueue_many, fetch_rows
+from tests.integration._operate import receipts_cli, wait_for
+
+PASSWORD = "Sup3r-Secret-Pw"
+JOB_FIELDS = {"job_id", "order_id", "attempt", "token", "outcome"}
+
+
+def _with_password(dsn: str) -> str:
+    """*dsn* (key/value form) plus a password; trust auth ignores it, logs must hide it."""
+    info = psycopg.conninfo.conninfo_to_dict(dsn)
+    info["password"] = PASSWORD
+    return psycopg.conninfo.make_conninfo(**info)  # type: ignore[arg-type]
+
+
+def _worker_env(dsn: str, provider_url: str, **extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RECEIPTS_")}
+    env |= {
+        "RECEIPTS_DATABASE_URL": dsn,
+        "RECEIPTS_PROVIDER_URL": provider_url,
+        "RECEIPTS_CONCURRENCY": "8",
+        "RECEIPTS_LEASE_SECONDS": "30",
+        "RECEIPTS_DELIVERY_TIMEOUT_SECONDS": "5",
+        "RECEIPTS_POLL_INTERVAL_SECONDS": "0.1",
+        "RECEIPTS_RETRY_BASE_SECONDS": "0.05",
+        "RECEIPTS_RETRY_CAP_SECONDS": "0.2",
+        "RECEIPTS_METRICS_PORT": "0",
+        "RECEIPTS_LOG_LEVEL": "DEBUG",
+    }
+    return env | extra
+
+
+async def _run_worker_until(env: dict[str, str], done: object, *, timeout_seconds: float
+                            ) -> tuple[int, str, str]:
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable, "-m", "receipts", "worker", env=env,
+        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    try:
+        await wait_for(done, timeout_seconds=timeout_seconds, what="the worker's work")  # type: ignore[arg-type]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, err = await asyncio.wait_for(proc.communicate(), 30)
+    return proc.returncode or 0, out.decode(), err.decode()
+
+
+def _json_lines(text: str) -> list[dict[str, object]]:
+    lines = [ln for ln in text.splitlines() if ln.strip()]
+    return [json.loads(ln) for ln in lines]  # every line must parse
+
+
+async def test_worker_logs_are_json_lines_with_the_job_fields_and_no_password(
+    dsn: str, provider: RunningProvider
+) -> None:
+    provider.set_faults(error_rate=0.3, reject_rate=0.2)
+    enqueue_many(dsn, [f"log-{i:02d}" for i in range(20)])
+
+    async def drained() -> bool:
+        rows = await asyncio.to_thread(fetch_rows, dsn, "SELECT count(*) FROM receipt_jobs"
+                                                        " WHERE state IN ('ready', 'running')")
+        return rows[0][0] == 0
+
+    code, out, err = await _run_worker_until(_worker_env(_with_password(dsn), provider.url),
+                                             drained, timeout_seconds=30)
+    assert code == 0, err
+    assert PASSWORD not in out + err
+    records = _json_lines(out)
+    events = {r["event"] for r in records}
+    assert {"worker_started", "job_retry", "job_failed", "delivered", "stopped"} <= events
+    started = next(r for r in records if r["event"] == "worker_started")
+    assert "password=***" in str(started["database"])
+    job_records = [r for r in records if r["event"] in ("job_retry", "job_failed", "delivered")]
+    for record in job_records:
+        assert record.keys() >= JOB_FIELDS, record
+        assert str(record["order_id"]).startswith("log-")
+        assert isinstance(record["attempt"], int) and record["attempt"] >= 1
+        token = str(record["token"])
+        assert len(token) == 8 and int(token, 16) >= 0
+        assert {"time", "level", "logger"} <= record.keys()
+    failed = [r for r in records if r["event"] == "job_failed"]
+    assert all(r["outcome"] == "rejected" for r in failed)
+    assert len(failed) == fetch_rows(dsn, "SELECT count(*) FROM receipt_jobs"
+                                          " WHERE state = 'failed'")[0][0]
+
+
+async def test_a_worker_without_its_database_logs_json_without_the_password() -> None:
+    from receipts.embedded import free_port
+
+    bad = f"postgresql://receipts:{PASSWORD}@127.0.0.1:{free_port()}/receipts"
+    seen: list[float] = []
+
+    async def a_while() -> bool:
+        seen.append(0)
+        return len(seen) > 30  # ~1.5 s of failed claims
+
+    code, out, err = await _run_worker_until(_worker_env(bad, "http://127.0.0.1:9/r"),
+                                             a_while, timeout_seconds=10)
+    assert code == 0, err
+    assert PASSWORD not in out + err
+    records = _json_lines(out)
+    assert any(r["event"] == "claim_failed" for r in records)
+    assert any("postgresql://receipts:***@" in str(r.get("database")) for r in records)
+
+
+@pytest.mark.parametrize("command", [["jobs", "stats"], ["jobs", "list", "--json"],
+                                     ["migrate"], ["recover"], ["enqueue", "o-1"]])
+@pytest.mark.parametrize("form", ["uri", "keyvalue"])
+def test_cli_errors_for_an_unreachable_database_never_show_the_password(
+    command: list[str], form: str
+) -> None:
+    from receipts.embedded import free_port
+
+    port = free_port()
+    dsn = (f"postgresql://receipts:{PASSWORD}@127.0.0.1:{port}/receipts" if form == "uri"
+           else f"host=127.0.0.1 port={port} user=receipts password={PASSWORD} dbname=receipts")
+    result = receipts_cli(command, {"RECEIPTS_DATABASE_URL": dsn}, timeout_seconds=30)
+    assert result.returncode == 1, result.stderr
+    assert PASSWORD not in result.stdout + result.stderr
+    assert "receipts: error:" in result.stderr
+    assert "Connection refused" in result.stderr or "connection" in result.stderr.lower()
+
+
+@pytest.mark.parametrize("dsn", [
+    f"postgresql://receipts:{PASSWORD}@127.0.0.1:notaport/receipts",
+    f"mysql://receipts:{PASSWORD}@127.0.0.1/receipts",
+    f"host=127.0.0.1 password={PASSWORD} bogus_option=1",
+    f"host=127.0.0.1 password='{PASSWORD} x",
+])
+def test_cli_settings_errors_for_a_bad_dsn_never_show_the_password(dsn: str) -> None:
+    result = receipts_cli(["jobs", "stats"], {"RECEIPTS_DATABASE_URL": dsn})
+    assert result.returncode == 2, result.stderr
+    assert PASSWORD not in result.stdout + result.stderr
+    assert "RECEIPTS_DATABASE_URL" in result.stderr

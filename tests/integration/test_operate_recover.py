@@ -1,0 +1,115 @@
+"""``receipts recover``: its summary, and its counts pushed to a (tiny, real) Pushgateway."""
+
+from __future__ import annotations
+
+import json
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from receipts.embedded import free_port
+from tests.conftest import enqueue_many, fetch_rows
+from tests.integration._operate import parse_scrape, receipts_cli, value
+
+
+@dataclass
+class FakeGateway:
+    """Records every request: (method, path, content type, body)."""
+
+    port: int
+    requests: list[tuple[str, str, str, str]] = field(default_factory=list)
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+
+@pytest.fixture
+def gateway() -> Iterator[FakeGateway]:
+    fake = FakeGateway(free_port())
+
+    class Handler(BaseHTTPRequestHandler):
+        def _record(self) -> None:
+            length = int(self.headers.get("Content-Length") or 0)
+            body = self.rfile.read(length).decode()
+            fake.requests.append((self.command, self.path,
+                                  self.headers.get("Content-Type", ""), body))
+            self.send_response(200)
+            self.end_headers()
+
+        do_PUT = do_POST = _record
+
+        def log_message(self, *args: object) -> None:
+            pass
+
+    server = ThreadingHTTPServer(("127.0.0.1", fake.port), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        yield fake
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def _seed(dsn: str) -> None:
+    """Two expired leases with attempts left, one at max attempts, three old done rows."""
+    enqueue_many(dsn, ["exp-1", "exp-2", "exp-max", "old-1", "old-2", "old-3", "fresh"])
+    fetch_rows(dsn, """
+        UPDATE receipt_jobs SET state = 'running', attempts = CASE order_id
+                 WHEN 'exp-max' THEN 5 ELSE 1 END,
+               lease_token = gen_random_uuid(),
+               lease_until = statement_timestamp() - interval '1 minute'
+        WHERE order_id LIKE 'exp-%%' RETURNING 1""")
+    fetch_rows(dsn, """
+        UPDATE receipt_jobs SET state = 'done', attempts = 1,
+               finished_at = statement_timestamp() - interval '3 days'
+        WHERE order_id LIKE 'old-%%' RETURNING 1""")
+
+
+def _env(dsn: str, **extra: str) -> dict[str, str]:
+    return {"RECEIPTS_DATABASE_URL": dsn, "RECEIPTS_MAX_ATTEMPTS": "5",
+            "RECEIPTS_RETENTION_DAYS": "1", "RECEIPTS_RECOVERY_DELAY_SECONDS": "0", **extra}
+
+
+def test_recover_pushes_its_counts_to_the_pushgateway(dsn: str, gateway: FakeGateway) -> None:
+    _seed(dsn)
+    started = time.time()
+    result = receipts_cli(["recover"], _env(dsn, RECEIPTS_PUSHGATEWAY_URL=gateway.url))
+    assert result.returncode == 0, result.stderr
+    assert result.stdout.startswith("recovered 2 expired lease(s) to ready, 1 to failed;")
+    assert "pruned 3 finished row(s)" in result.stdout
+
+    (method, path, content_type, body), = gateway.requests
+    assert (method, path) == ("PUT", "/metrics/job/receipts-recover")
+    assert content_type.startswith("text/plain")
+    pushed = parse_scrape(body)
+    assert value(pushed, "receipts_recovery_expired_total", result="ready") == 2
+    assert value(pushed, "receipts_recovery_expired_total", result="failed") == 1
+    assert value(pushed, "receipts_recovery_exhausted_total") == 0
+    assert value(pushed, "receipts_recovery_pruned_total") == 3
+    assert value(pushed, "receipts_recovery_last_success_timestamp_seconds") >= started - 1
+
+    states = dict(fetch_rows(dsn, "SELECT order_id, state FROM receipt_jobs"))
+    assert states == {"exp-1": "ready", "exp-2": "ready", "exp-max": "failed", "fresh": "ready"}
+
+
+def test_recover_without_a_pushgateway_just_prints(dsn: str) -> None:
+    _seed(dsn)
+    result = receipts_cli(["recover", "--json"], _env(dsn))
+    assert result.returncode == 0, result.stderr
+    report = json.loads(result.stdout)  # stdout is the report alone; logs go to stderr
+    assert (report["expired_to_ready"], report["expired_to_failed"], report["pruned"]) == (2, 1, 3)
+
+
+def test_an_unreachable_pushgateway_fails_the_run_but_keeps_the_sweep(dsn: str) -> None:
+    _seed(dsn)
+    url = f"http://127.0.0.1:{free_port()}"
+    result = receipts_cli(["recover"], _env(dsn, RECEIPTS_PUSHGATEWAY_URL=url))
+    assert result.returncode == 1
+    assert "push to Pushgateway failed" in result.stderr
+    assert fetch_rows(dsn, "SELECT count(*) FROM receipt_jobs WHERE state = 'running'") == [(0,)]
