@@ -1,0 +1,85 @@
+"""Retention: ``receipts recover`` prunes only old done/failed rows, in bounded batches."""
+
+from __future__ import annotations
+
+import psycopg
+
+from receipts import recovery
+from receipts.jobqueue import JobQueue, enqueue
+from tests.conftest import fetch_rows, make_settings
+
+SEED = """
+INSERT INTO receipt_jobs (id, order_id, state, attempts, finished_at, created_at, last_error)
+SELECT gen_random_uuid(), %(prefix)s || g, %(state)s, 1,
+       CASE WHEN %(state)s IN ('done', 'failed')
+            THEN statement_timestamp() - make_interval(secs => %(age)s) END,
+       statement_timestamp() - make_interval(secs => %(age)s + 60),
+       CASE WHEN %(state)s = 'failed' THEN '422 rejected' END
+FROM generate_series(1, %(n)s) AS g
+"""
+DAY = 86_400.0
+
+
+def _seed(dsn: str, prefix: str, state: str, n: int, age_seconds: float) -> None:
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(SEED, {"prefix": prefix, "state": state, "n": n, "age": age_seconds})
+
+
+class _CountingQueue(JobQueue):
+    """A JobQueue that records how many rows each prune statement deleted."""
+
+    prune_batches: list[int]
+
+    async def prune(self, *, retention_seconds: float, batch: int) -> int:
+        n = await super().prune(retention_seconds=retention_seconds, batch=batch)
+        self.prune_batches.append(n)
+        return n
+
+
+def _orders(dsn: str) -> set[str]:
+    return {str(r[0]) for r in fetch_rows(dsn, "SELECT order_id FROM receipt_jobs")}
+
+
+async def test_pruning_deletes_only_old_finished_rows_in_bounded_batches(
+    dsn: str, queue: JobQueue
+) -> None:
+    settings = make_settings(dsn, retention_days=1, prune_batch_size=7)
+    _seed(dsn, "old-done-", "done", 23, 10 * DAY)
+    _seed(dsn, "old-failed-", "failed", 5, DAY + 60)          # just outside the window
+    _seed(dsn, "new-done-", "done", 3, DAY - 60)              # just inside the window
+    _seed(dsn, "new-failed-", "failed", 2, 3600)
+    _seed(dsn, "old-ready-", "ready", 4, 30 * DAY)            # never pruned: not finished
+    _seed(dsn, "old-running-", "ready", 1, 30 * DAY)          # and an old running attempt
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("UPDATE receipt_jobs SET state = 'running', lease_token = gen_random_uuid(),"
+                     " lease_until = statement_timestamp() + interval '1 hour'"
+                     " WHERE order_id LIKE 'old-running-%'")
+    keep = {o for o in _orders(dsn) if not o.startswith(("old-done-", "old-failed-"))}
+
+    counting = _CountingQueue(queue.pool, lease_seconds=settings.lease_seconds,
+                              max_attempts=settings.max_attempts)
+    counting.prune_batches = []
+    report = await recovery.run_once(counting, settings)
+
+    assert report.pruned == 28
+    assert _orders(dsn) == keep
+    assert counting.prune_batches == [7, 7, 7, 7, 0]  # bounded; stops on a short batch
+    # A second sweep finds nothing more.
+    assert (await recovery.run_once(counting, settings)).pruned == 0
+
+    # Inside the window the row still deduplicates enqueue; a pruned order's does not
+    # (the trade-off: retention must outlast any re-submission of an order).
+    with psycopg.connect(dsn) as conn:
+        assert enqueue(conn, "new-done-1", notify=False) is False
+        assert enqueue(conn, "new-failed-2", notify=False) is False
+        assert enqueue(conn, "old-done-1", notify=False) is True
+    (state,), = fetch_rows(dsn, "SELECT state FROM receipt_jobs WHERE order_id = 'new-done-1'")
+    assert state == "done"
+
+
+async def test_retention_zero_turns_pruning_off(dsn: str, queue: JobQueue) -> None:
+    settings = make_settings(dsn, retention_days=0)
+    _seed(dsn, "ancient-", "done", 5, 3650 * DAY)
+    report = await recovery.run_once(queue, settings)
+    assert report.pruned == 0
+    assert len(_orders(dsn)) == 5
