@@ -1,0 +1,215 @@
+"""Benchmark child processes: a receipts worker, a PgQueuer or a Procrastinate consumer.
+
+``python -m bench.child KIND --dsn DSN [options]``. Each child imports what it
+needs, prints ``ready`` and waits for one line on stdin before it touches the
+queue, so process start-up is never part of a measured interval. It runs
+until SIGTERM (or, for the peers, until its queue is empty when ``--drain``),
+then writes what it recorded (``--record FILE``: order id → wall-clock time
+a delivery started, ``time.time()``) as JSON.
+
+The deliverers and handlers are no-ops: they return at once (no HTTP), so
+what is measured is the queue machinery of each system.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import signal
+import sys
+import time
+from typing import Any
+
+_CPU_AT_GO = [0.0]
+
+
+def _cpu() -> float:
+    import resource
+
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _wait_for_go() -> None:
+    print("ready", flush=True)
+    sys.stdin.readline()
+    _CPU_AT_GO[0] = _cpu()
+
+
+def _write(path: str | None, record: dict[str, float]) -> None:
+    if path:
+        with open(path, "w") as fh:
+            json.dump(record, fh)
+    # The last stderr line: CPU seconds since "go" (read by bench.procs).
+    print(json.dumps({"cpu_seconds": _cpu() - _CPU_AT_GO[0]}), file=sys.stderr)
+
+
+# ----------------------------------------------------------------- receipts
+
+
+class NoopDeliverer:
+    """Delivers instantly; optionally records when each delivery started."""
+
+    def __init__(self, record: dict[str, float] | None) -> None:
+        from receipts.delivery import Outcome, Verdict
+
+        self._outcome = Outcome(Verdict.DELIVERED, "delivered", 200)
+        self._record = record
+
+    async def deliver(self, job: Any) -> Any:
+        if self._record is not None:
+            self._record.setdefault(job.order_id, time.time())
+        return self._outcome
+
+    async def aclose(self) -> None:
+        return None
+
+
+class RecordingHttp:
+    """The real HTTP deliverer, recording delivery start times."""
+
+    def __init__(self, inner: Any, record: dict[str, float]) -> None:
+        self._inner = inner
+        self._record = record
+
+    async def deliver(self, job: Any) -> Any:
+        self._record.setdefault(job.order_id, time.time())
+        return await self._inner.deliver(job)
+
+    async def aclose(self) -> None:
+        await self._inner.aclose()
+
+
+def run_receipts(args: argparse.Namespace) -> None:
+    from receipts.logs import configure_logging
+    from receipts.settings import load_settings
+    from receipts.worker import run_worker
+
+    configure_logging("WARNING")
+    settings = load_settings(
+        database_url=args.dsn,
+        provider_url=args.provider_url or "http://127.0.0.1:9/receipts",
+        concurrency=args.concurrency,
+        claim_batch_max=args.batch,
+        listen_notify=not args.no_listen,
+        poll_interval_seconds=args.poll_seconds,
+        metrics_port=0,
+        log_level="WARNING",
+        pool_max_size=args.pool,
+        application_name=args.app_name,
+        shutdown_grace_seconds=10.0,
+    )
+    record: dict[str, float] | None = {} if args.record else None
+    deliverer: Any
+    if args.provider_url:
+        from receipts.delivery import HttpDeliverer
+
+        deliverer = HttpDeliverer(settings.provider_url,
+                                  timeout_seconds=settings.delivery_timeout_seconds,
+                                  max_connections=settings.concurrency)
+        if record is not None:
+            deliverer = RecordingHttp(deliverer, record)
+    else:
+        deliverer = NoopDeliverer(record)
+    _wait_for_go()
+    asyncio.run(run_worker(settings, deliverer))
+    _write(args.record, record or {})
+
+
+# ----------------------------------------------------------------- PgQueuer
+
+
+def run_pgqueuer(args: argparse.Namespace) -> None:
+    """PgQueuer's own benchmark set-up (tools/benchmark.py): asyncpg, uvloop,
+    ``dequeue`` consumers of ``batch_size`` 10 each on its own connection."""
+    import asyncpg
+    import uvloop
+    from pgqueuer import PgQueuer, types
+    from pgqueuer.db import AsyncpgDriver
+
+    record: dict[str, float] = {}
+
+    async def main() -> None:
+        conns = [await asyncpg.connect(dsn=args.dsn) for _ in range(args.consumers)]
+        pgqs = [PgQueuer(AsyncpgDriver(c)) for c in conns]
+        for pgq in pgqs:
+            @pgq.entrypoint("noop")
+            async def noop(job: Any) -> None:
+                if args.record:
+                    record.setdefault((job.payload or b"").decode(), time.time())
+
+        def stop() -> None:
+            for pgq in pgqs:
+                pgq.shutdown.set()
+
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop)
+        await loop.run_in_executor(None, _wait_for_go)
+        mode = types.QueueExecutionMode.drain if args.drain else types.QueueExecutionMode.continuous
+        await asyncio.gather(*(p.run(batch_size=args.batch, mode=mode) for p in pgqs))
+        for c in conns:
+            await c.close()
+
+    uvloop.run(main())
+    _write(args.record, record)
+
+
+# ------------------------------------------------------------- Procrastinate
+
+
+def run_procrastinate(args: argparse.Namespace) -> None:
+    """A Procrastinate worker (PsycopgConnector, LISTEN/NOTIFY, ``concurrency``)."""
+    import logging
+
+    import procrastinate
+
+    logging.basicConfig(level=logging.WARNING)
+    record: dict[str, float] = {}
+    app = procrastinate.App(connector=procrastinate.PsycopgConnector(conninfo=args.dsn))
+
+    @app.task(name="noop")
+    async def noop(order: str = "") -> None:
+        if args.record:
+            record.setdefault(order, time.time())
+
+    async def main() -> None:
+        async with app.open_async():
+            loop = asyncio.get_running_loop()
+            await loop.run_in_executor(None, _wait_for_go)
+            await app.run_worker_async(
+                concurrency=args.concurrency,
+                wait=not args.drain,
+                listen_notify=not args.no_listen,
+                fetch_job_polling_interval=args.poll_seconds,
+                delete_jobs="successful" if args.delete_jobs else "never",
+                install_signal_handlers=True,
+            )
+
+    asyncio.run(main())
+    _write(args.record, record)
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(prog="python -m bench.child")
+    p.add_argument("kind", choices=["receipts", "pgqueuer", "procrastinate"])
+    p.add_argument("--dsn", required=True)
+    p.add_argument("--concurrency", type=int, default=200)
+    p.add_argument("--batch", type=int, default=100)
+    p.add_argument("--consumers", type=int, default=5)
+    p.add_argument("--pool", type=int, default=2)
+    p.add_argument("--no-listen", action="store_true")
+    p.add_argument("--poll-seconds", type=float, default=1.0)
+    p.add_argument("--provider-url")
+    p.add_argument("--record")
+    p.add_argument("--drain", action="store_true")
+    p.add_argument("--delete-jobs", action="store_true")
+    p.add_argument("--app-name", default="receipts")
+    args = p.parse_args(argv)
+    {"receipts": run_receipts, "pgqueuer": run_pgqueuer,
+     "procrastinate": run_procrastinate}[args.kind](args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,158 @@
+"""The benchmark's PostgreSQL: one durable embedded server, databases, fills, probes.
+
+Every scenario gets a fresh database (``CREATE DATABASE … TEMPLATE``) so no
+run inherits another's dead tuples; fills are one ``INSERT … SELECT`` followed
+by ``VACUUM (ANALYZE)`` and a ``CHECKPOINT``, so each measured run starts from
+the same state (visibility map set, statistics current, no checkpoint due).
+"""
+
+from __future__ import annotations
+
+import itertools
+import os
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import psycopg
+
+from receipts.embedded import EmbeddedPostgres
+from receipts.migrate import apply_migrations
+
+TEMPLATE = "bench_template"
+_names = itertools.count()
+
+#: Server settings: durability stays at the defaults (fsync, synchronous_commit,
+#: full_page_writes on). Only room for the peers' connections and for
+#: 1.1 M-row fills without a forced checkpoint mid-run is added.
+SERVER_SETTINGS = {
+    "max_connections": "300",
+    "max_wal_size": "4GB",
+    "checkpoint_timeout": "30min",
+}
+
+
+class Bench:
+    """The one server of a benchmark run and its databases."""
+
+    def __init__(self, base_dir: str | None = None) -> None:
+        self.server = EmbeddedPostgres(fast=False, settings=SERVER_SETTINGS, base_dir=base_dir)
+        self.server.start()
+        self._template_ready = False
+        #: The claim-cost template database (1 M done + 100 k ready), once built.
+        self.scale_template: str | None = None
+
+    @property
+    def bin_dir(self) -> str:
+        return str(self.server.bin)
+
+    @property
+    def port(self) -> int:
+        return self.server.port
+
+    def durability(self) -> dict[str, str]:
+        """The server's durability settings as it reports them (for the report)."""
+        with psycopg.connect(self.server.dsn, autocommit=True) as conn:
+            return {
+                name: str(conn.execute(f"SHOW {name}").fetchone()[0])  # type: ignore[index]
+                for name in ("server_version", "fsync", "synchronous_commit",
+                             "full_page_writes", "wal_sync_method", "shared_buffers")
+            }
+
+    def _ensure_template(self) -> None:
+        if self._template_ready:
+            return
+        with psycopg.connect(self.server.dsn, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{TEMPLATE}"')
+            conn.execute(f'CREATE DATABASE "{TEMPLATE}"')
+        dsn = self.server.dsn_for(TEMPLATE)
+        apply_migrations(dsn)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute(
+                "CREATE TABLE bench_orders (id text PRIMARY KEY, total_cents integer NOT NULL,"
+                " created_at timestamptz NOT NULL DEFAULT now())"
+            )
+        self._template_ready = True
+
+    def new_database(self, prefix: str, *, template: str | None = None) -> str:
+        """A fresh database (migrated, with ``bench_orders``); returns its DSN."""
+        self._ensure_template()
+        name = f"{prefix}_{os.getpid()}_{next(_names)}"
+        with psycopg.connect(self.server.dsn, autocommit=True) as conn:
+            conn.execute(
+                f'CREATE DATABASE "{name}" TEMPLATE "{template or TEMPLATE}" STRATEGY FILE_COPY'
+            )
+        return self.server.dsn_for(name)
+
+    def drop_database(self, dsn: str) -> None:
+        name = psycopg.conninfo.conninfo_to_dict(dsn)["dbname"]
+        with psycopg.connect(self.server.dsn, autocommit=True) as conn:
+            conn.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')
+
+    @contextmanager
+    def database(self, prefix: str, *, template: str | None = None) -> Iterator[str]:
+        dsn = self.new_database(prefix, template=template)
+        try:
+            yield dsn
+        finally:
+            self.drop_database(dsn)
+
+    def cleanup(self) -> None:
+        self.server.cleanup()
+
+
+def execute(dsn: str, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
+    """Run one statement in autocommit; return its rows (empty when none)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        cur = conn.execute(sql, params)
+        return cur.fetchall() if cur.description else []
+
+
+def settle(dsn: str, *tables: str) -> None:
+    """VACUUM (ANALYZE) *tables* and CHECKPOINT: the same start for every run."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        for table in tables:
+            conn.execute(f"VACUUM (ANALYZE) {table}")
+        conn.execute("CHECKPOINT")
+
+
+def fill_ready(dsn: str, count: int, *, prefix: str = "o", state: str = "ready",
+               run_at_offset_seconds: float = 0.0) -> None:
+    """Insert *count* receipt jobs (order ids ``<prefix>-<n>``) in one statement.
+
+    *state* ``done`` rows get ``finished_at``; *run_at_offset_seconds* shifts
+    ``run_at`` (negative: due earlier than the rest, so claims meet them first).
+    """
+    execute(
+        dsn,
+        "INSERT INTO receipt_jobs (id, order_id, state, run_at, finished_at)"
+        " SELECT gen_random_uuid(), %(prefix)s || '-' || g, %(state)s,"
+        "        now() + make_interval(secs => %(offset)s) + g * interval '1 microsecond',"
+        "        CASE WHEN %(state)s IN ('done', 'failed') THEN now() END"
+        " FROM generate_series(1, %(count)s) AS g",
+        {"prefix": prefix, "state": state, "count": count, "offset": run_at_offset_seconds},
+    )
+
+
+def remaining_jobs(conn: psycopg.Connection[Any]) -> int:
+    """Ready + running receipt jobs (each count walks one small partial index)."""
+    row = conn.execute(
+        "SELECT (SELECT count(*) FROM receipt_jobs WHERE state = 'ready')"
+        " + (SELECT count(*) FROM receipt_jobs WHERE state = 'running')"
+    ).fetchone()
+    return int(row[0]) if row else 0
+
+
+def wait_until(probe: Any, *, timeout_seconds: float, interval_seconds: float = 0.02) -> float:
+    """Call *probe()* until it is true; return the monotonic time it first was.
+
+    Raises ``TimeoutError`` after *timeout_seconds*.
+    """
+    deadline = time.monotonic() + timeout_seconds
+    while True:
+        if probe():
+            return time.monotonic()
+        if time.monotonic() > deadline:
+            raise TimeoutError("the benchmark run did not finish in time")
+        time.sleep(interval_seconds)

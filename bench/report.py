@@ -1,0 +1,215 @@
+"""Summaries over rounds (median, min–max), the target ratios, the table."""
+
+from __future__ import annotations
+
+import statistics
+from collections.abc import Callable, Sequence
+from datetime import datetime
+from typing import Any
+
+LITTLE_BOUND = 400 / 0.2  # 400 slots / 200 ms: deliveries/s by Little's law
+POLL_BOUND_MS = 1000 * 1.25  # poll interval 1 s + its 25 % jitter
+
+
+def stat(values: Sequence[float]) -> dict[str, float]:
+    """Median, min and max of the rounds' values."""
+    vals = [float(v) for v in values]
+    if not vals:
+        return {"median": 0.0, "min": 0.0, "max": 0.0, "n": 0}
+    return {"median": statistics.median(vals), "min": min(vals), "max": max(vals),
+            "n": len(vals)}
+
+
+def _over(runs: list[dict[str, Any]], pick: Callable[[dict[str, Any]], float]) -> dict[str, float]:
+    return stat([pick(r) for r in runs])
+
+
+def build(results: dict[str, list[Any]], *, plan: dict[str, Any], machine: dict[str, Any],
+          started: datetime, finished: datetime) -> dict[str, Any]:
+    """The JSON document: every raw run, the summaries and the target checks."""
+    s: dict[str, Any] = {}
+    raw: dict[str, Any] = {}
+    for key, runs in results.items():
+        if key.startswith("raw:"):
+            _, batch, clients = key.split(":")
+            raw.setdefault(batch, {})[clients] = _over(runs, lambda r: r["jobs_per_second"])
+    s["raw"] = raw
+    s["raw_best"] = {b: max(by.items(), key=lambda kv: kv[1]["median"]) for b, by in raw.items()}
+    s["raw_best"] = {b: {"clients": int(c), **v} for b, (c, v) in s["raw_best"].items()}
+
+    def drains(prefix: str) -> dict[str, Any]:
+        out = {}
+        for key, runs in results.items():
+            if key == prefix or key.startswith(prefix + ":"):
+                out[key] = {
+                    "jobs_per_second": _over(runs, lambda r: r["jobs_per_second"]),
+                    "worker_cpu_us_per_job": _over(runs, lambda r: r["worker_cpu_us_per_job"]),
+                    "max_connections": max(r["max_connections"] for r in runs),
+                    "connections_by_application": runs[-1]["connections_by_application"],
+                }
+        return out
+
+    s["receipts"] = drains("receipts:noop")
+    s["pgqueuer"] = drains("pgqueuer")
+    s["procrastinate"] = drains("procrastinate")
+    s["http0"] = drains("receipts:http0")
+    s["connections"] = drains("connections")
+    s["pickup"] = {
+        key.removeprefix("pickup:"): {
+            "p50_ms": _over(runs, lambda r: r["p50_ms"]),
+            "p99_ms": _over(runs, lambda r: r["p99_ms"]),
+        }
+        for key, runs in results.items() if key.startswith("pickup:")
+    }
+    if "claim" in results:
+        runs = results["claim"]
+        s["claim"] = {
+            case: {q: _over(runs, lambda r, c=case, q=q: r[c][q]) for q in ("p50_ms", "p99_ms")}
+            for case in ("empty", "scale", "after_update")
+        }
+        s["claim"]["after_update"]["first_claim_ms"] = _over(
+            runs, lambda r: r["after_update"]["first_claim_ms"])
+        s["claim"]["uses_ready_index"] = all(r["scale"]["uses_ready_index"] for r in runs)
+        s["claim"]["plan"] = runs[-1]["scale"]["plan"]
+        s["claim"]["dead_tuples_after_update"] = runs[-1]["after_update"]["dead_tuples"]
+    if "vacuum" in results:
+        s["vacuum"] = results["vacuum"][0]
+    if "checkout" in results:
+        runs = results["checkout"]
+        s["checkout"] = {
+            phase: {q: _over(runs, lambda r, p=phase, q=q: r[p][q]) for q in ("p50_ms", "p99_ms")}
+            for phase in ("idle", "drain")
+        }
+        s["checkout"]["drain_still_running"] = all(
+            r["drain"]["jobs_left_at_end"] > 0 for r in runs)
+    return {
+        "started": started.isoformat(timespec="seconds"),
+        "finished": finished.isoformat(timespec="seconds"),
+        "machine": machine,
+        "plan": plan,
+        "summary": s,
+        "targets": targets(s),
+        "runs": results,
+    }
+
+
+def _best(group: dict[str, Any]) -> tuple[str, float]:
+    if not group:
+        return "", 0.0
+    key, value = max(group.items(), key=lambda kv: kv[1]["jobs_per_second"]["median"])
+    return key, float(value["jobs_per_second"]["median"])
+
+
+def _check(name: str, value: float | None, goal: str, met: bool | None,
+           detail: str = "") -> dict[str, Any]:
+    return {"target": name, "value": value, "goal": goal, "met": met, "detail": detail}
+
+
+def targets(s: dict[str, Any]) -> list[dict[str, Any]]:
+    """The issue's targets, each with its measured ratio and whether it is met."""
+    out = []
+    r_key, receipts = _best(s.get("receipts", {}))
+    raw100 = s.get("raw_best", {}).get("100", {}).get("median", 0.0)
+    if receipts and raw100:
+        ratio = receipts / raw100
+        out.append(_check("receipts / raw limit (batch 100)", ratio, ">= 0.7", ratio >= 0.7,
+                          f"{receipts:,.0f} vs {raw100:,.0f} jobs/s ({r_key})"))
+    for peer, goal in (("pgqueuer", 1.5), ("procrastinate", 15.0)):
+        p_key, best = _best(s.get(peer, {}))
+        if receipts and best:
+            ratio = receipts / best
+            out.append(_check(f"receipts / {peer} best", ratio, f">= {goal:g}", ratio >= goal,
+                              f"{receipts:,.0f} vs {best:,.0f} jobs/s ({p_key})"))
+    conn = s.get("connections", {}).get("connections")
+    if conn:
+        rate = conn["jobs_per_second"]["median"]
+        by_app = conn["connections_by_application"]
+        pool = sum(n for app, n in by_app.items() if not app.endswith("-listen"))
+        listen = sum(n for app, n in by_app.items() if app.endswith("-listen"))
+        out.append(_check("400 slots @ 200 ms / Little's bound 2,000/s", rate / LITTLE_BOUND,
+                          ">= 0.8", rate / LITTLE_BOUND >= 0.8, f"{rate:,.0f} deliveries/s"))
+        out.append(_check("DB connections held (pool + LISTEN)", float(pool + listen),
+                          "<= 2 + 1", pool <= 2 and listen <= 1, f"pool {pool}, listen {listen}"))
+    pick = s.get("pickup", {})
+    if "receipts:listen" in pick:
+        mine = pick["receipts:listen"]["p99_ms"]["median"]
+        peers = [v["p99_ms"]["median"] for k, v in pick.items() if not k.startswith("receipts")]
+        if peers:
+            out.append(_check("pickup p99 with LISTEN (ms) vs best peer", mine,
+                              f"<= {min(peers):.1f}", mine <= min(peers),
+                              f"peers {', '.join(f'{p:.1f}' for p in peers)} ms"))
+    if "receipts:poll" in pick:
+        mine = pick["receipts:poll"]["p99_ms"]["median"]
+        out.append(_check("pickup p99 polling only (ms)", mine, f"<= {POLL_BOUND_MS:.0f}",
+                          mine <= POLL_BOUND_MS, "poll 1 s + 25 % jitter"))
+    claim = s.get("claim")
+    if claim:
+        ratio = claim["scale"]["p99_ms"]["median"] / max(claim["empty"]["p99_ms"]["median"], 1e-9)
+        out.append(_check("claim p99 at 1M done + 100k ready / empty", ratio, "<= 1.5",
+                          ratio <= 1.5, f"ready index used: {claim['uses_ready_index']}"))
+    chk = s.get("checkout")
+    if chk:
+        ratio = chk["drain"]["p99_ms"]["median"] / max(chk["idle"]["p99_ms"]["median"], 1e-9)
+        out.append(_check("checkout p99 under drain / idle", ratio, "<= 1.5", ratio <= 1.5,
+                          f"drain lasted the whole window: {chk['drain_still_running']}"))
+    return out
+
+
+def _mm(st: dict[str, float], fmt: str = ",.0f") -> str:
+    return f"{st['median']:{fmt}} ({st['min']:{fmt}}–{st['max']:{fmt}})"
+
+
+def table(doc: dict[str, Any]) -> str:
+    """The one table: every figure as median (min–max) over the rounds, then the targets."""
+    s = doc["summary"]
+    rows: list[tuple[str, str]] = []
+    for batch, by in sorted(s.get("raw", {}).items(), key=lambda kv: int(kv[0])):
+        for clients, st in sorted(by.items(), key=lambda kv: int(kv[0])):
+            rows.append((f"raw pgbench claim {batch} + ack, {clients} clients",
+                         _mm(st) + " jobs/s"))
+    for group, label in (("receipts", "receipts no-op"), ("pgqueuer", "PgQueuer"),
+                         ("procrastinate", "Procrastinate"), ("http0", "receipts HTTP 0 ms"),
+                         ("connections", "receipts HTTP 200 ms, 400 slots")):
+        for key, v in sorted(s.get(group, {}).items()):
+            rows.append((f"{label} [{key}]", _mm(v["jobs_per_second"]) + " jobs/s, "
+                         f"{v['worker_cpu_us_per_job']['median']:.0f} µs CPU/job, "
+                         f"max {v['max_connections']} conns"))
+    for key, v in sorted(s.get("pickup", {}).items()):
+        rows.append((f"pickup {key} p50 / p99", f"{_mm(v['p50_ms'], '.1f')} / "
+                     f"{_mm(v['p99_ms'], '.1f')} ms"))
+    if "claim" in s:
+        for case in ("empty", "scale", "after_update"):
+            v = s["claim"][case]
+            rows.append((f"claim 10 p50 / p99, {case}", f"{_mm(v['p50_ms'], '.2f')} / "
+                         f"{_mm(v['p99_ms'], '.2f')} ms"))
+        rows.append(("claim plan uses receipt_jobs_ready", str(s["claim"]["uses_ready_index"])))
+    if "vacuum" in s:
+        v = s["vacuum"]
+        for name in ("defaults", "migration_0002"):
+            c = v[name]
+            after = c["autovacuum_after_seconds"]
+            rows.append((f"{v['updated']:,} jobs worked off, table settings: {name}",
+                         f"dead tuples {c['dead_tuples_at_update']:,} -> "
+                         f"{c['dead_tuples_at_end']:,} after {v['wait_seconds']:.0f} s "
+                         f"(autovacuum {'at ' + format(after, '.0f') + ' s' if after else 'none'})"
+                         f", claim p50/p99 {c['claim_p50_ms']:.2f}/{c['claim_p99_ms']:.2f} ms"))
+    if "checkout" in s:
+        for phase in ("idle", "drain"):
+            v = s["checkout"][phase]
+            rows.append((f"checkout txn p50 / p99, workers {phase}",
+                         f"{_mm(v['p50_ms'], '.2f')} / {_mm(v['p99_ms'], '.2f')} ms"))
+    width = max((len(a) for a, _ in rows), default=10)
+    lines = [f"{'figure (median (min–max) over rounds)':<{width}}  value", "-" * (width + 50)]
+    lines += [f"{a:<{width}}  {b}" for a, b in rows]
+    lines += ["", f"{'target':<52} {'value':>10}  {'goal':<10} met   detail", "-" * 110]
+    for t in doc["targets"]:
+        value = "" if t["value"] is None else f"{t['value']:.2f}"
+        met = {True: "yes", False: "NO", None: "-"}[t["met"]]
+        lines.append(f"{t['target']:<52} {value:>10}  {t['goal']:<10} {met:<5} {t['detail']}")
+    m = doc["machine"]
+    pg = m.get("postgres", {})
+    lines += ["", f"machine: {m.get('cpus')} CPUs {m.get('cpu_model')}, PostgreSQL "
+              f"{pg.get('server_version')} fsync={pg.get('fsync')} synchronous_commit="
+              f"{pg.get('synchronous_commit')}, rounds={doc['plan']['rounds']}, load average "
+              f"at start {tuple(round(x, 2) for x in m.get('load_average_at_start', ()))}"]
+    return "\n".join(lines)

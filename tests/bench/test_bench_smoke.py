@@ -1,0 +1,33 @@
+"""The benchmark command runs end to end (reduced sizes; no timing assertions)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_the_benchmark_runs_end_to_end_and_writes_its_table_as_json(tmp_path):
+    out = tmp_path / "smoke.json"
+    env = {**os.environ, "XDG_RUNTIME_DIR": os.environ.get("XDG_RUNTIME_DIR", "/tmp")}
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.run", "--smoke", "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=170,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    summary = doc["summary"]
+    assert doc["machine"]["postgres"]["fsync"] == "on"
+    assert doc["machine"]["postgres"]["synchronous_commit"] == "on"
+    assert summary["raw"] and summary["receipts"] and summary["connections"]
+    assert {"receipts:listen", "receipts:poll"} <= set(summary["pickup"])
+    assert summary["claim"]["uses_ready_index"] is True
+    assert {"idle", "drain"} <= set(summary["checkout"])
+    assert {t["target"] for t in doc["targets"]} >= {
+        "receipts / raw limit (batch 100)", "DB connections held (pool + LISTEN)",
+        "claim p99 at 1M done + 100k ready / empty", "checkout p99 under drain / idle"}
+    assert "target" in result.stdout and "raw pgbench" in result.stdout
