@@ -30,7 +30,7 @@ RULES_FILE = REPO / "deploy" / "prometheus" / "receipts.rules.yaml"
 RULES_TEST_FILE = REPO / "deploy" / "prometheus" / "receipts.rules.test.yaml"
 DASHBOARD = CHART / "dashboards" / "receipts.json"
 DOCKERFILE = REPO / "Dockerfile"
-DEPLOY_DOC = REPO / "docs" / "deploy.md"
+DEPLOY_DOC = REPO / "README.md"  # the alert runbook (runbook_url anchors point here)
 # CI clones the repository into some folder with a copy of shared/ beside it.
 CRD_DIR = REPO.parent / "shared" / "k8s-crds"
 

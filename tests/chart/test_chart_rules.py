@@ -112,4 +112,5 @@ def test_every_alert_is_documented_with_a_runbook(alert: str) -> None:
     anchor = annotations["runbook_url"].rsplit("#", 1)[1]
     assert anchor == alert.lower()
     headings = re.findall(r"^#+\s+(.+?)\s*$", DEPLOY_DOC.read_text(), flags=re.MULTILINE)
-    assert alert in headings, f"docs/deploy.md has no runbook section titled {alert}"
+    # Exactly one heading: a second one would move the anchor to `#…-1`.
+    assert headings.count(alert) == 1, f"README.md needs one runbook section titled {alert}"
