@@ -74,14 +74,17 @@ def build(results: dict[str, list[Any]], *, plan: dict[str, Any], machine: dict[
         s["claim"]["dead_tuples_after_update"] = runs[-1]["after_update"]["dead_tuples"]
     if "vacuum" in results:
         s["vacuum"] = results["vacuum"][0]
-    if "checkout" in results:
-        runs = results["checkout"]
-        s["checkout"] = {
+    for key in ("checkout", "checkout:slots32"):
+        if key not in results:
+            continue
+        runs = results[key]
+        s[key] = {
             phase: {q: _over(runs, lambda r, p=phase, q=q: r[p][q]) for q in ("p50_ms", "p99_ms")}
             for phase in ("idle", "drain")
         }
-        s["checkout"]["drain_still_running"] = all(
-            r["drain"]["jobs_left_at_end"] > 0 for r in runs)
+        s[key]["drain_still_running"] = all(r["drain"]["jobs_left_at_end"] > 0 for r in runs)
+        s[key]["concurrency"] = runs[0]["concurrency"]
+        s[key]["batch"] = runs[0]["batch"]
     return {
         "started": started.isoformat(timespec="seconds"),
         "finished": finished.isoformat(timespec="seconds"),
@@ -147,11 +150,14 @@ def targets(s: dict[str, Any]) -> list[dict[str, Any]]:
         ratio = claim["scale"]["p99_ms"]["median"] / max(claim["empty"]["p99_ms"]["median"], 1e-9)
         out.append(_check("claim p99 at 1M done + 100k ready / empty", ratio, "<= 1.5",
                           ratio <= 1.5, f"ready index used: {claim['uses_ready_index']}"))
-    chk = s.get("checkout")
-    if chk:
-        ratio = chk["drain"]["p99_ms"]["median"] / max(chk["idle"]["p99_ms"]["median"], 1e-9)
-        out.append(_check("checkout p99 under drain / idle", ratio, "<= 1.5", ratio <= 1.5,
-                          f"drain lasted the whole window: {chk['drain_still_running']}"))
+    for key in ("checkout", "checkout:slots32"):
+        chk = s.get(key)
+        if chk:
+            ratio = chk["drain"]["p99_ms"]["median"] / max(chk["idle"]["p99_ms"]["median"], 1e-9)
+            out.append(_check(
+                f"checkout p99 under drain / idle ({chk['concurrency']} slots, claim "
+                f"{chk['batch']})", ratio, "<= 1.5", ratio <= 1.5,
+                f"drain lasted the whole window: {chk['drain_still_running']}"))
     return out
 
 
@@ -193,10 +199,12 @@ def table(doc: dict[str, Any]) -> str:
                          f"{c['dead_tuples_at_end']:,} after {v['wait_seconds']:.0f} s "
                          f"(autovacuum {'at ' + format(after, '.0f') + ' s' if after else 'none'})"
                          f", claim p50/p99 {c['claim_p50_ms']:.2f}/{c['claim_p99_ms']:.2f} ms"))
-    if "checkout" in s:
+    for key in ("checkout", "checkout:slots32"):
+        if key not in s:
+            continue
         for phase in ("idle", "drain"):
-            v = s["checkout"][phase]
-            rows.append((f"checkout txn p50 / p99, workers {phase}",
+            v = s[key][phase]
+            rows.append((f"checkout txn p50 / p99, worker ({s[key]['concurrency']} slots) {phase}",
                          f"{_mm(v['p50_ms'], '.2f')} / {_mm(v['p99_ms'], '.2f')} ms"))
     width = max((len(a) for a, _ in rows), default=10)
     lines = [f"{'figure (median (min–max) over rounds)':<{width}}  value", "-" * (width + 50)]

@@ -119,9 +119,13 @@ def run_round(bench: Bench, plan: Plan, results: dict[str, list[Any]], only: set
         record("vacuum", scenarios.vacuum_after_update, bench,
                template=bench.scale_template or "", updated=plan.updated, claims=plan.claims,
                wait_seconds=plan.vacuum_wait_seconds)
-    record("checkout", scenarios.checkout_impact, bench, drain_jobs=max(plan.jobs, 2_000),
+    # Full speed (the drain configuration), then the knob: the default 32 slots.
+    record("checkout", scenarios.checkout_impact, bench, drain_jobs=2 * max(plan.jobs, 2_000),
            seconds=plan.checkout_seconds, rate=plan.checkout_rate, processes=1,
            concurrency=plan.receipts_concurrency)
+    record("checkout:slots32", scenarios.checkout_impact, bench,
+           drain_jobs=2 * max(plan.jobs, 2_000), seconds=plan.checkout_seconds,
+           rate=plan.checkout_rate, processes=1, concurrency=32, batch=32)
 
 
 def machine() -> dict[str, Any]:

@@ -29,5 +29,6 @@ def test_the_benchmark_runs_end_to_end_and_writes_its_table_as_json(tmp_path):
     assert {"idle", "drain"} <= set(summary["checkout"])
     assert {t["target"] for t in doc["targets"]} >= {
         "receipts / raw limit (batch 100)", "DB connections held (pool + LISTEN)",
-        "claim p99 at 1M done + 100k ready / empty", "checkout p99 under drain / idle"}
+        "claim p99 at 1M done + 100k ready / empty"}
+    assert any(t["target"].startswith("checkout p99 under drain") for t in doc["targets"])
     assert "target" in result.stdout and "raw pgbench" in result.stdout
