@@ -85,5 +85,10 @@ install_promtool() {
     log "installed $("${bin_dir}/promtool" --version 2>&1 | head -n 1)"
 }
 
+install_pgbouncer() {  # for tests/integration/test_pgbouncer.py (transaction pooling)
+    command -v pgbouncer >/dev/null 2>&1 || [ -x /usr/sbin/pgbouncer ] || apt_install pgbouncer
+}
+
 install_helm
 install_promtool
+install_pgbouncer
