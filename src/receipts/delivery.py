@@ -188,7 +188,12 @@ class HttpDeliverer:
             },
             separators=(",", ":"),
         ).encode()
-        headers = {"Idempotency-Key": job.idempotency_key, "X-Receipts-Attempt": str(job.attempt)}
+        # As UTF-8 bytes: httpx encodes str header values as ASCII and would raise for
+        # an order id the queue accepts, such as "ørder-1" (a crashed delivery).
+        headers = {
+            b"Idempotency-Key": job.idempotency_key.encode("utf-8"),
+            b"X-Receipts-Attempt": str(job.attempt).encode("ascii"),
+        }
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_seconds
         try:
