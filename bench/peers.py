@@ -93,7 +93,8 @@ async def _procrastinate_fill(dsn: str, count: int) -> None:
         step = 5_000
         for start in range(0, count, step):
             n = min(step, count - start)
-            await noop.batch_defer_async(*({"order": str(start + i)} for i in range(n)))
+            batch: list[dict[str, Any]] = [{"order": str(start + i)} for i in range(n)]
+            await noop.batch_defer_async(*batch)
 
 
 def tables(peer: str) -> tuple[str, ...]:

@@ -24,6 +24,17 @@ def _over(runs: list[dict[str, Any]], pick: Callable[[dict[str, Any]], float]) -
     return stat([pick(r) for r in runs])
 
 
+def _at(runs: list[dict[str, Any]], *path: str) -> dict[str, float]:
+    """:func:`stat` of ``run[path[0]][path[1]]…`` over the runs."""
+    values = []
+    for run in runs:
+        value: Any = run
+        for key in path:
+            value = value[key]
+        values.append(float(value))
+    return stat(values)
+
+
 def build(results: dict[str, list[Any]], *, plan: dict[str, Any], machine: dict[str, Any],
           started: datetime, finished: datetime) -> dict[str, Any]:
     """The JSON document: every raw run, the summaries and the target checks."""
@@ -64,7 +75,7 @@ def build(results: dict[str, list[Any]], *, plan: dict[str, Any], machine: dict[
     if "claim" in results:
         runs = results["claim"]
         s["claim"] = {
-            case: {q: _over(runs, lambda r, c=case, q=q: r[c][q]) for q in ("p50_ms", "p99_ms")}
+            case: {q: _at(runs, case, q) for q in ("p50_ms", "p99_ms")}
             for case in ("empty", "scale", "after_update")
         }
         s["claim"]["after_update"]["first_claim_ms"] = _over(
@@ -79,7 +90,7 @@ def build(results: dict[str, list[Any]], *, plan: dict[str, Any], machine: dict[
             continue
         runs = results[key]
         s[key] = {
-            phase: {q: _over(runs, lambda r, p=phase, q=q: r[p][q]) for q in ("p50_ms", "p99_ms")}
+            phase: {q: _at(runs, phase, q) for q in ("p50_ms", "p99_ms")}
             for phase in ("idle", "drain")
         }
         s[key]["drain_still_running"] = all(r["drain"]["jobs_left_at_end"] > 0 for r in runs)

@@ -256,7 +256,7 @@ def _explain(dsn: str, batch: int) -> str:
         text = _claim_query(batch).as_string(conn)
         with conn.transaction(force_rollback=True):
             rows = conn.execute(
-                "EXPLAIN (ANALYZE, BUFFERS) " + text,  # type: ignore[arg-type]
+                "EXPLAIN (ANALYZE, BUFFERS) " + text,
                 {"max_attempts": 5, "lease_seconds": 60.0},
             ).fetchall()
     return "\n".join(r[0] for r in rows)
