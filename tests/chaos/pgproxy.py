@@ -110,6 +110,8 @@ class PgProxy:
         self.port = port
         self.cuts: list[Cut] = []
         self.connections = 0
+        self.claims = 0  # claim statements seen
+        self.claims_with_rows = 0
         self._to_cut = 0
         self._stall_until = 0.0
         self._stall_armed = 0.0
@@ -217,6 +219,7 @@ class PgProxy:
                 s.claim_pending = False
                 s.cutting = self._to_cut > 0
                 s.claim_answer, s.claim_rows = True, 0
+                self.claims += 1
             writer.write(kind + struct.pack("!i", length) + body)
             await writer.drain()
 
@@ -237,6 +240,7 @@ class PgProxy:
                     s.claim_rows += 1
                 elif s.claim_answer and kind == b"Z":
                     s.claim_answer = False
+                    self.claims_with_rows += bool(s.claim_rows)
                     if s.claim_rows and self._stall_armed:
                         self._start_stall()
                 writer.write(message)

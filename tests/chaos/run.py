@@ -290,6 +290,7 @@ class ChaosRun:
         self.stopped_names: set[str] = set()
         self.provider_windows = 0  # provider fault windows open now
         self.stalling = False  # a db_stall is in progress (provider windows wait)
+        self.provider_quiet_at = 0.0  # monotonic time the last window's requests are over
         self.order_prefix = f"chaos{config.seed}-"
         self._worker_seq = 0
 
@@ -398,6 +399,7 @@ class ChaosRun:
                 if pause > 0:
                     time.sleep(pause)
                 batch = [f"{self.order_prefix}{i:07d}" for i in range(n, min(n + chunk, c.jobs))]
+                began = time.monotonic()
                 try:
                     if conn is None or conn.closed:
                         conn = psycopg.connect(self.dsn, application_name="chaos-orders",
@@ -405,12 +407,16 @@ class ChaosRun:
                     with conn.transaction():
                         for order_id in batch:
                             enqueue(conn, order_id)
-                except psycopg.OperationalError:
+                except psycopg.OperationalError as exc:
+                    self.say(f"enqueue: {type(exc).__name__} after"
+                             f" {time.monotonic() - began:.1f}s; reconnecting")
                     if conn is not None:
                         conn.close()
                     conn = None
                     time.sleep(0.2)
                     continue  # ON CONFLICT makes a repeated batch a no-op
+                if time.monotonic() - began > 0.15:
+                    self.say(f"enqueue: a batch took {time.monotonic() - began:.2f}s")
                 n += len(batch)
                 self.enqueued = n
         except BaseException as exc:  # reported at the end
@@ -453,7 +459,9 @@ class ChaosRun:
         for c in range(cycles):
             lo = c * span + (1.0 if c == 0 else 0.0)
             for kind in FAULT_KINDS:
-                events.append((self.rng.uniform(lo, max(lo + 0.1, (c + 1) * span - 0.5)), kind))
+                # The stall needs jobs still flowing to the proxied worker: early in the cycle.
+                hi = lo + 0.4 * span if kind == "db_stall" else (c + 1) * span - 0.5
+                events.append((self.rng.uniform(lo, max(lo + 0.1, hi)), kind))
         return sorted(events)
 
     async def _faults(self, duration: float) -> None:
@@ -495,6 +503,9 @@ class ChaosRun:
             await self._provider_faults(**{k: PROVIDER_BASELINE[k] for k in changes})
         finally:
             self.provider_windows -= 1
+            self.provider_quiet_at = max(
+                self.provider_quiet_at,
+                time.monotonic() + self.cfg.delivery_timeout_seconds + 0.3)
 
     async def _victim(self, exclude_stopped: bool = True) -> _Proc | None:
         """A direct (unproxied) live worker with deliveries in flight, if one shows up."""
@@ -594,16 +605,21 @@ class ChaosRun:
         assert self.proxy is not None
         hold = self.cfg.lease_seconds + 1.5
         deadline = time.monotonic() + 10
-        while self.provider_windows and time.monotonic() < deadline:
+        while ((self.provider_windows or time.monotonic() < self.provider_quiet_at)
+               and time.monotonic() < deadline):
             await asyncio.sleep(0.05)  # deliveries must succeed, so that acks are late
-        self.report.faults["db_stall"] += 1
         self.stalling = True
         try:
             self.proxy.arm_stall(hold)
             while self.proxy.stall_armed and time.monotonic() < deadline + 5:
                 await asyncio.sleep(0.02)
+            if self.proxy.stall_armed:  # no claim with rows came: nothing injected
+                self.proxy.arm_stall(0.0)
+                self.say("proxy stall not triggered (no claim with rows)")
+                return
+            self.report.faults["db_stall"] += 1
             self.say(f"proxy stalls the proxied worker's database link for {hold:g}s"
-                     " after a claim")
+                     " right after a claim")
             await asyncio.sleep(hold)
         finally:
             self.stalling = False
