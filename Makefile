@@ -25,6 +25,14 @@ tools:
 test: $(STAMP) tools
 	PATH="$(CURDIR)/.tools/bin:$(CURDIR)/$(BIN):$$PATH" $(BIN)/pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
+## The side-by-side benchmark (bench/README.md); ~20 min on 2 cores.
+bench:
+	bash bench/run.sh $(BENCH_ARGS)
+
+## A bigger chaos run by hand (docs/chaos.md), e.g. make chaos CHAOS_ARGS="--jobs 50000".
+chaos: $(STAMP)
+	$(BIN)/python -m tests.chaos.run $(CHAOS_ARGS)
+
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench
 	$(BIN)/mypy
