@@ -84,6 +84,7 @@ async def _check_connection(settings: Settings, role: str) -> None:
 
 
 def cmd_migrate(settings: Settings, args: argparse.Namespace) -> int:
+    """``receipts migrate``: apply pending migrations; prints what it applied."""
     from receipts.migrate import apply_migrations
 
     applied = apply_migrations(settings.dsn, application_name=settings.application_name)
@@ -93,6 +94,7 @@ def cmd_migrate(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def cmd_worker(settings: Settings, args: argparse.Namespace) -> int:
+    """``receipts worker``: run until SIGTERM/SIGINT, then drain; 0 on a clean stop."""
     from receipts.worker import run_worker
 
     asyncio.run(run_worker(settings))
@@ -100,6 +102,7 @@ def cmd_worker(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def cmd_recover(settings: Settings, args: argparse.Namespace) -> int:
+    """``receipts recover``: one sweep (or ``--loop SECONDS``); 1 when a push fails."""
     from receipts import recovery
 
     if args.loop is not None:
@@ -132,6 +135,7 @@ def cmd_recover(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def cmd_enqueue(settings: Settings, args: argparse.Namespace) -> int:
+    """``receipts enqueue``: enqueue the given orders in one transaction."""
     import psycopg
 
     from receipts.jobqueue import InvalidOrderId, _translate, check_order_id, enqueue
@@ -192,6 +196,7 @@ def _table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
 
 
 def cmd_jobs(settings: Settings, args: argparse.Namespace) -> int:
+    """``receipts jobs stats|list|show|retry``: failed-job review (see the README)."""
     from receipts.jobqueue import JobState
 
     async def body(queue: Any) -> int:
@@ -310,6 +315,7 @@ def _print_retry(args: argparse.Namespace, ids: list[str], refused: list[dict[st
 
 
 def cmd_provider(settings: Settings | None, args: argparse.Namespace) -> int:
+    """``receipts provider``: serve the reference provider until SIGTERM/SIGINT."""
     from receipts.provider import Faults, ReferenceProvider, serve
 
     try:
@@ -339,6 +345,7 @@ def cmd_provider(settings: Settings | None, args: argparse.Namespace) -> int:
 
 
 def cmd_demo(settings: Settings | None, args: argparse.Namespace) -> int:
+    """``receipts demo``: the whole service end to end; 0 when nothing was lost."""
     from receipts.demo import DemoOptions, run_demo
 
     options = DemoOptions(dsn=args.dsn, orders=args.orders, workers=args.workers,

@@ -85,9 +85,13 @@ class Outcome:
 class Deliverer(Protocol):
     """Anything the worker can hand a claimed job to (HTTP, or a bench no-op)."""
 
-    async def deliver(self, job: Job) -> Outcome: ...
+    async def deliver(self, job: Job) -> Outcome:
+        """Attempt *job* once and classify the result; must not raise for I/O errors."""
+        ...
 
-    async def aclose(self) -> None: ...
+    async def aclose(self) -> None:
+        """Release connections; called once when the worker stops."""
+        ...
 
 
 def classify(status: int, headers: httpx.Headers, body: bytes) -> Outcome:
