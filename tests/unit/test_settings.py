@@ -1,0 +1,59 @@
+"""Settings validation and DSN redaction (pure, no I/O)."""
+
+from __future__ import annotations
+
+import pytest
+
+from receipts.delivery import Verdict, classify
+from receipts.settings import SettingsError, load_settings, redact_dsn
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("postgresql://app:hunter2@db:5432/shop", "postgresql://app:***@db:5432/shop"),
+        ("host=db password=hunter2 user=app", "host=db password=*** user=app"),
+        ("host=db password='hu nter2' user=app", "host=db password=*** user=app"),
+        ("postgresql://app@db/shop", "postgresql://app@db/shop"),
+        ("to postgresql://u:p@h/d failed", "to postgresql://u:***@h/d failed"),
+    ],
+)
+def test_dsn_passwords_are_masked_in_any_text(text, expected):
+    assert redact_dsn(text) == expected
+
+
+def test_defaults_follow_the_design():
+    settings = load_settings(database_url="postgresql://u@h/d")
+    assert (settings.lease_seconds, settings.max_attempts, settings.metrics_port) == (60, 5, 9464)
+    budget = settings.lease_seconds - settings.lease_margin_seconds
+    assert settings.delivery_timeout_seconds <= budget
+
+
+def test_a_delivery_timeout_that_does_not_fit_the_lease_is_refused_by_name():
+    with pytest.raises(SettingsError, match="RECEIPTS_DELIVERY_TIMEOUT_SECONDS"):
+        load_settings(database_url="postgresql://u@h/d", lease_seconds=30,
+                      lease_margin_seconds=10, delivery_timeout_seconds=25)
+
+
+def test_a_rejected_dsn_is_never_echoed():
+    with pytest.raises(SettingsError) as info:
+        load_settings(database_url="mysql://u:hunter2@h/d")
+    assert "hunter2" not in str(info.value)
+    assert "RECEIPTS_DATABASE_URL" in str(info.value)
+
+
+def test_secrets_do_not_show_in_the_settings_repr():
+    settings = load_settings(database_url="postgresql://u:hunter2@h/d", provider_token="tok-xyz")
+    assert "hunter2" not in repr(settings) and "tok-xyz" not in repr(settings)
+    assert settings.safe_dsn == "postgresql://u:***@h/d"
+
+
+@pytest.mark.parametrize(
+    ("status", "verdict"),
+    [(204, Verdict.DELIVERED), (409, Verdict.RETRY), (418, Verdict.PERMANENT),
+     (451, Verdict.PERMANENT), (599, Verdict.RETRY), (100, Verdict.RETRY)],
+)
+def test_classification_covers_the_whole_status_range(status, verdict):
+    import httpx
+
+    assert classify(status, httpx.Headers(), b"").verdict is verdict
