@@ -27,6 +27,7 @@ import asyncio
 import contextlib
 import random
 import time
+import uuid
 from dataclasses import dataclass
 
 import psycopg
@@ -56,28 +57,45 @@ AUTH_PAUSE_MAX_SECONDS = 600.0
 
 @dataclass(slots=True)
 class _Breaker:
-    """Claim pause after the provider rejected our credentials."""
+    """Claim pause after the provider rejected our credentials (401/403).
+
+    Closed while ``pause_seconds`` is 0. The first rejection opens it for
+    ``first_pause_seconds``; when the pause ends, one *probe* job is claimed:
+    its rejection doubles the pause (up to ``AUTH_PAUSE_MAX_SECONDS``), any
+    other answer from it closes the breaker, and so does any delivered job.
+    Answers of jobs claimed before the pause neither compound nor close it.
+    """
 
     first_pause_seconds: float
     pause_seconds: float = 0.0
     open_until: float = 0.0  # monotonic
-    probing: bool = False
+    probe: uuid.UUID | None = None  # the probe job in flight, if any
 
-    def trip(self) -> float:
-        self.pause_seconds = min(
-            AUTH_PAUSE_MAX_SECONDS, max(self.first_pause_seconds, self.pause_seconds * 2)
-        )
-        self.open_until = time.monotonic() + self.pause_seconds * random.uniform(0.9, 1.1)
-        self.probing = True
-        return self.pause_seconds
-
-    def reset(self) -> None:
-        self.pause_seconds = 0.0
-        self.open_until = 0.0
-        self.probing = False
+    @property
+    def is_open(self) -> bool:
+        return self.pause_seconds > 0
 
     def remaining(self) -> float:
         return max(0.0, self.open_until - time.monotonic())
+
+    def rejected(self, job_id: uuid.UUID) -> float | None:
+        """A 401/403 for *job_id*; returns the new pause, or None when nothing changes."""
+        if self.is_open and job_id != self.probe:
+            return None
+        self.pause_seconds = (
+            min(AUTH_PAUSE_MAX_SECONDS, self.pause_seconds * 2)
+            if self.is_open else self.first_pause_seconds
+        )
+        self.open_until = time.monotonic() + self.pause_seconds * random.uniform(0.9, 1.1)
+        self.probe = None
+        return self.pause_seconds
+
+    def answered(self, job_id: uuid.UUID, delivered: bool) -> bool:
+        """Another answer for *job_id*; True when it closed the breaker."""
+        if self.is_open and (delivered or job_id == self.probe):
+            self.pause_seconds, self.open_until, self.probe = 0.0, 0.0, None
+            return True
+        return False
 
 
 class Worker:
@@ -163,12 +181,18 @@ class Worker:
                 self._slot_freed.clear()
                 await self._slot_freed.wait()
                 continue
-            pause = self._breaker.remaining()
-            if pause > 0:
+            breaker = self._breaker
+            limit = min(free, self.settings.claim_batch_max)
+            if breaker.is_open:
                 self.metrics.breaker_open.set(1)
-                await self._sleep(pause, wakeable=False)
-                continue
-            limit = 1 if self._breaker.probing else min(free, self.settings.claim_batch_max)
+                if breaker.remaining() > 0:
+                    await self._sleep(breaker.remaining(), wakeable=False)
+                    continue
+                if breaker.probe is not None:  # half-open: wait for the probe's answer
+                    self._slot_freed.clear()
+                    await self._slot_freed.wait()
+                    continue
+                limit = 1
             try:
                 jobs = await self.claim_once(limit)
             except (DatabaseUnavailable, SchemaMissing, QueueError) as exc:
@@ -179,9 +203,8 @@ class Worker:
                 outage_backoff = min(outage_backoff * 2, OUTAGE_BACKOFF_MAX_SECONDS)
                 continue
             outage_backoff = 0.1
-            if self._breaker.probing and jobs:
-                # Half-open: wait for the probe's answer before claiming more.
-                await self._wait_inflight_below(1)
+            if breaker.is_open and jobs:
+                breaker.probe = jobs[0].id
                 continue
             if len(jobs) < limit:
                 poll = self.settings.poll_interval_seconds
@@ -227,21 +250,20 @@ class Worker:
             for w in waiters:
                 w.cancel()
 
-    async def _wait_inflight_below(self, n: int) -> None:
-        while len(self._inflight) >= n and not self._stop.is_set():
-            self._slot_freed.clear()
-            await self._slot_freed.wait()
-
     # --------------------------------------------------------- delivery
 
     async def _deliver(self, job: Job, claimed_at: float) -> None:
         start = time.perf_counter()
-        outcome = await self.deliverer.deliver(job)
+        try:
+            outcome = await self.deliverer.deliver(job)
+        except Exception as exc:
+            # A deliverer bug must not strand the job until its lease expires.
+            log.exception("delivery_error", extra=job_fields(job, "internal_error"))
+            detail = f"internal error: {exc!r}"[:200]
+            outcome = Outcome(Verdict.RETRY, "internal_error", detail=detail)
         self.metrics.delivery_duration.labels(outcome.reason).observe(time.perf_counter() - start)
+        self._observe_breaker(job, outcome)
         if outcome.verdict is Verdict.DELIVERED:
-            if self._breaker.probing:
-                self._breaker.reset()
-                self.metrics.breaker_open.set(0)
             # The batcher owns the ack once submitted: cancelling this task (abandon
             # at stop) cancels only our wait for the answer, never the ack itself,
             # so no shield (one fewer future and callback pair per job).
@@ -249,15 +271,18 @@ class Worker:
             if done and log.isEnabledFor(10):
                 log.debug("delivered", extra=job_fields(job, "delivered"))
             return
-        if outcome.reason == "auth_rejected":
-            pause = self._breaker.trip()
-            self.metrics.breaker_open.set(1)
-            log.error("provider_auth_rejected", extra={**job_fields(job, outcome.reason),
-                                                       "pause_seconds": pause})
-        elif self._breaker.probing:
-            self._breaker.reset()
-            self.metrics.breaker_open.set(0)
         await self._reschedule(job, outcome, claimed_at)
+
+    def _observe_breaker(self, job: Job, outcome: Outcome) -> None:
+        if outcome.reason == "auth_rejected":
+            pause = self._breaker.rejected(job.id)
+            if pause is not None:
+                self.metrics.breaker_open.set(1)
+                log.error("provider_auth_rejected",
+                          extra={**job_fields(job, outcome.reason), "pause_seconds": pause})
+        elif self._breaker.answered(job.id, outcome.verdict is Verdict.DELIVERED):
+            self.metrics.breaker_open.set(0)
+            log.info("provider_auth_accepted", extra=job_fields(job, outcome.reason))
 
     async def _reschedule(self, job: Job, outcome: Outcome, claimed_at: float) -> None:
         permanent = outcome.verdict is Verdict.PERMANENT
