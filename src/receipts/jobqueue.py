@@ -17,6 +17,7 @@ provider is called. The lease protocol (DESIGN §2, the lesson):
 
 from __future__ import annotations
 
+import contextlib
 import enum
 import re
 import uuid
@@ -31,6 +32,7 @@ from typing import Any
 import psycopg
 import psycopg.errors
 from psycopg import sql
+from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
@@ -170,9 +172,10 @@ def check_order_id(order_id: str) -> str:
     """Validate an order id for the queue and the ``Idempotency-Key`` header.
 
     Returns the id unchanged. Raises :class:`InvalidOrderId` when it is empty,
-    longer than ``ORDER_ID_MAX_LENGTH`` characters, not valid UTF-8 text, or
+    longer than ``ORDER_ID_MAX_LENGTH`` characters, not valid UTF-8 text,
     contains control characters (NUL, CR/LF, …) that neither PostgreSQL text
-    nor an HTTP header can carry.
+    nor an HTTP header can carry, or starts or ends with whitespace (which an
+    HTTP header value cannot carry either).
     """
     if not isinstance(order_id, str) or not order_id:
         raise InvalidOrderId("order id must be a non-empty string")
@@ -180,6 +183,10 @@ def check_order_id(order_id: str) -> str:
         raise InvalidOrderId(f"order id is longer than {ORDER_ID_MAX_LENGTH} characters")
     if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in order_id):
         raise InvalidOrderId("order id contains control characters")
+    if order_id != order_id.strip():
+        raise InvalidOrderId(
+            "order id starts or ends with whitespace (it could not be sent as an HTTP header)"
+        )
     try:
         order_id.encode("utf-8")
     except UnicodeEncodeError:
@@ -231,7 +238,8 @@ def connection_kwargs(settings: Settings, role: str) -> dict[str, Any]:
     Sets ``application_name`` and, unless behind PgBouncer transaction pooling
     (which refuses startup options), ``statement_timeout``, ``lock_timeout``
     and ``idle_in_transaction_session_timeout`` from the settings (seconds →
-    milliseconds). Behind PgBouncer set them on the role (``ALTER ROLE … SET``).
+    milliseconds), added to any ``options`` the DSN already carries. Behind
+    PgBouncer set them on the role (``ALTER ROLE … SET``).
     """
     kwargs: dict[str, Any] = {
         "application_name": f"{settings.application_name}-{role}",
@@ -246,7 +254,11 @@ def connection_kwargs(settings: Settings, role: str) -> dict[str, Any]:
             "lock_timeout": settings.lock_timeout_seconds,
             "idle_in_transaction_session_timeout": settings.idle_in_transaction_timeout_seconds,
         }
-        kwargs["options"] = " ".join(f"-c {k}={round(v * 1000)}" for k, v in ms.items())
+        ours = " ".join(f"-c {k}={round(v * 1000)}" for k, v in ms.items())
+        # A keyword argument replaces the DSN's own `options` (say, a
+        # search_path): keep those and add ours.
+        theirs = conninfo_to_dict(settings.dsn).get("options")
+        kwargs["options"] = f"{theirs} {ours}" if theirs else ours
     return kwargs
 
 
@@ -438,15 +450,18 @@ class JobQueue:
 
     async def show_job(self, key: str) -> dict[str, Any] | None:
         """One job by UUID or, failing that, by order id; None when absent."""
-        try:
-            params: dict[str, Any] = {"id": uuid.UUID(key)}
-            name = "show_job"
-        except ValueError:
-            params, name = {"order_id": key}, "show_job_by_order"
+        lookups: list[tuple[str, dict[str, Any]]] = []
+        with contextlib.suppress(ValueError):
+            lookups.append(("show_job", {"id": uuid.UUID(key)}))
+        lookups.append(("show_job_by_order", {"order_id": key}))  # order ids may be UUIDs too
         async with self._conn() as conn:
             cur = conn.cursor(row_factory=dict_row)
-            await cur.execute(_query(name), params)
-            return await cur.fetchone()
+            for name, params in lookups:
+                await cur.execute(_query(name), params)
+                row = await cur.fetchone()
+                if row is not None:
+                    return row
+        return None
 
     async def retry_failed(self, ids: Iterable[uuid.UUID] | None) -> list[uuid.UUID]:
         """Make failed jobs deliverable again (all of them when *ids* is None).

@@ -69,7 +69,7 @@ def parse_retry_after(value: str | None, *, date_header: str | None = None) -> f
     text = value.strip()
     if not text:
         return None
-    if text.isdigit():
+    if text.isascii() and text.isdigit():
         return float(int(text[:12]))
     try:
         when = parsedate_to_datetime(text)

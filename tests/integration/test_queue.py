@@ -58,7 +58,9 @@ def test_enqueue_rolls_back_with_the_order_and_commits_with_it(dsn):
     assert rows == [("order-1", "ready", 0)]
 
 
-@pytest.mark.parametrize("bad", ["", "x" * 201, "a\x00b", "line\nbreak", "\udcff"])
+@pytest.mark.parametrize(
+    "bad", ["", "x" * 201, "a\x00b", "line\nbreak", "\udcff", " ", "trail ", " lead"]
+)
 def test_enqueue_refuses_order_ids_the_queue_cannot_carry(dsn, bad):
     with psycopg.connect(dsn) as conn, pytest.raises(InvalidOrderId):
         enqueue(conn, bad)
@@ -218,5 +220,49 @@ async def test_operations_before_migrations_raise_schema_missing(server):
                 await JobQueue(pool, lease_seconds=30, max_attempts=5).claim(1)
         finally:
             await pool.close()
+    finally:
+        server.drop_database(dsn)
+
+
+async def test_a_job_is_found_by_an_order_id_that_is_itself_a_uuid(dsn, queue):
+    order_id = str(uuid.uuid4())
+    enqueue_many(dsn, [order_id])
+    row = await queue.show_job(order_id)
+    assert row is not None and row["order_id"] == order_id
+    assert (await queue.show_job(str(row["id"])))["order_id"] == order_id
+    assert await queue.show_job(str(uuid.uuid4())) is None
+
+
+async def test_a_failed_job_keeps_its_run_at(dsn, queue):
+    enqueue_many(dsn, ["order-final"])
+    (job,) = await queue.claim(1)
+    await queue.reschedule(job, delay_seconds=3600, error="422", permanent=True)
+    (run_at, finished_at), = fetch_rows(dsn, "SELECT run_at, finished_at FROM receipt_jobs")
+    assert run_at <= finished_at
+
+
+async def test_the_dsn_options_such_as_a_search_path_are_kept(server):
+    import psycopg
+    from psycopg.conninfo import make_conninfo
+
+    dsn = server.new_database(migrated=False)
+    try:
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("CREATE SCHEMA shop")
+        scoped = make_conninfo(dsn, options="-c search_path=shop")
+        apply_migrations(scoped)
+        enqueue_many(scoped, ["order-in-shop"])
+        settings = make_settings(scoped)
+        pool = make_pool(settings, "test")
+        await pool.open()
+        try:
+            (job,) = await JobQueue(pool, lease_seconds=30, max_attempts=5).claim(1)
+            async with pool.connection() as conn:
+                cur = await conn.execute("SHOW statement_timeout")
+                assert (await cur.fetchone())[0] == "5s"
+        finally:
+            await pool.close()
+        assert job.order_id == "order-in-shop"
+        assert fetch_rows(dsn, "SELECT count(*) FROM shop.receipt_jobs") == [(1,)]
     finally:
         server.drop_database(dsn)

@@ -20,6 +20,8 @@ from receipts.retry import BackoffPolicy, parse_retry_after
         ("soon", None),
         ("", None),
         ("31536000", 31536000.0),  # a year: parsed, then clamped by the policy
+        ("\u00b2", None),  # a superscript two: isdigit() but not a number
+        ("１２", None),  # full-width digits
     ],
 )
 def test_retry_after_values_are_parsed_or_ignored(header, expected):

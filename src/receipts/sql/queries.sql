@@ -59,7 +59,8 @@ RETURNING j.id;
 UPDATE receipt_jobs
 SET state = CASE WHEN %(permanent)s OR attempts >= %(max_attempts)s
                  THEN 'failed' ELSE 'ready' END,
-    run_at = statement_timestamp() + make_interval(secs => %(delay_seconds)s),
+    run_at = CASE WHEN %(permanent)s OR attempts >= %(max_attempts)s THEN run_at
+                  ELSE statement_timestamp() + make_interval(secs => %(delay_seconds)s) END,
     finished_at = CASE WHEN %(permanent)s OR attempts >= %(max_attempts)s
                        THEN statement_timestamp() END,
     lease_token = NULL,
