@@ -32,8 +32,15 @@ class SettingsError(ValueError):
     """Settings that cannot run; ``str()`` is one line per problem, naming the variable."""
 
 
-_DSN_PASSWORD_URI = re.compile(r"(?P<head>[a-z][a-z0-9+.-]*://[^:/@\s]*:)(?P<pw>[^@\s]*)@", re.I)
-_DSN_PASSWORD_KV = re.compile(r"(?P<head>\bpassword\s*=\s*)(?P<pw>'(?:[^'\\]|\\.)*'|\S+)", re.I)
+# URI userinfo: the password runs to the *last* '@' before the path, so an
+# unencoded '@' inside a password is masked whole. Key/value: a quoted value
+# (even one missing its closing quote) or a bare word.
+_DSN_PASSWORD_URI = re.compile(
+    r"(?P<head>[a-z][a-z0-9+.-]*://[^:/@\s]*:)(?P<pw>[^/\s]*)@", re.I
+)
+_DSN_PASSWORD_KV = re.compile(
+    r"(?P<head>\bpassword\s*=\s*)(?P<pw>'(?:[^'\\]|\\.)*(?:'|$)|\S+)", re.I
+)
 
 
 def redact_dsn(text: str) -> str:
@@ -47,8 +54,11 @@ def redact_dsn(text: str) -> str:
     return _DSN_PASSWORD_KV.sub(lambda m: m.group("head") + "***", text)
 
 
-def _check_dsn(dsn: str) -> None:
-    """Raise ``ValueError`` when *dsn* is not a usable libpq URI or key/value string."""
+def check_dsn(dsn: str) -> None:
+    """Raise ``ValueError`` when *dsn* is not a usable libpq URI or key/value string.
+
+    The message never contains the DSN or its password.
+    """
     from psycopg.conninfo import conninfo_to_dict
 
     if not dsn.strip():
@@ -57,6 +67,8 @@ def _check_dsn(dsn: str) -> None:
         parts = urlsplit(dsn)
         if parts.scheme not in ("postgresql", "postgres"):
             raise ValueError("must start with postgresql:// (or be a key=value libpq string)")
+        if parts.netloc.count("@") > 1:
+            raise ValueError("has an unencoded '@' in its user or password (write it as %40)")
         try:
             _ = parts.port
         except ValueError:
@@ -82,8 +94,7 @@ class Settings(BaseSettings):
     )
 
     database_url: SecretStr = Field(
-        default=SecretStr("postgresql://localhost/receipts"),
-        description="libpq DSN of the database that holds receipt_jobs.",
+        description="libpq DSN of the database that holds receipt_jobs (required).",
     )
     provider_url: str = Field(
         default="http://127.0.0.1:8080/receipts",
@@ -128,7 +139,14 @@ class Settings(BaseSettings):
     @field_validator("database_url")
     @classmethod
     def _valid_dsn(cls, value: SecretStr) -> SecretStr:
-        _check_dsn(value.get_secret_value())
+        check_dsn(value.get_secret_value())
+        return value
+
+    @field_validator("provider_token", mode="before")
+    @classmethod
+    def _empty_token_is_none(cls, value: object) -> object:
+        if isinstance(value, str) and not value.strip():
+            return None
         return value
 
     @field_validator("provider_url")
@@ -183,6 +201,8 @@ def _describe(error: ValidationError) -> str:
         name = f"{ENV_PREFIX}{loc[0].upper()}" if loc else "settings"
         message = str(item.get("msg", "invalid"))
         message = message.removeprefix("Value error, ")
+        if item.get("type") == "missing":
+            message = "is required and not set"
         # Never echo the offending input: it may be a DSN or a token.
         lines.append(f"{name}: {redact_dsn(message)}" if loc else redact_dsn(message))
     return "; ".join(lines)

@@ -16,6 +16,8 @@ from receipts.settings import SettingsError, load_settings, redact_dsn
         ("host=db password='hu nter2' user=app", "host=db password=*** user=app"),
         ("postgresql://app@db/shop", "postgresql://app@db/shop"),
         ("to postgresql://u:p@h/d failed", "to postgresql://u:***@h/d failed"),
+        ("postgresql://alice:p@ss@127.0.0.1:1/x", "postgresql://alice:***@127.0.0.1:1/x"),
+        ("host=h password='Sek r1t dbname=x", "host=h password=***"),
     ],
 )
 def test_dsn_passwords_are_masked_in_any_text(text, expected):
@@ -57,3 +59,26 @@ def test_classification_covers_the_whole_status_range(status, verdict):
     import httpx
 
     assert classify(status, httpx.Headers(), b"").verdict is verdict
+
+
+def test_a_uri_with_an_unencoded_at_sign_is_refused_without_echoing_it():
+    with pytest.raises(SettingsError, match="%40") as info:
+        load_settings(database_url="postgresql://alice:p@ss@127.0.0.1/x")
+    assert "p@ss" not in str(info.value) and "ss@" not in str(info.value)
+
+
+def test_the_database_url_is_required():
+    import os
+
+    saved = os.environ.pop("RECEIPTS_DATABASE_URL", None)
+    try:
+        with pytest.raises(SettingsError, match="RECEIPTS_DATABASE_URL: is required"):
+            load_settings()
+    finally:
+        if saved is not None:
+            os.environ["RECEIPTS_DATABASE_URL"] = saved
+
+
+def test_an_empty_provider_token_means_none():
+    settings = load_settings(database_url="postgresql://u@h/d", provider_token=" ")
+    assert settings.provider_token is None
