@@ -38,4 +38,5 @@ lint: $(STAMP)
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) .tools .tmp build dist src/*.egg-info
+	rm -rf $(VENV) .tools .tmp build dist src/*.egg-info .hypothesis .mypy_cache .ruff_cache
+	find . -name __pycache__ -type d -prune -exec rm -rf {} +

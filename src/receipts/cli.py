@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
 import sys
 import uuid
 from collections.abc import Callable, Coroutine, Sequence
@@ -106,8 +107,6 @@ def cmd_recover(settings: Settings, args: argparse.Namespace) -> int:
     from receipts import recovery
 
     if args.loop is not None:
-        if args.loop <= 0:
-            raise UsageError("--loop SECONDS must be positive")
 
         async def loop(queue: Any) -> int:
             import signal
@@ -159,13 +158,42 @@ def cmd_enqueue(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def _positive_int(text: str) -> int:
+    """argparse type: an integer from 1 to 1,000,000."""
     try:
         number = int(text)
     except ValueError:
         number = 0
-    if number < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}")
+    if not 1 <= number <= 1_000_000:
+        raise argparse.ArgumentTypeError(
+            f"must be an integer from 1 to 1000000, got {text!r}")
     return number
+
+
+def _port(text: str) -> int:
+    """argparse type: a TCP port number (1–65535)."""
+    try:
+        number = int(text)
+    except ValueError:
+        number = 0
+    if not 1 <= number <= 65_535:
+        raise argparse.ArgumentTypeError(f"must be a port from 1 to 65535, got {text!r}")
+    return number
+
+
+def _seconds(minimum: float) -> Callable[[str], float]:
+    """argparse type: a finite number of seconds, at least *minimum*."""
+
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            value = math.nan
+        if not (math.isfinite(value) and value >= minimum):
+            raise argparse.ArgumentTypeError(
+                f"must be a number of seconds >= {minimum:g}, got {text!r}")
+        return value
+
+    return parse
 
 
 def _parse_since(text: str | None) -> datetime | None:
@@ -348,6 +376,13 @@ def cmd_demo(settings: Settings | None, args: argparse.Namespace) -> int:
     """``receipts demo``: the whole service end to end; 0 when nothing was lost."""
     from receipts.demo import DemoOptions, run_demo
 
+    if args.dsn:
+        from receipts.settings import check_dsn
+
+        try:
+            check_dsn(args.dsn)
+        except ValueError as exc:
+            raise UsageError(f"--dsn {exc}") from None
     options = DemoOptions(dsn=args.dsn, orders=args.orders, workers=args.workers,
                           concurrency=args.concurrency, seed=args.seed)
     return run_demo(options)
@@ -367,13 +402,14 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name: str, help_text: str) -> argparse.ArgumentParser:
-        return sub.add_parser(name, help=help_text, description=help_text, epilog=SETTINGS_HELP,
+        epilog = SETTINGS_HELP if name in NEEDS_SETTINGS else None
+        return sub.add_parser(name, help=help_text, description=help_text, epilog=epilog,
                               formatter_class=argparse.RawDescriptionHelpFormatter)
 
     add("migrate", "Apply pending database migrations (safe to run again and concurrently).")
     add("worker", "Run a worker: claim receipt jobs, deliver them, ack (until SIGTERM).")
     p = add("recover", "Return expired leases to the queue and prune old rows (one sweep).")
-    p.add_argument("--loop", type=float, metavar="SECONDS",
+    p.add_argument("--loop", type=_seconds(0.1), metavar="SECONDS",
                    help="sweep every SECONDS until SIGTERM (outside Kubernetes)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p = add("enqueue", "Enqueue receipt jobs for orders (duplicates are a no-op).")
@@ -404,7 +440,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("provider", "Run the reference receipt provider (idempotent, with fault injection).")
     p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=int, default=8080)
+    p.add_argument("--port", type=_port, default=8080)
     p.add_argument("--latency-ms", type=float, default=0.0)
     p.add_argument("--jitter-ms", type=float, default=0.0)
     p.add_argument("--error-rate", type=float, default=0.0, help="share answered 503")
@@ -422,9 +458,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("demo", "Run the whole service on an embedded PostgreSQL and print a summary.")
     p.add_argument("--dsn", help="use this database instead of an embedded PostgreSQL 18")
-    p.add_argument("--orders", type=int, default=3000)
-    p.add_argument("--workers", type=int, default=3)
-    p.add_argument("--concurrency", type=int, default=32)
+    p.add_argument("--orders", type=_positive_int, default=3000)
+    p.add_argument("--workers", type=_positive_int, default=3)
+    p.add_argument("--concurrency", type=_positive_int, default=32)
     p.add_argument("--seed", type=int, default=7)
     return parser
 

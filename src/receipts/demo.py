@@ -212,9 +212,11 @@ def _pause_past_lease(run: _Run, victim: _Proc) -> None:
 
 
 def _stop_all(run: _Run) -> dict[str, int | None]:
+    """SIGTERM every child still running (a stopped one is continued first); idempotent."""
     codes: dict[str, int | None] = {}
     for proc in run.procs:
         if proc.popen.poll() is None:
+            proc.popen.send_signal(signal.SIGCONT)
             proc.popen.send_signal(signal.SIGTERM)
     for proc in run.procs:
         try:
@@ -226,28 +228,56 @@ def _stop_all(run: _Run) -> dict[str, int | None]:
 
 
 def run_demo(opts: DemoOptions) -> int:
-    """Run the demo; returns the exit status (0: nothing lost)."""
+    """Run the demo; returns the exit status (0: nothing lost).
+
+    With ``opts.dsn`` everything happens in a scratch schema of that database
+    (``receipts_demo_<run>``, dropped at the end), so jobs of anyone else
+    using the database are never touched. Every child process is stopped
+    whatever happens, and its logs are kept (and named) when the run failed.
+    """
     workdir = Path(tempfile.mkdtemp(prefix="receipts-demo-"))
+    run_id = f"demo{int(time.time()) % 100000:05d}"
     pg: EmbeddedPostgres | None = None
+    schema: str | None = None
     ok = False
     try:
         if opts.dsn:
-            dsn = opts.dsn
-            print(f"receipts demo: using {redact_dsn(dsn)}")
+            schema = f"receipts_demo_{run_id}"
+            dsn = _scratch_schema(opts.dsn, schema)
+            print(f"receipts demo: using {redact_dsn(opts.dsn)}, scratch schema {schema}")
         else:
             print("receipts demo: starting an embedded PostgreSQL 18 …", flush=True)
             pg = EmbeddedPostgres().start()
             dsn = pg.create_database("receipts_demo")
-        run = _Run(opts, dsn, workdir, run_id=f"demo{int(time.time()) % 100000:05d}")
-        ok = _demo(run)
+        run = _Run(opts, dsn, workdir, run_id=run_id)
+        try:
+            ok = _demo(run)
+        finally:
+            _stop_all(run)
     finally:
+        if schema is not None and opts.dsn:
+            with contextlib.suppress(psycopg.Error), psycopg.connect(
+                opts.dsn, autocommit=True, connect_timeout=5
+            ) as conn:
+                conn.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
         if pg is not None:
             pg.cleanup()
-        if ok:
+        if ok or not any(workdir.iterdir()):
             shutil.rmtree(workdir, ignore_errors=True)
         else:
             print(f"receipts demo: logs kept in {workdir}", file=sys.stderr)
     return 0 if ok else 1
+
+
+def _scratch_schema(dsn: str, schema: str) -> str:
+    """Create *schema* in *dsn*'s database; return a DSN whose search_path is it."""
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+    with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as conn:
+        conn.execute(f'CREATE SCHEMA "{schema}"')
+    theirs = conninfo_to_dict(dsn).get("options")
+    ours = f"-c search_path={schema}"
+    return make_conninfo(dsn, options=f"{theirs} {ours}" if theirs else ours)
 
 
 def _demo(run: _Run) -> bool:
@@ -362,7 +392,8 @@ def _summary(run: _Run, elapsed: float, scraped: list[dict[str, float]],
         "receipts demo — summary",
         f"  orders placed                  {orders}",
         f"  receipts delivered (done)      {delivered}",
-        f"  failed (provider said 4xx)     {states.get('failed', 0)}",
+        f"  failed                         {states.get('failed', 0)}"
+        "  (provider answered 4xx, or attempts ran out)",
         f"  lost (not done, not failed)    {lost}",
         f"  done without a receipt         {done_without_receipt}",
         f"  receipts at provider (unique)  {len(ours)}",

@@ -79,7 +79,8 @@ class Faults:
     def from_mapping(cls, data: dict[str, Any], base: Faults | None = None) -> Faults:
         """A copy of *base* (or defaults) with the known keys of *data* applied.
 
-        Raises ``ValueError`` for an unknown key or a rate outside [0, 1].
+        Raises ``ValueError`` for an unknown key, a rate outside [0, 1] or a
+        negative duration or size.
         """
         names = {f.name for f in fields(cls)}
         unknown = set(data) - names
@@ -87,9 +88,16 @@ class Faults:
             raise ValueError(f"unknown fault setting(s): {', '.join(sorted(unknown))}")
         result = replace(base or cls(), **data)
         for f in fields(cls):
-            if f.name.endswith("_rate") and not 0.0 <= float(getattr(result, f.name)) <= 1.0:
+            value = getattr(result, f.name)
+            if f.name.endswith("_rate") and not 0.0 <= float(value) <= 1.0:
                 raise ValueError(f"{f.name} must be between 0 and 1")
+            if f.name in _NON_NEGATIVE and not float(value) >= 0:
+                raise ValueError(f"{f.name} must not be negative")
         return result
+
+
+_NON_NEGATIVE = ("latency_seconds", "latency_jitter_seconds", "retry_after_seconds",
+                 "hang_seconds", "body_bytes")
 
 
 class ReferenceProvider:

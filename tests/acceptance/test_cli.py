@@ -109,10 +109,13 @@ def worker_env(dsn: str, provider: str, **extra: str) -> dict[str, str]:
         ({"RECEIPTS_MAX_ATTEMPTS": "0"}, "RECEIPTS_MAX_ATTEMPTS"),
         ({"RECEIPTS_LOG_LEVEL": "LOUD"}, "RECEIPTS_LOG_LEVEL"),
         ({"RECEIPTS_METRICS_PORT": "70000"}, "RECEIPTS_METRICS_PORT"),
+        ({"RECEIPTS_DATABASE_URL": ""}, "RECEIPTS_DATABASE_URL"),
     ],
 )
 def test_each_invalid_setting_is_refused_with_its_name_and_exit_2(env, names):
-    result = receipts("worker", env=env | {"RECEIPTS_PROVIDER_TOKEN": SECRET})
+    base = {"RECEIPTS_DATABASE_URL": "postgresql://app@127.0.0.1:1/shop",
+            "RECEIPTS_PROVIDER_TOKEN": SECRET}
+    result = receipts("worker", env=base | env)
     assert result.returncode == 2
     assert names in result.stderr
     assert len(result.stderr.strip().splitlines()) == 1
@@ -222,10 +225,16 @@ def test_recover_loop_runs_until_sigterm(dsn, tmp_path):
 
 
 def test_the_demo_runs_end_to_end_and_loses_nothing(server):
-    dsn = server.new_database(migrated=False)
+    dsn = server.new_database()
     try:
+        enqueue_many(dsn, ["someone-elses-order"])  # the demo must not touch it
         result = receipts("demo", "--dsn", dsn, "--orders", "400", "--workers", "3",
                           "--concurrency", "16", timeout=300)
+        assert fetch_rows(dsn, "SELECT order_id, state, attempts FROM receipt_jobs") == [
+            ("someone-elses-order", "ready", 0)]
+        leftovers = fetch_rows(dsn, "SELECT nspname FROM pg_namespace"
+                                    " WHERE nspname LIKE 'receipts_demo%%'")
+        assert leftovers == []
     finally:
         server.drop_database(dsn)
     assert result.returncode == 0, result.stdout + result.stderr
@@ -239,6 +248,30 @@ def test_the_demo_runs_end_to_end_and_loses_nothing(server):
     assert figure("orders placed") == 400
     assert figure("lost (not done, not failed)") == 0
     assert figure("done without a receipt") == 0
-    assert figure("receipts delivered (done)") + figure("failed (provider said 4xx)") == 400
+    assert figure("receipts delivered (done)") + figure("failed") == 400
     assert figure("receipts at provider (unique)") >= figure("receipts delivered (done)")
     assert "receipts_jobs_claimed_total" in out
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["--orders", "0"], ["--workers", "0"], ["--concurrency", "-1"],
+     ["--dsn", f"postgresql://u:{SECRET}@h@x/db"], ["--dsn", "mysql://x/y"]],
+)
+def test_demo_refuses_bad_options_before_starting_anything(args):
+    result = receipts("demo", *args, timeout=30)
+    assert result.returncode == 2
+    assert SECRET not in result.stdout + result.stderr
+    assert "Traceback" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    "args",
+    [["provider", "--port", "99999"], ["provider", "--latency-ms", "-5"],
+     ["recover", "--loop", "nan"], ["recover", "--loop", "0.000001"],
+     ["jobs", "list", "--limit", "99999999999999999999"]],
+)
+def test_out_of_range_options_are_usage_errors(args):
+    result = receipts(*args, env={"RECEIPTS_DATABASE_URL": "postgresql://u@127.0.0.1:1/d"})
+    assert result.returncode == 2, result.stderr
+    assert "Traceback" not in result.stderr
