@@ -183,3 +183,27 @@ async def test_the_worker_survives_a_database_outage_and_resumes(provider):
             await until(run.worker.is_ready, timeout=10)
     finally:
         pg.cleanup()
+
+
+async def test_a_deliverer_that_raises_reschedules_the_job_instead_of_stranding_it(dsn):
+    class Broken:
+        calls = 0
+
+        async def deliver(self, job):
+            Broken.calls += 1
+            raise RuntimeError("bug in a deliverer")
+
+        async def aclose(self) -> None:
+            return None
+
+    enqueue_many(dsn, ["order-bug"])
+    settings = make_settings(dsn, max_attempts=2, retry_base_seconds=0.01,
+                             retry_cap_seconds=0.02)
+    run = Running(settings)
+    run.worker.deliverer = Broken()
+    async with run:
+        await until(lambda: states(dsn) == {"failed": 1})
+        assert run.value("receipts_retries_total", reason="internal_error") == 1
+    assert Broken.calls == 2
+    (last_error,), = fetch_rows(dsn, "SELECT last_error FROM receipt_jobs")
+    assert "bug in a deliverer" in last_error
