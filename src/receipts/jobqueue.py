@@ -143,7 +143,9 @@ def statements() -> dict[str, str]:
     return blocks
 
 
+@cache
 def _query(name: str) -> sql.SQL:
+    """The named statement as a composable, built once (ack and reschedule are hot)."""
     return sql.SQL(statements()[name])  # type: ignore[arg-type,unused-ignore]
 
 

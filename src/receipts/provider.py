@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
-import json
 import random
 import time
 from collections import Counter
@@ -268,7 +267,3 @@ async def serve(provider: ReferenceProvider, host: str, port: int,
     finally:
         await runner.cleanup()
 
-
-def faults_json(faults: Faults) -> str:
-    """*faults* as a JSON string (for logs and the CLI)."""
-    return json.dumps(asdict(faults), sort_keys=True)
