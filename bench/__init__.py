@@ -1,4 +1,4 @@
-"""The side-by-side benchmark (issue 6): ``python -m bench.run`` or ``bench/run.sh``.
+"""The side-by-side benchmark: ``python -m bench.run`` or ``bench/run.sh``.
 
 Not part of the installed package: it drives the service, pgbench and the
 Python peers (PgQueuer, Procrastinate) against one durable embedded

@@ -1,4 +1,4 @@
--- The receipt job queue (the lesson's table, unchanged in meaning).
+-- The receipt job queue (docs/design.md §1: the classic lease-based job table).
 -- One row per order; state moves ready -> running -> done | failed.
 CREATE TABLE receipt_jobs (
   id           UUID PRIMARY KEY,

@@ -1,4 +1,4 @@
--- Storage settings for the hot queue table (issue 6, measured by bench/).
+-- Storage settings for the hot queue table (measured by bench/).
 --
 -- Every job is written three times (enqueue, claim, ack) and neither update
 -- can be HOT (state, lease_until and finished_at are indexed or in index

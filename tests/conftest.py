@@ -219,7 +219,7 @@ def fetch_rows(dsn: str, sql: str, params: tuple[object, ...] = ()) -> list[tupl
 
 
 def check_invariants(dsn: str, max_attempts: int) -> None:
-    """Assert DESIGN §2's invariants on every row of *dsn*'s queue."""
+    """Assert docs/design.md §2's invariants on every row of *dsn*'s queue."""
     bad_ready = fetch_rows(dsn, "SELECT id FROM receipt_jobs WHERE state = 'ready'"
                                 " AND attempts >= %s", (max_attempts,))
     assert not bad_ready, f"ready jobs with attempts >= max: {bad_ready}"

@@ -4,7 +4,7 @@ A single flusher task takes everything submitted since its last statement
 (up to ``max_batch``) and runs one ``ack`` for all of it, so batches grow by
 themselves under load and stay at one job when the queue is quiet; no timer
 adds latency. Measured on this kind of machine, a batched ack is 2.6–7× faster
-than one ack per job (DESIGN §10).
+than one ack per job (docs/design.md §10).
 
 Acks are independent of the delivery tasks that submit them: cancelling a
 delivery task (shutdown, abandon) does not cancel its ack, and :meth:`close`

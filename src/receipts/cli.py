@@ -1,7 +1,7 @@
 """Command line: ``receipts <command>`` (argparse) → one function per command.
 
 Settings are built once here from the environment (``RECEIPTS_*``) and passed
-down. Exit status (DESIGN §9): 0 success, 2 bad usage or settings, 1 any
+down. Exit status (docs/design.md §9): 0 success, 2 bad usage or settings, 1 any
 other error (database unreachable, schema missing, a failed sweep). Error
 messages are one line on stderr and never contain a password or token.
 """

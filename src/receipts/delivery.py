@@ -1,6 +1,6 @@
 """Receipt delivery over HTTP (httpx): ``deliver(job) → Outcome``; no database access.
 
-The contract (DESIGN §3): POST a JSON body naming the order to the provider
+The contract (docs/design.md §3): POST a JSON body naming the order to the provider
 with ``Idempotency-Key: receipt:<order_id>``, the same on every attempt, and an
 identical body on every attempt (providers may reject a reused key whose body
 differs). The answer is classified:
@@ -43,7 +43,7 @@ from receipts.retry import parse_retry_after
 MAX_BODY_BYTES = 64 * 1024
 #: Connections per httpx client. httpcore walks every connection of its pool on
 #: each request, so one pool of 400 keep-alive connections cost ~9 ms of CPU per
-#: delivery; pools of 4 cost ~0.6 ms (bench/, issue 6). The deliverer keeps
+#: delivery; pools of 4 cost ~0.6 ms (bench/). The deliverer keeps
 #: ``ceil(max_connections / 4)`` clients and hands each delivery a free one.
 CONNECTIONS_PER_CLIENT = 4
 #: Most time spent reading a 2xx body, seconds: it is read only so that its

@@ -1,6 +1,6 @@
 """``receipts demo``: the whole service, its faults and its guarantees, in one command.
 
-What it does (DESIGN §8):
+What it does (docs/design.md §8):
 
 1. starts an embedded PostgreSQL 18 (or uses ``--dsn``) and migrates it;
 2. starts the reference provider with latency and faults (503, 429 with

@@ -5,8 +5,8 @@ place that translates driver errors (into :class:`DatabaseUnavailable`,
 :class:`SchemaMissing` and :class:`QueueError`, keeping ``__cause__``).
 
 Every statement is one short autocommit transaction: a pool connection is
-borrowed for exactly one statement and returned (DESIGN §4), never held while a
-provider is called. The lease protocol (DESIGN §2, the lesson):
+borrowed for exactly one statement and returned (docs/design.md §4), never held while a
+provider is called. The lease protocol (docs/design.md §2):
 
 * claim sets ``running``, ``attempts + 1``, a fresh random token and
   ``lease_until = statement_timestamp() + lease``;
@@ -60,7 +60,7 @@ class DatabaseUnavailable(QueueError):
 
     The statement's effect is unknown; callers retry later. A claim that
     raises this delivers nothing: whatever it may have committed is left to
-    lease expiry and recovery (the lesson's "uncertain commit" rule).
+    lease expiry and recovery (the "uncertain commit" rule, docs/design.md §2).
     """
 
 
@@ -90,7 +90,7 @@ class Job:
 
     @property
     def idempotency_key(self) -> str:
-        """``receipt:<order_id>``: the same on every attempt (DESIGN §3)."""
+        """``receipt:<order_id>``: the same on every attempt (docs/design.md §3)."""
         return f"receipt:{self.order_id}"
 
     @property
@@ -106,7 +106,7 @@ class QueueStats:
     Counts are rows; ``done_estimate`` comes from table statistics, not a
     count. ``lag_seconds`` is the age of the oldest due ready job (0 when none);
     ``oldest_transaction_seconds`` the age of the oldest open transaction in
-    the whole database (the xmin horizon that slows claims, DESIGN §10).
+    the whole database (the xmin horizon that slows claims, docs/design.md §10).
     """
 
     ready_due: int
@@ -151,7 +151,7 @@ def _query(name: str) -> sql.SQL:
 
 @cache
 def _claim_query(limit: int) -> sql.Composed:
-    """The claim statement with *limit* as a literal (DESIGN §10: no bind LIMIT)."""
+    """The claim statement with *limit* as a literal (docs/design.md §10: no bind LIMIT)."""
     return sql.SQL(statements()["claim"]).format(limit=sql.Literal(limit))  # type: ignore[arg-type,unused-ignore]
 
 

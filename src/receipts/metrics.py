@@ -1,6 +1,6 @@
 """Every metric of the service on one registry, and the HTTP endpoint that serves it.
 
-Names are fixed by DESIGN §9 (dashboards and alerts depend on them): one
+Names are fixed by docs/design.md §9 (dashboards and alerts depend on them): one
 ``receipts_`` prefix, base units (seconds), ``_total`` on counters, and
 low-cardinality labels whose values are the queue's own vocabulary.
 

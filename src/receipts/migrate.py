@@ -1,6 +1,6 @@
 """Apply ``migrations/NNNN_name.sql`` in order, once each (``receipts migrate``).
 
-Rules (DESIGN §1): forward-only plain SQL files; each file runs in its own
+Rules (docs/design.md §1): forward-only plain SQL files; each file runs in its own
 transaction together with its row in ``receipts_schema_migrations``; runners
 are serialised by a transaction-level advisory lock taken per file, so
 concurrent runners (several pods starting at once) apply each file exactly

@@ -1,4 +1,4 @@
-"""Retry timing: pure functions, no I/O (DESIGN §3).
+"""Retry timing: pure functions, no I/O (docs/design.md §3).
 
 Exponential backoff with *full jitter* (a uniform draw between 0 and the
 capped exponential), so that jobs failed together by one provider outage do

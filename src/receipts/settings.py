@@ -86,7 +86,7 @@ class Settings(BaseSettings):
     Built from environment variables ``RECEIPTS_<FIELD>`` (case-insensitive);
     validation errors become :class:`SettingsError` in :func:`load_settings`.
     The lease/timeout rule (delivery timeout ≤ lease − margin) comes from
-    DESIGN §3: a delivery must end, and its ack land, while the lease holds.
+    docs/design.md §3: a delivery must end, and its ack land, while the lease holds.
     """
 
     model_config = SettingsConfigDict(

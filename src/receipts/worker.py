@@ -1,6 +1,6 @@
 """The worker loop (``receipts worker``): claim only for free slots, deliver, ack.
 
-Shape (DESIGN §4):
+Shape (docs/design.md §4):
 
 * ``concurrency`` delivery slots. The claim loop claims at most the number of
   free slots (capped at ``claim_batch_max``) and only when one is free, so a

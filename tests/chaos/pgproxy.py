@@ -9,7 +9,7 @@ belongs to. Two faults, armed from the chaos harness:
   in autocommit, so the server commits it at Sync), the answer is read from the
   server (so the proxy knows the job ids, tokens and attempts that were
   committed) and, instead of being forwarded, both sockets are closed. The
-  worker sees a broken connection with an unknown outcome; by the lesson's
+  worker sees a broken connection with an unknown outcome; by the design's
   rule it must not deliver those jobs. Each cut is recorded in :attr:`cuts`.
 * **stall after a claim** (:meth:`PgProxy.arm_stall`): once the next claim
   that returns rows has been answered, hold every client message for a number

@@ -31,8 +31,8 @@ RULES_TEST_FILE = REPO / "deploy" / "prometheus" / "receipts.rules.test.yaml"
 DASHBOARD = CHART / "dashboards" / "receipts.json"
 DOCKERFILE = REPO / "Dockerfile"
 DEPLOY_DOC = REPO / "README.md"  # the alert runbook (runbook_url anchors point here)
-# CI clones the repository into some folder with a copy of shared/ beside it.
-CRD_DIR = REPO.parent / "shared" / "k8s-crds"
+# Upstream CRDs vendored in the repository (versions in crds/README.md).
+CRD_DIR = Path(__file__).resolve().parent / "crds"
 
 RELEASE = "receipts"
 NAMESPACE = "shop"
@@ -177,7 +177,7 @@ def crd_schema(api_version: str, kind: str) -> dict[str, Any]:
     to every object schema that lists properties and does not preserve unknown fields."""
     group, version = api_version.split("/")
     if not CRD_DIR.is_dir():
-        raise AssertionError(f"vendored CRDs not found at {CRD_DIR} (shared/ beside the repo)")
+        raise AssertionError(f"vendored CRDs not found at {CRD_DIR}")
     for path in sorted(CRD_DIR.glob("*.yaml")):
         crd = yaml.safe_load(path.read_text())
         if crd.get("kind") != "CustomResourceDefinition":

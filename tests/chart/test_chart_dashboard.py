@@ -10,7 +10,7 @@ from typing import Any
 import yaml
 from chartkit import CHART, DASHBOARD, find_tool, one, render, run
 
-# The service's metric names (DESIGN §5/§9 and the recovery job's Pushgateway metrics).
+# The service's metric names (docs/design.md §5, §9 and the recovery job's Pushgateway metrics).
 EXPORTED = {
     "receipts_claims_total",
     "receipts_jobs_claimed_total",

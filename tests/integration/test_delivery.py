@@ -1,4 +1,4 @@
-"""Every row of the provider-outcome table (DESIGN §3), against a real HTTP server."""
+"""Every row of the provider-outcome table (docs/design.md §3), against a real HTTP server."""
 
 from __future__ import annotations
 

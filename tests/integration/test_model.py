@@ -4,7 +4,7 @@ Hypothesis drives enqueue / claim / ack (single and batched, current and stale
 attempts) / fail (retryable or permanent, due now or later) / expire / recover
 / time passing / operator retry / lowering max attempts, through the real
 :class:`~receipts.jobqueue.JobQueue` statements, and after every step compares
-every row with the model and checks DESIGN §2's invariants and the table's
+every row with the model and checks docs/design.md §2's invariants and the table's
 CHECK constraints. Bounded: ``RECEIPTS_MODEL_EXAMPLES`` examples (default 40)
 of at most ``RECEIPTS_MODEL_STEPS`` steps (default 20) per server.
 """

@@ -140,7 +140,7 @@ Most worker pods that can run at once (the Deployment never surges: maxSurge is 
 {{- end }}
 
 {{/*
-Connection budget arithmetic (DESIGN §7), as a dict of ints (JSON).
+Connection budget arithmetic (docs/design.md §7), as a dict of ints (JSON).
 */}}
 {{- define "receipts.connections" -}}
 {{- $c := .Values.config -}}

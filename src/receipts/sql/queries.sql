@@ -16,7 +16,7 @@ SELECT pg_notify('receipts_ready', '');
 
 -- name: claim
 -- {limit} is a literal per batch size: a bind parameter there lets a prepared
--- generic plan fall to a seq scan + hash join (DESIGN §10).
+-- generic plan fall to a seq scan + hash join (docs/design.md §10).
 -- SKIP LOCKED must be inside the CTE to lock the candidate rows.
 WITH candidate AS (
   SELECT id
@@ -40,7 +40,7 @@ RETURNING j.id, j.order_id, j.lease_token, j.attempts;
 -- name: ack
 -- Many (id, token) pairs in one statement. The guard is id + token + unexpired
 -- lease: the CHECK constraint makes a matching non-null token imply 'running',
--- and leaving state out keeps the planner on the primary key (DESIGN §10).
+-- and leaving state out keeps the planner on the primary key (docs/design.md §10).
 UPDATE receipt_jobs AS j
 SET state = 'done',
     lease_token = NULL,
@@ -154,7 +154,7 @@ RETURNING id;
 -- it stays cheap with millions of done rows; done is an estimate from the
 -- table statistics (live rows minus the other states), never a count. The
 -- oldest transaction is this database's: only its sessions hold back the
--- cleanup of receipt_jobs (DESIGN §10).
+-- cleanup of receipt_jobs (docs/design.md §10).
 WITH ready AS MATERIALIZED (
   SELECT count(*) AS ready,
          count(*) FILTER (WHERE run_at <= statement_timestamp()) AS ready_due,
