@@ -52,7 +52,7 @@ class NoopDeliverer:
     """Delivers instantly; optionally records when each delivery started."""
 
     def __init__(self, record: dict[str, float] | None) -> None:
-        from receipts.delivery import Outcome, Verdict
+        from receipts.model import Outcome, Verdict
 
         self._outcome = Outcome(Verdict.DELIVERED, "delivered", 200)
         self._record = record

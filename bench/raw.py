@@ -22,7 +22,7 @@ from typing import Any
 import psycopg
 
 from bench.pg import Bench, fill_ready, settle
-from receipts.jobqueue import statements
+from receipts.statements import statements
 
 MAX_ATTEMPTS = 5
 LEASE_SECONDS = 60

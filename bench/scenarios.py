@@ -21,7 +21,9 @@ import psycopg
 from bench import peers
 from bench.pg import Bench, execute, fill_ready, remaining_jobs, settle, wait_until
 from bench.procs import Children, ConnectionSampler, Provider
-from receipts.jobqueue import JobQueue, enqueue, make_pool
+from receipts.db import make_pool
+from receipts.enqueue import enqueue
+from receipts.jobqueue import JobQueue
 from receipts.settings import load_settings
 
 PROBE: dict[str, Any] = {"autocommit": True, "application_name": "bench-probe"}
@@ -250,10 +252,10 @@ async def _claim_latencies(dsn: str, claims: int, batch: int) -> list[float]:
 
 
 def _explain(dsn: str, batch: int) -> str:
-    from receipts.jobqueue import _claim_query
+    from receipts.statements import claim_query
 
     with psycopg.connect(dsn, **PROBE) as conn:
-        text = _claim_query(batch).as_string(conn)
+        text = claim_query(batch).as_string(conn)
         with conn.transaction(force_rollback=True):
             rows = conn.execute(
                 "EXPLAIN (ANALYZE, BUFFERS) " + text,

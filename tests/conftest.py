@@ -162,7 +162,8 @@ def settings(dsn: str) -> Settings:
 @pytest.fixture
 async def queue(settings: Settings) -> AsyncIterator[object]:
     """An open :class:`JobQueue` on the test database."""
-    from receipts.jobqueue import JobQueue, make_pool
+    from receipts.db import make_pool
+    from receipts.jobqueue import JobQueue
 
     pool = make_pool(settings, "test", max_size=4)
     await pool.open(wait=True, timeout=10)
@@ -205,7 +206,7 @@ async def provider() -> AsyncIterator[RunningProvider]:
 
 def enqueue_many(dsn: str, order_ids: list[str]) -> None:
     """Enqueue *order_ids* in one transaction (test helper)."""
-    from receipts.jobqueue import enqueue
+    from receipts.enqueue import enqueue
 
     with psycopg.connect(dsn) as conn:
         for order_id in order_ids:

@@ -23,9 +23,11 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-from receipts.jobqueue import DatabaseUnavailable, Job, JobQueue, QueueError
+from receipts.errors import DatabaseUnavailable, QueueError
+from receipts.jobqueue import JobQueue
 from receipts.logs import get_logger, job_fields
 from receipts.metrics import Metrics
+from receipts.model import Job
 
 log = get_logger("acks")
 

@@ -50,9 +50,10 @@ def _run(coro: Coroutine[Any, Any, int]) -> int:
 async def _with_queue(settings: Settings, role: str,
                       body: Callable[[Any], Coroutine[Any, Any, int]]) -> int:
     """Open a one-connection pool, run *body(queue)*, close the pool."""
-    from receipts.jobqueue import JobQueue, make_pool
+    from receipts.db import check_connection, make_pool
+    from receipts.jobqueue import JobQueue
 
-    await _check_connection(settings, role)
+    await check_connection(settings, role)
     pool = make_pool(settings, role, max_size=1)
     await pool.open(wait=False)
     try:
@@ -63,22 +64,6 @@ async def _with_queue(settings: Settings, role: str,
         await pool.close(timeout=2.0)
 
 
-async def _check_connection(settings: Settings, role: str) -> None:
-    """Connect once, directly, so a one-shot command fails fast with the real reason.
-
-    Raises ``DatabaseUnavailable`` (connection refused, bad password, unknown
-    database, …; the message is redacted) instead of a pool timeout after 5 s.
-    """
-    import psycopg
-
-    from receipts.jobqueue import _translate, connection_kwargs
-
-    try:
-        conn = await psycopg.AsyncConnection.connect(settings.dsn,
-                                                     **connection_kwargs(settings, role))
-    except psycopg.Error as exc:
-        raise _translate(exc) from exc
-    await conn.close()
 
 
 # ------------------------------------------------------------------ commands
@@ -135,9 +120,9 @@ def cmd_recover(settings: Settings, args: argparse.Namespace) -> int:
 
 def cmd_enqueue(settings: Settings, args: argparse.Namespace) -> int:
     """``receipts enqueue``: enqueue the given orders in one transaction."""
-    import psycopg
-
-    from receipts.jobqueue import InvalidOrderId, _translate, check_order_id, enqueue
+    from receipts.db import transaction
+    from receipts.enqueue import check_order_id, enqueue
+    from receipts.errors import InvalidOrderId
 
     try:
         for order_id in args.order_ids:
@@ -145,13 +130,9 @@ def cmd_enqueue(settings: Settings, args: argparse.Namespace) -> int:
     except InvalidOrderId as exc:
         raise UsageError(str(exc)) from None
     created = 0
-    try:
-        with psycopg.connect(settings.dsn, application_name=f"{settings.application_name}-cli",
-                             connect_timeout=5) as conn, conn.transaction():
-            for order_id in args.order_ids:
-                created += enqueue(conn, order_id)
-    except psycopg.Error as exc:
-        raise _translate(exc) from exc
+    with transaction(settings, "cli") as conn:
+        for order_id in args.order_ids:
+            created += enqueue(conn, order_id)
     dupes = len(args.order_ids) - created
     print(f"enqueued {created} job(s); {dupes} order(s) already had one")
     return EXIT_OK
@@ -225,7 +206,7 @@ def _table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
 
 def cmd_jobs(settings: Settings, args: argparse.Namespace) -> int:
     """``receipts jobs stats|list|show|retry``: failed-job review (see the README)."""
-    from receipts.jobqueue import JobState
+    from receipts.model import JobState
 
     async def body(queue: Any) -> int:
         if args.jobs_command == "stats":
@@ -286,7 +267,7 @@ async def _retry(queue: Any, args: argparse.Namespace) -> int:
     ``--dry-run``, would be; 1 when a named job is unknown or not failed (then
     nothing changes); 2 for bad usage.
     """
-    from receipts.jobqueue import JobState
+    from receipts.model import JobState
 
     if args.all_failed == bool(args.ids):
         raise UsageError("give job ids or --all-failed (not both)")
@@ -493,7 +474,7 @@ def _secrets(settings: Settings) -> list[str]:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``receipts`` console script; returns the exit status."""
-    from receipts.jobqueue import InvalidOrderId, QueueError
+    from receipts.errors import InvalidOrderId, QueueError
     from receipts.logs import configure_logging
     from receipts.migrate import MigrationError
 

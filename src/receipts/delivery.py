@@ -29,15 +29,13 @@ from __future__ import annotations
 
 import asyncio
 import collections
-import enum
 import itertools
 import json
-from dataclasses import dataclass
 from typing import Protocol
 
 import httpx
 
-from receipts.jobqueue import Job
+from receipts.model import Job, Outcome, Reason, Verdict
 from receipts.retry import parse_retry_after
 
 MAX_BODY_BYTES = 64 * 1024
@@ -50,36 +48,6 @@ CONNECTIONS_PER_CLIENT = 4
 #: connection goes back to the pool (closing an unread response closes it).
 SUCCESS_BODY_SECONDS = 0.5
 USER_AGENT = "receipts-worker/0.1"
-
-
-class Verdict(enum.StrEnum):
-    """What the worker does with an attempt: ack it, retry later, or fail the job."""
-
-    DELIVERED = "delivered"
-    RETRY = "retry"
-    PERMANENT = "permanent"
-
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """The classified result of one delivery attempt.
-
-    Attributes:
-        verdict: delivered / retry / permanent.
-        reason: low-cardinality label for metrics and logs (see the module table).
-        status: HTTP status, or None when no response arrived.
-        retry_after_seconds: the provider's parsed ``Retry-After``, seconds, or None.
-        detail: a short human-readable reason, stored as ``last_error``.
-        uncertain: True when the provider may have acted (timeout or connection
-            lost after sending): retry with the same key, never a new one.
-    """
-
-    verdict: Verdict
-    reason: str
-    status: int | None = None
-    retry_after_seconds: float | None = None
-    detail: str = ""
-    uncertain: bool = False
 
 
 class Deliverer(Protocol):
@@ -97,23 +65,22 @@ class Deliverer(Protocol):
 def classify(status: int, headers: httpx.Headers, body: bytes) -> Outcome:
     """Map an HTTP response to an :class:`Outcome` (the table in this module)."""
     retry_after = parse_retry_after(headers.get("retry-after"), date_header=headers.get("date"))
+    retry = Verdict.RETRY
     if 200 <= status < 300:
-        return Outcome(Verdict.DELIVERED, "delivered", status)
+        return Outcome(Verdict.DELIVERED, Reason.DELIVERED, status)
     if status == 409:
-        return Outcome(Verdict.RETRY, "in_progress", status, retry_after, "409 request in progress")
+        return Outcome(retry, Reason.IN_PROGRESS, status, retry_after, "409 request in progress")
     if status == 429:
-        return Outcome(Verdict.RETRY, "rate_limited", status, retry_after, "429 rate limited")
+        return Outcome(retry, Reason.RATE_LIMITED, status, retry_after, "429 rate limited")
     if status >= 500:
-        return Outcome(
-            Verdict.RETRY, "provider_5xx", status, retry_after, f"{status} provider error"
-        )
+        return Outcome(retry, Reason.PROVIDER_5XX, status, retry_after, f"{status} provider error")
     if status in (401, 403):
-        return Outcome(
-            Verdict.RETRY, "auth_rejected", status, retry_after, f"{status} credentials rejected"
-        )
+        detail = f"{status} credentials rejected"
+        return Outcome(retry, Reason.AUTH_REJECTED, status, retry_after, detail)
     if 400 <= status < 500:
-        return Outcome(Verdict.PERMANENT, "rejected", status, None, f"{status} {_reason(body)}")
-    return Outcome(Verdict.RETRY, "unexpected_status", status, retry_after, f"unexpected {status}")
+        detail = f"{status} {_reason(body)}"
+        return Outcome(Verdict.PERMANENT, Reason.REJECTED, status, None, detail)
+    return Outcome(retry, Reason.UNEXPECTED_STATUS, status, retry_after, f"unexpected {status}")
 
 
 def _reason(body: bytes) -> str:
@@ -206,19 +173,19 @@ class HttpDeliverer:
                 response = await client.send(request, stream=True)
         except TimeoutError:
             return Outcome(
-                Verdict.RETRY, "timeout", None, None,
-                f"no answer within {self.timeout_seconds:g}s", uncertain=True,
+                Verdict.RETRY, Reason.TIMEOUT, None, None,
+                f"no answer within {self.timeout_seconds:g}s",
             )
         except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
-            return Outcome(Verdict.RETRY, "connect_error", None, None, _short(exc))
+            return Outcome(Verdict.RETRY, Reason.CONNECT_ERROR, None, None, _short(exc))
         except httpx.TimeoutException as exc:
-            return Outcome(Verdict.RETRY, "timeout", None, None, _short(exc), uncertain=True)
+            return Outcome(Verdict.RETRY, Reason.TIMEOUT, None, None, _short(exc))
         except (httpx.TransportError, httpx.DecodingError) as exc:
             return Outcome(
-                Verdict.RETRY, "connection_lost", None, None, _short(exc), uncertain=True
+                Verdict.RETRY, Reason.CONNECTION_LOST, None, None, _short(exc)
             )
         except httpx.InvalidURL as exc:
-            return Outcome(Verdict.RETRY, "connect_error", None, None, _short(exc))
+            return Outcome(Verdict.RETRY, Reason.CONNECT_ERROR, None, None, _short(exc))
         try:
             if response.is_success:
                 # Read the small body so the connection is reused; a provider
@@ -234,7 +201,7 @@ class HttpDeliverer:
                                 break
                 except (TimeoutError, httpx.TransportError):
                     pass
-                return Outcome(Verdict.DELIVERED, "delivered", response.status_code)
+                return Outcome(Verdict.DELIVERED, Reason.DELIVERED, response.status_code)
             # Only a failure's body matters (its reason); read a bounded prefix
             # within what is left of the deadline.
             data = bytearray()

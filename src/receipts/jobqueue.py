@@ -1,8 +1,8 @@
 """The queue: one method per named statement in ``sql/queries.sql``.
 
-This module is the only place that talks SQL to ``receipt_jobs`` and the only
-place that translates driver errors (into :class:`DatabaseUnavailable`,
-:class:`SchemaMissing` and :class:`QueueError`, keeping ``__cause__``).
+This module is the only place that talks SQL to ``receipt_jobs`` for the
+worker, recovery and review; it borrows connections through
+:func:`receipts.db.borrow`, which translates driver errors.
 
 Every statement is one short autocommit transaction: a pool connection is
 borrowed for exactly one statement and returned (docs/design.md §4), never held while a
@@ -10,7 +10,7 @@ provider is called. The lease protocol (docs/design.md §2):
 
 * claim sets ``running``, ``attempts + 1``, a fresh random token and
   ``lease_until = statement_timestamp() + lease``;
-* ack, reschedule and confirm are guarded by id + token + unexpired lease, so a
+* ack and reschedule are guarded by id + token + unexpired lease, so a
   stale worker can never complete or reschedule a newer attempt;
 * recovery returns expired leases to ``ready`` (or ``failed`` at max attempts).
 """
@@ -18,85 +18,21 @@ provider is called. The lease protocol (docs/design.md §2):
 from __future__ import annotations
 
 import contextlib
-import enum
-import re
 import uuid
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime
-from functools import cache
-from importlib import resources
 from typing import Any
 
 import psycopg
-import psycopg.errors
 from psycopg import sql
-from psycopg.conninfo import conninfo_to_dict
 from psycopg.rows import dict_row
-from psycopg_pool import AsyncConnectionPool, PoolTimeout
+from psycopg_pool import AsyncConnectionPool
 
-from receipts.settings import Settings, redact_dsn
-
-ORDER_ID_MAX_LENGTH = 200
-NOTIFY_CHANNEL = "receipts_ready"
-
-
-class JobState(enum.StrEnum):
-    """The four states of a receipt job, spelled as in the table's CHECK."""
-
-    READY = "ready"
-    RUNNING = "running"
-    DONE = "done"
-    FAILED = "failed"
-
-
-class QueueError(Exception):
-    """A queue operation failed for a reason other than availability."""
-
-
-class DatabaseUnavailable(QueueError):
-    """The database could not be reached or the connection broke mid-statement.
-
-    The statement's effect is unknown; callers retry later. A claim that
-    raises this delivers nothing: whatever it may have committed is left to
-    lease expiry and recovery (the "uncertain commit" rule, docs/design.md §2).
-    """
-
-
-class SchemaMissing(QueueError):
-    """``receipt_jobs`` does not exist: run ``receipts migrate`` first."""
-
-
-class InvalidOrderId(ValueError):
-    """An order id the queue refuses (empty, too long, control characters)."""
-
-
-@dataclass(frozen=True, slots=True)
-class Job:
-    """One claimed attempt.
-
-    Attributes:
-        id: the job's UUID.
-        order_id: the order it delivers a receipt for.
-        token: this attempt's lease token (new on every claim).
-        attempt: 1-based attempt number (the row's ``attempts`` after claim).
-    """
-
-    id: uuid.UUID
-    order_id: str
-    token: uuid.UUID
-    attempt: int
-
-    @property
-    def idempotency_key(self) -> str:
-        """``receipt:<order_id>``: the same on every attempt (docs/design.md §3)."""
-        return f"receipt:{self.order_id}"
-
-    @property
-    def token_prefix(self) -> str:
-        """First 8 hex characters of the token: enough to correlate logs."""
-        return self.token.hex[:8]
+from receipts.db import borrow
+from receipts.model import Job, JobState
+from receipts.statements import claim_query, query
 
 
 @dataclass(frozen=True, slots=True)
@@ -128,162 +64,6 @@ class RecoveryBatch:
     to_failed: int
 
 
-# --------------------------------------------------------------------------- SQL
-
-
-@cache
-def statements() -> dict[str, str]:
-    """All named statements of ``sql/queries.sql`` keyed by name (loaded once)."""
-    text = resources.files("receipts").joinpath("sql/queries.sql").read_text("utf-8")
-    blocks: dict[str, str] = {}
-    for chunk in re.split(r"^-- name: ", text, flags=re.M)[1:]:
-        name, _, body = chunk.partition("\n")
-        lines = [ln for ln in body.splitlines() if not ln.lstrip().startswith("--")]
-        blocks[name.strip()] = "\n".join(lines).strip().rstrip(";")
-    return blocks
-
-
-@cache
-def _query(name: str) -> sql.SQL:
-    """The named statement as a composable, built once (ack and reschedule are hot)."""
-    return sql.SQL(statements()[name])  # type: ignore[arg-type,unused-ignore]
-
-
-@cache
-def _claim_query(limit: int) -> sql.Composed:
-    """The claim statement with *limit* as a literal (docs/design.md §10: no bind LIMIT)."""
-    return sql.SQL(statements()["claim"]).format(limit=sql.Literal(limit))  # type: ignore[arg-type,unused-ignore]
-
-
-# ------------------------------------------------------------------- error seam
-
-
-def _translate(exc: BaseException) -> QueueError:
-    """Map a driver/pool error to the queue's exceptions (the one choke point)."""
-    if isinstance(exc, psycopg.errors.UndefinedTable):
-        return SchemaMissing(
-            "table receipt_jobs does not exist; run `receipts migrate` first"
-        )
-    if isinstance(exc, PoolTimeout | psycopg.OperationalError | psycopg.InterfaceError):
-        first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
-        return DatabaseUnavailable(f"database unavailable: {redact_dsn(first)}")
-    return QueueError(redact_dsn(f"{type(exc).__name__}: {exc}"))
-
-
-def check_order_id(order_id: str) -> str:
-    """Validate an order id for the queue and the ``Idempotency-Key`` header.
-
-    Returns the id unchanged. Raises :class:`InvalidOrderId` when it is empty,
-    longer than ``ORDER_ID_MAX_LENGTH`` characters, not valid UTF-8 text,
-    contains control characters (NUL, CR/LF, …) that neither PostgreSQL text
-    nor an HTTP header can carry, or starts or ends with whitespace (which an
-    HTTP header value cannot carry either).
-    """
-    if not isinstance(order_id, str) or not order_id:
-        raise InvalidOrderId("order id must be a non-empty string")
-    if len(order_id) > ORDER_ID_MAX_LENGTH:
-        raise InvalidOrderId(f"order id is longer than {ORDER_ID_MAX_LENGTH} characters")
-    if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in order_id):
-        raise InvalidOrderId("order id contains control characters")
-    if order_id != order_id.strip():
-        raise InvalidOrderId(
-            "order id starts or ends with whitespace (it could not be sent as an HTTP header)"
-        )
-    try:
-        order_id.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidOrderId("order id is not valid UTF-8 text") from None
-    return order_id
-
-
-# ------------------------------------------------------------------ enqueue API
-
-
-def enqueue(conn: psycopg.Connection[Any], order_id: str, *, notify: bool = True) -> bool:
-    """Enqueue the receipt job of *order_id* inside the caller's transaction.
-
-    The orders service calls this on the connection that saves the order,
-    before it commits: the job becomes durable with the order, or not at all.
-    Nothing is committed here. With *notify*, listening workers are woken when
-    that transaction commits.
-
-    Returns True when a job was created, False when the order already had one
-    (``ON CONFLICT (order_id) DO NOTHING``). Raises :class:`InvalidOrderId`,
-    and psycopg errors as the caller's own statements would.
-    """
-    check_order_id(order_id)
-    cur = conn.execute(_query("enqueue"), {"id": uuid.uuid4(), "order_id": order_id})
-    created = cur.fetchone() is not None
-    if created and notify:
-        conn.execute(_query("notify_ready"))
-    return created
-
-
-async def enqueue_async(
-    conn: psycopg.AsyncConnection[Any], order_id: str, *, notify: bool = True
-) -> bool:
-    """Async twin of :func:`enqueue` for asyncio order services (same contract)."""
-    check_order_id(order_id)
-    cur = await conn.execute(_query("enqueue"), {"id": uuid.uuid4(), "order_id": order_id})
-    created = await cur.fetchone() is not None
-    if created and notify:
-        await conn.execute(_query("notify_ready"))
-    return created
-
-
-# ------------------------------------------------------------------- the pool
-
-
-def connection_kwargs(settings: Settings, role: str) -> dict[str, Any]:
-    """libpq/psycopg connection options for a *role* (``worker``, ``recover``, …).
-
-    Sets ``application_name`` and, unless behind PgBouncer transaction pooling
-    (which refuses startup options), ``statement_timeout``, ``lock_timeout``
-    and ``idle_in_transaction_session_timeout`` from the settings (seconds →
-    milliseconds), added to any ``options`` the DSN already carries. Behind
-    PgBouncer set them on the role (``ALTER ROLE … SET``).
-    """
-    kwargs: dict[str, Any] = {
-        "application_name": f"{settings.application_name}-{role}",
-        "autocommit": True,
-        "connect_timeout": 5,
-    }
-    if settings.pgbouncer:
-        kwargs["prepare_threshold"] = None
-    else:
-        ms = {
-            "statement_timeout": settings.statement_timeout_seconds,
-            "lock_timeout": settings.lock_timeout_seconds,
-            "idle_in_transaction_session_timeout": settings.idle_in_transaction_timeout_seconds,
-        }
-        ours = " ".join(f"-c {k}={round(v * 1000)}" for k, v in ms.items())
-        # A keyword argument replaces the DSN's own `options` (say, a
-        # search_path): keep those and add ours.
-        theirs = conninfo_to_dict(settings.dsn).get("options")
-        kwargs["options"] = f"{theirs} {ours}" if theirs else ours
-    return kwargs
-
-
-def make_pool(settings: Settings, role: str, *, max_size: int | None = None) -> AsyncConnectionPool:
-    """An unopened pool of autocommit connections (``await pool.open()`` before use).
-
-    *max_size* defaults to ``settings.pool_max_size``. Connections are borrowed
-    for one statement at a time. Never raises for an unreachable database:
-    the pool keeps reconnecting in the background and borrowers get
-    :class:`DatabaseUnavailable` after a short wait.
-    """
-    size = max_size or settings.pool_max_size
-    return AsyncConnectionPool(
-        settings.dsn,
-        min_size=1,
-        max_size=size,
-        kwargs=connection_kwargs(settings, role),
-        open=False,
-        timeout=5.0,
-        reconnect_timeout=24 * 3600.0,
-        max_idle=300.0,
-        name=f"receipts-{role}",
-    )
 
 
 # ------------------------------------------------------------------- the queue
@@ -310,13 +90,8 @@ class JobQueue:
 
     @asynccontextmanager
     async def _conn(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
-        try:
-            async with self.pool.connection() as conn:
-                yield conn
-        except QueueError:
-            raise
-        except (psycopg.Error, PoolTimeout) as exc:
-            raise _translate(exc) from exc
+        async with borrow(self.pool) as conn:
+            yield conn
 
     async def _rows(
         self, query: sql.SQL | sql.Composed, params: dict[str, Any]
@@ -334,7 +109,7 @@ class JobQueue:
         if limit < 1:
             raise ValueError("claim limit must be at least 1")
         rows = await self._rows(
-            _claim_query(limit),
+            claim_query(limit),
             {"max_attempts": self.max_attempts, "lease_seconds": self.lease_seconds},
         )
         return [Job(id=r[0], order_id=r[1], token=r[2], attempt=r[3]) for r in rows]
@@ -348,7 +123,7 @@ class JobQueue:
         if not pairs:
             return set()
         rows = await self._rows(
-            _query("ack"), {"ids": [p[0] for p in pairs], "tokens": [p[1] for p in pairs]}
+            query("ack"), {"ids": [p[0] for p in pairs], "tokens": [p[1] for p in pairs]}
         )
         return {r[0] for r in rows}
 
@@ -362,7 +137,7 @@ class JobQueue:
         Returns the new state, or None for a stale attempt (nothing changed).
         """
         rows = await self._rows(
-            _query("reschedule"),
+            query("reschedule"),
             {
                 "id": job.id,
                 "token": job.token,
@@ -374,10 +149,6 @@ class JobQueue:
         )
         return JobState(rows[0][0]) if rows else None
 
-    async def confirm_lease(self, job: Job) -> bool:
-        """True while *job*'s token still owns its row under an unexpired lease."""
-        return bool(await self._rows(_query("confirm_lease"), {"id": job.id, "token": job.token}))
-
     async def recover_expired(self, *, batch: int, delay_seconds: float) -> RecoveryBatch:
         """Return one batch (≤ *batch*, ≤ 100) of expired leases to ready or failed.
 
@@ -385,7 +156,7 @@ class JobQueue:
         crashed pod's jobs do not come back in one burst).
         """
         rows = await self._rows(
-            _query("recover_expired"),
+            query("recover_expired"),
             {
                 "batch": min(int(batch), 100),
                 "delay_seconds": float(delay_seconds),
@@ -398,20 +169,20 @@ class JobQueue:
     async def fail_exhausted(self, *, batch: int) -> int:
         """Fail one batch of ready rows whose attempts reached max; returns the count."""
         rows = await self._rows(
-            _query("fail_exhausted"), {"batch": int(batch), "max_attempts": self.max_attempts}
+            query("fail_exhausted"), {"batch": int(batch), "max_attempts": self.max_attempts}
         )
         return len(rows)
 
     async def prune(self, *, retention_seconds: float, batch: int) -> int:
         """Delete one batch of done/failed rows finished before the retention window."""
         rows = await self._rows(
-            _query("prune"), {"retention_seconds": float(retention_seconds), "batch": int(batch)}
+            query("prune"), {"retention_seconds": float(retention_seconds), "batch": int(batch)}
         )
         return len(rows)
 
     async def queue_stats(self) -> QueueStats:
         """Read the queue gauges (one statement over the partial indexes)."""
-        rows = await self._rows(_query("queue_stats"), {})
+        rows = await self._rows(query("queue_stats"), {})
         r = rows[0]
         return QueueStats(
             ready_due=int(r[0]),
@@ -430,13 +201,13 @@ class JobQueue:
     async def state_counts(self) -> dict[JobState, int]:
         """Exact rows by state (every state present, 0 when empty)."""
         counts = dict.fromkeys(JobState, 0)
-        for state, n in await self._rows(_query("state_counts"), {}):
+        for state, n in await self._rows(query("state_counts"), {}):
             counts[JobState(state)] = int(n)
         return counts
 
     async def oldest_failed(self) -> datetime | None:
         """When the oldest failed job failed, or None when none has."""
-        rows = await self._rows(_query("oldest_failed"), {})
+        rows = await self._rows(query("oldest_failed"), {})
         return rows[0][0] if rows else None
 
     async def list_jobs(
@@ -446,7 +217,7 @@ class JobQueue:
         async with self._conn() as conn:
             cur = conn.cursor(row_factory=dict_row)
             await cur.execute(
-                _query("list_jobs"), {"state": str(state), "limit": int(limit), "since": since}
+                query("list_jobs"), {"state": str(state), "limit": int(limit), "since": since}
             )
             return await cur.fetchall()
 
@@ -459,7 +230,7 @@ class JobQueue:
         async with self._conn() as conn:
             cur = conn.cursor(row_factory=dict_row)
             for name, params in lookups:
-                await cur.execute(_query(name), params)
+                await cur.execute(query(name), params)
                 row = await cur.fetchone()
                 if row is not None:
                     return row
@@ -472,6 +243,6 @@ class JobQueue:
         the ids that changed; ids in any other state are left alone.
         """
         rows = await self._rows(
-            _query("retry_failed"), {"ids": None if ids is None else list(ids)}
+            query("retry_failed"), {"ids": None if ids is None else list(ids)}
         )
         return [r[0] for r in rows]

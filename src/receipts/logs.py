@@ -26,7 +26,7 @@ from pythonjsonlogger.json import JsonFormatter
 from receipts.settings import redact_dsn
 
 if TYPE_CHECKING:
-    from receipts.jobqueue import Job
+    from receipts.model import Job
 
 LOGGER_NAME = "receipts"
 MASK = "***"

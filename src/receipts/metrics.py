@@ -27,7 +27,8 @@ from prometheus_client import (
     generate_latest,
 )
 
-from receipts.jobqueue import JobState, QueueStats
+from receipts.jobqueue import QueueStats
+from receipts.model import FAILURE_REASONS, RETRY_REASONS, JobState
 
 DELIVERY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 1, 2, 5, 10, 30, 60)
 STATEMENT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5)
@@ -130,10 +131,9 @@ class Metrics:
             "receipts_database_ready", "1 while the database answers this process.", registry=r
         )
         # Pre-create the label values operators alert on, so series exist at 0.
-        for reason in ("provider_5xx", "rate_limited", "timeout", "connection_lost",
-                       "connect_error", "in_progress", "auth_rejected", "unexpected_status"):
+        for reason in RETRY_REASONS:
             self.retries.labels(reason)
-        for reason in ("rejected", "max_attempts"):
+        for reason in FAILURE_REASONS:
             self.failures.labels(reason)
         for state in JobState:
             self.jobs.labels(str(state))

@@ -18,7 +18,7 @@ from importlib.resources.abc import Traversable
 
 import psycopg
 
-from receipts.jobqueue import _translate
+from receipts.db import translate
 
 # pg_advisory_xact_lock key: "receipts" as a stable 64-bit number.
 LOCK_KEY = int.from_bytes(hashlib.sha256(b"receipts.migrate").digest()[:8], "big", signed=True)
@@ -121,5 +121,5 @@ def apply_migrations(
     except MigrationError:
         raise
     except psycopg.Error as exc:
-        raise _translate(exc) from exc
+        raise translate(exc) from exc
     return applied

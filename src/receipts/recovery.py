@@ -116,7 +116,7 @@ def push_report(report: RecoveryReport, gateway_url: str, *, job: str = "receipt
 async def run_loop(queue: JobQueue, settings: Settings, every_seconds: float,
                    stop: asyncio.Event) -> None:
     """Sweep every *every_seconds* until *stop* is set; outages are logged, not raised."""
-    from receipts.jobqueue import QueueError
+    from receipts.errors import QueueError
 
     while not stop.is_set():
         try:

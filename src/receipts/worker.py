@@ -30,22 +30,14 @@ import time
 import uuid
 from dataclasses import dataclass
 
-import psycopg
-
 from receipts.acks import AckBatcher
-from receipts.delivery import Deliverer, Outcome, Verdict
-from receipts.jobqueue import (
-    NOTIFY_CHANNEL,
-    DatabaseUnavailable,
-    Job,
-    JobQueue,
-    JobState,
-    QueueError,
-    SchemaMissing,
-    connection_kwargs,
-)
+from receipts.db import notifications
+from receipts.delivery import Deliverer
+from receipts.errors import DatabaseUnavailable, QueueError, SchemaMissing
+from receipts.jobqueue import JobQueue
 from receipts.logs import get_logger, job_fields
 from receipts.metrics import Metrics
+from receipts.model import Job, JobState, Outcome, Reason, Verdict
 from receipts.retry import BackoffPolicy
 from receipts.settings import Settings
 
@@ -258,9 +250,9 @@ class Worker:
             outcome = await self.deliverer.deliver(job)
         except Exception as exc:
             # A deliverer bug must not strand the job until its lease expires.
-            log.exception("delivery_error", extra=job_fields(job, "internal_error"))
+            log.exception("delivery_error", extra=job_fields(job, Reason.INTERNAL_ERROR))
             detail = f"internal error: {exc!r}"[:200]
-            outcome = Outcome(Verdict.RETRY, "internal_error", detail=detail)
+            outcome = Outcome(Verdict.RETRY, Reason.INTERNAL_ERROR, detail=detail)
         self.metrics.delivery_duration.labels(outcome.reason).observe(time.perf_counter() - start)
         self._observe_breaker(job, outcome)
         if outcome.verdict is Verdict.DELIVERED:
@@ -269,12 +261,12 @@ class Worker:
             # so no shield (one fewer future and callback pair per job).
             done = await self.acks.submit(job, claimed_at)
             if done and log.isEnabledFor(10):
-                log.debug("delivered", extra=job_fields(job, "delivered"))
+                log.debug("delivered", extra=job_fields(job, Reason.DELIVERED))
             return
         await self._reschedule(job, outcome, claimed_at)
 
     def _observe_breaker(self, job: Job, outcome: Outcome) -> None:
-        if outcome.reason == "auth_rejected":
+        if outcome.reason is Reason.AUTH_REJECTED:
             pause = self._breaker.rejected(job.id)
             if pause is not None:
                 self.metrics.breaker_open.set(1)
@@ -317,7 +309,7 @@ class Worker:
             self.metrics.leases_lost.inc()
             log.warning("stale_reschedule", extra=fields)
         elif state is JobState.FAILED:
-            reason = outcome.reason if permanent else "max_attempts"
+            reason = outcome.reason if permanent else Reason.MAX_ATTEMPTS
             self.metrics.failures.labels(reason).inc()
             log.warning("job_failed", extra={**fields, "failure": reason})
         else:
@@ -339,18 +331,13 @@ class Worker:
     async def _listen_loop(self) -> None:
         """LISTEN for enqueue notifications on a dedicated connection; reconnects."""
         backoff = 0.5
-        kwargs = connection_kwargs(self.settings, "listen")
         while True:
             try:
-                conn = await psycopg.AsyncConnection.connect(self.settings.dsn, **kwargs)
-                async with conn:
-                    await conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+                async for _ in notifications(self.settings):
                     backoff = 0.5
-                    self.wake()  # anything enqueued while we were not listening
-                    async for _ in conn.notifies():
-                        self._wake.set()
-            except psycopg.Error as exc:
-                log.debug("listen_failed", extra={"error": str(exc).splitlines()[0:1]})
+                    self.wake()
+            except QueueError as exc:
+                log.debug("listen_failed", extra={"error": str(exc)})
             await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
             backoff = min(backoff * 2, OUTAGE_BACKOFF_MAX_SECONDS)
 
@@ -377,8 +364,8 @@ async def run_worker(settings: Settings, deliverer: Deliverer | None = None) -> 
     """
     import signal
 
+    from receipts.db import make_pool
     from receipts.delivery import HttpDeliverer
-    from receipts.jobqueue import make_pool
     from receipts.metrics import make_app, start_server
 
     metrics = Metrics()

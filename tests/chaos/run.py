@@ -63,7 +63,7 @@ from typing import Any
 import psycopg
 
 from receipts.embedded import EmbeddedPostgres, free_port
-from receipts.jobqueue import enqueue
+from receipts.enqueue import enqueue
 from receipts.migrate import apply_migrations
 from tests.chaos.pgproxy import PgProxy
 

@@ -85,8 +85,9 @@ class ServedWorker:
 async def serving_worker(settings: Settings, *, wait_ready: bool = True
                          ) -> AsyncIterator[ServedWorker]:
     """Run a Worker with its metrics server until the block ends, then stop and drain it."""
+    from receipts.db import make_pool
     from receipts.delivery import HttpDeliverer
-    from receipts.jobqueue import JobQueue, make_pool
+    from receipts.jobqueue import JobQueue
     from receipts.metrics import Metrics, make_app, start_server
     from receipts.worker import Worker, _watch_pool
 

@@ -9,9 +9,9 @@ import uuid
 import pytest
 from aiohttp import web
 
-from receipts.delivery import HttpDeliverer, Outcome, Verdict
+from receipts.delivery import HttpDeliverer
 from receipts.embedded import free_port
-from receipts.jobqueue import Job
+from receipts.model import Job, Outcome, Verdict
 
 
 def a_job(order_id: str = "order-1", attempt: int = 1) -> Job:
@@ -118,7 +118,7 @@ async def test_a_provider_that_never_answers_times_out_as_an_unknown_outcome(stu
     start = time.monotonic()
     outcome = await deliver_once(stub.url, 0.5)
     assert time.monotonic() - start < 2
-    assert (outcome.verdict, outcome.reason, outcome.uncertain) == (Verdict.RETRY, "timeout", True)
+    assert (outcome.verdict, outcome.reason) == (Verdict.RETRY, "timeout")
 
 
 async def test_a_provider_that_hangs_after_sending_headers_frees_the_slot_in_time(stub):
@@ -146,14 +146,12 @@ async def test_a_connection_reset_after_sending_is_an_unknown_outcome(stub):
 
     stub.answer(reset)
     outcome = await deliver_once(stub.url, 2)
-    assert (outcome.verdict, outcome.reason, outcome.uncertain) == (
-        Verdict.RETRY, "connection_lost", True)
+    assert (outcome.verdict, outcome.reason) == (Verdict.RETRY, "connection_lost")
 
 
 async def test_a_connect_error_before_sending_is_a_known_failure():
     outcome = await deliver_once(f"http://127.0.0.1:{free_port()}/receipts", 2)
-    assert (outcome.verdict, outcome.reason, outcome.uncertain) == (
-        Verdict.RETRY, "connect_error", False)
+    assert (outcome.verdict, outcome.reason) == (Verdict.RETRY, "connect_error")
 
 
 async def test_a_huge_failure_body_is_read_only_up_to_a_bound(stub):

@@ -34,9 +34,11 @@ import pytest
 from aiohttp import web
 
 from receipts import cli
-from receipts.delivery import MAX_BODY_BYTES, HttpDeliverer, Verdict
+from receipts.delivery import MAX_BODY_BYTES, HttpDeliverer
 from receipts.embedded import free_port
-from receipts.jobqueue import InvalidOrderId, Job, enqueue
+from receipts.enqueue import enqueue
+from receipts.errors import InvalidOrderId
+from receipts.model import Job, Verdict
 from receipts.retry import BackoffPolicy
 from tests.chaos.run import read_events
 from tests.conftest import Server, fetch_rows
@@ -116,7 +118,8 @@ def test_cli_enqueue_answers_each_order_id_with_an_exit_status_and_one_line(
 
 async def test_a_worker_delivers_order_ids_with_quotes_and_non_ascii_text(dsn, provider):
     """Regression: a non-ASCII order id crashed the delivery (httpx ASCII-encodes headers)."""
-    from receipts.jobqueue import JobQueue, make_pool
+    from receipts.db import make_pool
+    from receipts.jobqueue import JobQueue
     from receipts.metrics import Metrics
     from receipts.worker import Worker
     from tests.conftest import make_settings

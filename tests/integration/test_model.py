@@ -31,7 +31,10 @@ from hypothesis.stateful import (
     run_state_machine_as_test,
 )
 
-from receipts.jobqueue import Job, JobQueue, JobState, enqueue, make_pool
+from receipts.db import make_pool
+from receipts.enqueue import enqueue
+from receipts.jobqueue import JobQueue
+from receipts.model import Job, JobState
 from tests.conftest import check_invariants, make_settings
 
 MAX_ATTEMPTS = 3
@@ -171,12 +174,6 @@ def _machine(runner: asyncio.Runner, queue: JobQueue, dsn: str) -> type[RuleBase
             failed = permanent or model.attempts >= self.max_attempts
             assert state == (JobState.FAILED if failed else JobState.READY)
             model.state, model.token, model.due = state, None, not later
-
-        @rule(job=attempts, late=st.booleans())
-        def confirm(self, job: Job, late: bool) -> None:
-            if late:
-                self._expire(self._by_id(job.id))
-            assert run(self.queue.confirm_lease(job)) == self._by_id(job.id).owned_by(job)
 
         @precondition(lambda self: any(j.state is JobState.RUNNING and not j.expired
                                        for j in self.jobs.values()))

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from receipts.jobqueue import JobState
+from receipts.model import JobState
 from tests.conftest import (
     RunningProvider,
     check_invariants,

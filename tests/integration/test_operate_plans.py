@@ -15,7 +15,7 @@ from typing import Any
 import psycopg
 import pytest
 
-from receipts.jobqueue import statements
+from receipts.statements import statements
 from tests.conftest import Server
 
 DONE_ROWS, READY_ROWS, RUNNING_ROWS = 1_000_000, 100_000, 1_000

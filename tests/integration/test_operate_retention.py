@@ -5,7 +5,8 @@ from __future__ import annotations
 import psycopg
 
 from receipts import recovery
-from receipts.jobqueue import JobQueue, enqueue
+from receipts.enqueue import enqueue
+from receipts.jobqueue import JobQueue
 from tests.conftest import fetch_rows, make_settings
 
 SEED = """

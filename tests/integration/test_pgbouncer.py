@@ -26,7 +26,7 @@ import psycopg
 import pytest
 
 from receipts.embedded import SERVER_USER, free_port
-from receipts.jobqueue import enqueue
+from receipts.enqueue import enqueue
 from tests.chaos.run import read_events, scrape
 from tests.conftest import Server, fetch_rows
 

@@ -8,15 +8,12 @@ import uuid
 import psycopg
 import pytest
 
-from receipts.jobqueue import (
-    InvalidOrderId,
-    JobQueue,
-    JobState,
-    SchemaMissing,
-    enqueue,
-    make_pool,
-)
+from receipts.db import make_pool
+from receipts.enqueue import enqueue
+from receipts.errors import InvalidOrderId, SchemaMissing
+from receipts.jobqueue import JobQueue
 from receipts.migrate import apply_migrations, bundled_migrations
+from receipts.model import JobState
 from tests.conftest import check_invariants, enqueue_many, fetch_rows, make_settings
 
 

@@ -6,8 +6,9 @@ import asyncio
 import time
 from collections.abc import Callable
 
+from receipts.db import make_pool
 from receipts.delivery import HttpDeliverer
-from receipts.jobqueue import JobQueue, make_pool
+from receipts.jobqueue import JobQueue
 from receipts.metrics import Metrics
 from receipts.settings import Settings
 from receipts.worker import Worker

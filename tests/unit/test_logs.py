@@ -10,8 +10,8 @@ from collections.abc import Iterator
 
 import pytest
 
-from receipts.jobqueue import Job
 from receipts.logs import configure_logging, get_logger, job_fields
+from receipts.model import Job
 
 SECRET = "hunter2-but-longer"
 

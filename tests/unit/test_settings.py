@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from receipts.delivery import Verdict, classify
+from receipts.delivery import classify
+from receipts.model import Verdict
 from receipts.settings import SettingsError, load_settings, redact_dsn
 
 

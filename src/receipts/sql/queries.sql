@@ -12,7 +12,7 @@ RETURNING id;
 
 -- name: notify_ready
 -- Wakes listening workers when the enclosing transaction commits.
-SELECT pg_notify('receipts_ready', '');
+SELECT pg_notify(%(channel)s, '');
 
 -- name: claim
 -- {limit} is a literal per batch size: a bind parameter there lets a prepared
@@ -70,11 +70,6 @@ WHERE id = %(id)s
   AND lease_token = %(token)s
   AND lease_until > statement_timestamp()
 RETURNING state;
-
--- name: confirm_lease
--- Does this attempt still own the row? (used when an outcome is uncertain)
-SELECT 1 FROM receipt_jobs
-WHERE id = %(id)s AND lease_token = %(token)s AND lease_until > statement_timestamp();
 
 -- name: recover_expired
 -- One bounded batch of abandoned attempts; the caller commits each batch.
