@@ -83,8 +83,8 @@ class RecordingHttp:
 
 def run_receipts(args: argparse.Namespace) -> None:
     from receipts.logs import configure_logging
+    from receipts.runtime import run_worker
     from receipts.settings import load_settings
-    from receipts.worker import run_worker
 
     configure_logging("WARNING")
     settings = load_settings(

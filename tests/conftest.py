@@ -17,18 +17,23 @@ import contextlib
 import itertools
 import os
 import socket
+import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 import psycopg
 import pytest
 
 from receipts.embedded import EmbeddedPostgres, free_port
 from receipts.migrate import apply_migrations
+from receipts.model import Job, JobState
 from receipts.provider import Faults, ReferenceProvider, serve
 from receipts.settings import Settings, load_settings
 
-TEMPLATE = "receipts_template"
+# One template per test process: a shared server (the machine's PostgreSQL 15) may
+# serve several test runs at once, each with its own migrations.
+TEMPLATE = f"receipts_template_{os.getpid()}"
 PG15_DSN = os.environ.get("RECEIPTS_TEST_PG15_DSN", "postgresql://postgres@127.0.0.1:5432/test")
 _counter = itertools.count()
 
@@ -104,12 +109,15 @@ def pg18() -> Iterator[Server]:
 
 
 @pytest.fixture(scope="session")
-def pg15() -> Server:
+def pg15() -> Iterator[Server]:
     if not _pg15_available():
         if os.environ.get("RECEIPTS_TEST_REQUIRE_PG15") == "1":
             pytest.fail(f"PostgreSQL 15 is required but does not answer at {PG15_DSN}")
         pytest.skip("no PostgreSQL 15 on 127.0.0.1:5432")
-    return Server("pg15", PG15_DSN)
+    server = Server("pg15", PG15_DSN)
+    yield server
+    with contextlib.suppress(psycopg.Error), psycopg.connect(PG15_DSN, autocommit=True) as conn:
+        conn.execute(f'DROP DATABASE IF EXISTS "{TEMPLATE}" WITH (FORCE)')
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
@@ -234,3 +242,21 @@ def check_invariants(dsn: str, max_attempts: int) -> None:
 
 __all__ = ["RunningProvider", "Server", "check_invariants", "enqueue_many", "fetch_rows",
            "free_port", "make_settings"]
+
+
+async def claim_jobs(queue: Any, limit: int) -> list[Job]:
+    """Claim up to *limit* jobs through :meth:`JobQueue.claim`; the jobs only."""
+    result = await queue.claim(limit)
+    return [a.job for a in result.attempts]
+
+
+async def reschedule_one(queue: Any, job: Job, *, delay_seconds: float, error: str,
+                         permanent: bool = False, refund: bool = False) -> JobState | None:
+    """Write one failed attempt back; its new state, or None when stale."""
+    from receipts.model import Attempt, Outcome, Reason, Reschedule, Verdict
+
+    outcome = Outcome(Verdict.PERMANENT if permanent else Verdict.RETRY,
+                      Reason.REJECTED if permanent else Reason.PROVIDER_5XX, detail=error)
+    states = await queue.reschedule([Reschedule(Attempt(job, time.monotonic()), outcome,
+                                                delay_seconds, refund)])
+    return states.get(job.id)  # type: ignore[no-any-return]

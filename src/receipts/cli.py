@@ -81,7 +81,7 @@ def cmd_migrate(settings: Settings, args: argparse.Namespace) -> int:
 
 def cmd_worker(settings: Settings, args: argparse.Namespace) -> int:
     """``receipts worker``: run until SIGTERM/SIGINT, then drain; 0 on a clean stop."""
-    from receipts.worker import run_worker
+    from receipts.runtime import run_worker
 
     asyncio.run(run_worker(settings))
     return EXIT_OK

@@ -18,12 +18,13 @@ provider is called. The lease protocol (docs/design.md §2):
 from __future__ import annotations
 
 import contextlib
+import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any
+from typing import Any, Protocol
 
 import psycopg
 from psycopg import sql
@@ -31,8 +32,35 @@ from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
 from receipts.db import borrow
-from receipts.model import Job, JobState
+from receipts.model import (
+    Attempt,
+    ClaimResult,
+    FlowState,
+    Job,
+    JobState,
+    PauseReason,
+    Reason,
+    Reschedule,
+    Verdict,
+)
 from receipts.statements import claim_query, query
+
+
+def _age(created_at: datetime | None) -> float | None:
+    """Seconds since *created_at* by this machine's clock (for a histogram only)."""
+    if created_at is None:
+        return None
+    return max(0.0, time.time() - created_at.timestamp())
+
+
+def _flow_state(row: Sequence[Any]) -> FlowState:
+    """A :class:`FlowState` from (pause_reason, pause_left[, tokens]) columns."""
+    reason = row[0]
+    return FlowState(
+        PauseReason(reason) if reason else None,
+        float(row[1]) if reason and row[1] is not None else None,
+        float(row[2]) if len(row) > 2 and row[2] is not None else None,
+    )
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,24 +97,76 @@ class RecoveryBatch:
 # ------------------------------------------------------------------- the queue
 
 
+class WorkerQueue(Protocol):
+    """The statements the worker and the completer use: :class:`JobQueue`, or a test fake."""
+
+    lease_seconds: float
+    rate: float
+
+    async def claim(self, limit: int, *, probe: bool = False) -> ClaimResult:
+        """See :meth:`JobQueue.claim`."""
+        ...
+
+    async def ack(self, pairs: Sequence[tuple[uuid.UUID, uuid.UUID]]) -> set[uuid.UUID]:
+        """See :meth:`JobQueue.ack`."""
+        ...
+
+    async def reschedule(self, items: Sequence[Reschedule]) -> dict[uuid.UUID, JobState]:
+        """See :meth:`JobQueue.reschedule`."""
+        ...
+
+    async def extend_pause(self, reason: PauseReason, seconds: float) -> FlowState:
+        """See :meth:`JobQueue.extend_pause`."""
+        ...
+
+    async def begin_probe(self, guard_seconds: float) -> tuple[datetime, FlowState] | None:
+        """See :meth:`JobQueue.begin_probe`."""
+        ...
+
+    async def resume(self, probe_until: datetime) -> bool:
+        """See :meth:`JobQueue.resume`."""
+        ...
+
+    async def queue_stats(self) -> QueueStats:
+        """See :meth:`JobQueue.queue_stats`."""
+        ...
+
+
 class JobQueue:
     """Queue operations on a pool; every method is one autocommit statement.
 
     Args:
         pool: an open :class:`psycopg_pool.AsyncConnectionPool` of autocommit
-            connections (see :func:`make_pool`).
+            connections (see :func:`receipts.db.make_pool`).
         lease_seconds: lease length given to each claim, seconds.
         max_attempts: attempts after which a job fails instead of retrying.
+        rate_limit_per_second: the fleet-wide token bucket's refill rate
+            (jobs/s); 0 means no rate limit (claims leave the bucket alone).
+        burst: the bucket's capacity (jobs); defaults to one second's worth.
+        max_in_progress: how many 409 "in progress" answers per job give their
+            attempt back (docs/design.md §11).
 
-    Every method raises :class:`DatabaseUnavailable` when the database cannot
-    be reached, :class:`SchemaMissing` before migrations, :class:`QueueError`
-    otherwise.
+    Every method raises :class:`~receipts.errors.DatabaseUnavailable` when the
+    database cannot be reached, :class:`~receipts.errors.SchemaMissing` before
+    migrations, :class:`~receipts.errors.QueueError` otherwise.
     """
 
-    def __init__(self, pool: AsyncConnectionPool, *, lease_seconds: float, max_attempts: int):
+    def __init__(
+        self,
+        pool: AsyncConnectionPool,
+        *,
+        lease_seconds: float,
+        max_attempts: int,
+        rate_limit_per_second: float = 0.0,
+        burst: float | None = None,
+        max_in_progress: int = 20,
+    ) -> None:
         self.pool = pool
         self.lease_seconds = float(lease_seconds)
         self.max_attempts = int(max_attempts)
+        self.rate = float(rate_limit_per_second)
+        self.burst = float(burst if burst is not None else max(1.0, self.rate))
+        self.max_in_progress = int(max_in_progress)
 
     @asynccontextmanager
     async def _conn(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
@@ -100,19 +180,32 @@ class JobQueue:
             cur = await conn.execute(query, params)
             return await cur.fetchall() if cur.description else []
 
-    async def claim(self, limit: int) -> list[Job]:
+    async def claim(self, limit: int, *, probe: bool = False) -> ClaimResult:
         """Claim up to *limit* due ready jobs (≥1) in one statement.
 
         Rows locked by other claimants are skipped, so an empty or short result
-        does not prove the queue is empty. Raises ``ValueError`` for limit < 1.
+        does not prove the queue is empty. Nothing is claimed while the fleet
+        is paused, unless *probe* (the caller won :meth:`begin_probe`). Under a
+        rate limit the statement also takes one token per job it returns.
+        Raises ``ValueError`` for limit < 1.
         """
         if limit < 1:
             raise ValueError("claim limit must be at least 1")
-        rows = await self._rows(
-            claim_query(limit),
-            {"max_attempts": self.max_attempts, "lease_seconds": self.lease_seconds},
-        )
-        return [Job(id=r[0], order_id=r[1], token=r[2], attempt=r[3]) for r in rows]
+        params: dict[str, Any] = {
+            "max_attempts": self.max_attempts, "lease_seconds": self.lease_seconds,
+            "probe": probe,
+        }
+        if self.rate > 0:
+            params |= {"rate": self.rate, "burst": self.burst}
+        rows = await self._rows(claim_query(limit, limited=self.rate > 0), params)
+        claimed_at = time.monotonic()
+        attempts = [
+            Attempt(Job(id=r[0], order_id=r[1], token=r[2], attempt=r[3]), claimed_at,
+                    _age(r[4]))
+            for r in rows if r[0] is not None
+        ]
+        flow = _flow_state(rows[0][5:8]) if rows else FlowState()
+        return ClaimResult(attempts, flow)
 
     async def ack(self, pairs: Sequence[tuple[uuid.UUID, uuid.UUID]]) -> set[uuid.UUID]:
         """Complete attempts given as (job id, token) pairs; returns the ids done.
@@ -127,27 +220,70 @@ class JobQueue:
         )
         return {r[0] for r in rows}
 
-    async def reschedule(
-        self, job: Job, *, delay_seconds: float, error: str, permanent: bool = False
-    ) -> JobState | None:
-        """Record a failed attempt of *job*: ready after *delay_seconds*, or failed.
+    async def reschedule(self, items: Sequence[Reschedule]) -> dict[uuid.UUID, JobState]:
+        """Write failed attempts back in one statement; returns {job id: new state}.
 
-        Failed when *permanent* or when the job has used ``max_attempts``.
-        *error* is stored as ``last_error`` (truncated to 500 characters).
-        Returns the new state, or None for a stale attempt (nothing changed).
+        Each becomes ready after its delay, or failed when its outcome is
+        permanent or the job has used ``max_attempts`` (after any refund).
+        ``last_error`` is the outcome's detail (or reason), cut to 500
+        characters. An id missing from the result was a stale attempt:
+        nothing changed for it.
         """
+        if not items:
+            return {}
         rows = await self._rows(
             query("reschedule"),
             {
-                "id": job.id,
-                "token": job.token,
-                "delay_seconds": max(0.0, float(delay_seconds)),
-                "error": error[:500],
-                "permanent": permanent,
+                "ids": [i.attempt.job.id for i in items],
+                "tokens": [i.attempt.job.token for i in items],
+                "delays": [max(0.0, float(i.delay_seconds)) for i in items],
+                "errors": [(i.outcome.detail or str(i.outcome.reason))[:500] for i in items],
+                "permanent": [i.outcome.verdict is Verdict.PERMANENT for i in items],
+                "refund": [i.refund for i in items],
+                "in_progress": [i.outcome.reason is Reason.IN_PROGRESS for i in items],
                 "max_attempts": self.max_attempts,
+                "max_in_progress": self.max_in_progress,
             },
         )
-        return JobState(rows[0][0]) if rows else None
+        return {r[0]: JobState(r[1]) for r in rows}
+
+    # ------------------------------------------------------- flow control
+
+    async def extend_pause(self, reason: PauseReason, seconds: float) -> FlowState:
+        """Pause the fleet for at least *seconds* from now; never shortens a pause."""
+        rows = await self._rows(
+            query("extend_pause"), {"reason": str(reason), "seconds": max(0.0, float(seconds))}
+        )
+        return _flow_state(rows[0][:2])
+
+    async def begin_probe(self, guard_seconds: float) -> tuple[datetime, FlowState] | None:
+        """Try to become the one pod that probes the provider after a pause.
+
+        Returns (the probe's pause deadline, for :meth:`resume`; the pause) to
+        the winner, None to everyone else (no pause, not due yet, or another
+        pod won). *guard_seconds* is how long others wait if this pod dies.
+        """
+        rows = await self._rows(query("begin_probe"), {"guard_seconds": float(guard_seconds)})
+        if not rows:
+            return None
+        reason, until, pause_seconds = rows[0]
+        return until, FlowState(PauseReason(reason), float(pause_seconds))
+
+    async def resume(self, probe_until: datetime) -> bool:
+        """End the pause after a probe the provider answered; False if extended since."""
+        return bool(await self._rows(query("resume"), {"probe_until": probe_until}))
+
+    async def flow_state(self) -> FlowState:
+        """The fleet-wide pause and the bucket's tokens now (tokens None without a limit)."""
+        rows = await self._rows(
+            query("flow_state"), {"rate": self.rate, "burst": self.burst}
+        )
+        if not rows:
+            return FlowState()
+        reason, left, _pause_seconds, tokens = rows[0]
+        return FlowState(PauseReason(reason) if reason else None,
+                         float(left) if reason else None,
+                         float(tokens) if self.rate > 0 else None)
 
     async def recover_expired(self, *, batch: int, delay_seconds: float) -> RecoveryBatch:
         """Return one batch (≤ *batch*, ≤ 100) of expired leases to ready or failed.

@@ -28,11 +28,13 @@ from prometheus_client import (
 )
 
 from receipts.jobqueue import QueueStats
-from receipts.model import FAILURE_REASONS, RETRY_REASONS, JobState
+from receipts.model import FAILURE_REASONS, RETRY_REASONS, JobState, PauseReason
 
 DELIVERY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 1, 2, 5, 10, 30, 60)
 STATEMENT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5)
 BATCH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500)
+TIME_TO_RECEIPT_BUCKETS = (0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600, 4 * 3600,
+                           24 * 3600)
 
 
 class Metrics:
@@ -90,9 +92,30 @@ class Metrics:
             "receipts_db_errors", "Queue statements that failed, by statement.",
             ["statement"], registry=r,
         )
-        self.breaker_open = Gauge(
-            "receipts_provider_breaker_open",
-            "1 while claiming is paused because the provider rejected our credentials.",
+        self.time_to_receipt = Histogram(
+            "receipts_time_to_receipt_seconds",
+            "Seconds from enqueue to the ack of the delivered receipt (what the customer feels).",
+            buckets=TIME_TO_RECEIPT_BUCKETS, registry=r,
+        )
+        self.provider_paused = Gauge(
+            "receipts_provider_paused",
+            "1 while this pod honours a fleet-wide provider pause, by reason.",
+            ["reason"], registry=r,
+        )
+        self.provider_pauses = Counter(
+            "receipts_provider_pauses",
+            "Fleet-wide provider pauses this pod started or extended, by reason.",
+            ["reason"], registry=r,
+        )
+        self.provider_probes = Counter(
+            "receipts_provider_probes",
+            "Probe deliveries after a pause, by result (resumed, failed, inconclusive).",
+            ["result"], registry=r,
+        )
+        self.provider_tokens = Gauge(
+            "receipts_provider_tokens",
+            "Tokens left in the fleet-wide rate-limit bucket after this pod's last claim "
+            "(-1 when no rate limit is set).",
             registry=r,
         )
         self.pool_connections = Gauge(
@@ -137,6 +160,17 @@ class Metrics:
             self.failures.labels(reason)
         for state in JobState:
             self.jobs.labels(str(state))
+        for pause in PauseReason:
+            self.provider_paused.labels(pause)
+            self.provider_pauses.labels(pause)
+        for result in ("resumed", "failed", "inconclusive"):
+            self.provider_probes.labels(result)
+        self.provider_tokens.set(-1)
+
+    def observe_pause(self, reason: PauseReason | None) -> None:
+        """Set ``receipts_provider_paused``: 1 for *reason*, 0 for the others."""
+        for pause in PauseReason:
+            self.provider_paused.labels(pause).set(1 if pause is reason else 0)
 
     def observe_queue(self, stats: QueueStats) -> None:
         """Set the queue gauges from a :class:`QueueStats` snapshot."""

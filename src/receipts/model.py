@@ -106,3 +106,81 @@ class Outcome:
     status: int | None = None
     retry_after_seconds: float | None = None
     detail: str = ""
+
+
+class PauseReason(enum.StrEnum):
+    """Why the fleet stopped claiming (``receipts_provider_paused{reason}``).
+
+    ``auth``: the provider refused our credentials (401/403); ``outage``:
+    retryable failures dominated recent deliveries; ``retry_after``: the
+    provider asked us to wait (a 429 with ``Retry-After``).
+    """
+
+    AUTH = "auth"
+    OUTAGE = "outage"
+    RETRY_AFTER = "retry_after"
+
+
+@dataclass(frozen=True, slots=True)
+class Attempt:
+    """One claimed attempt as it travels from claim to its outcome write.
+
+    Attributes:
+        job: the claimed :class:`Job` (id, order, token, attempt number).
+        claimed_at: ``time.monotonic()`` when the claim statement returned;
+            the lease was counted by the database from an earlier instant, so
+            ``claimed_at + lease_seconds`` is a safe upper bound of its end.
+        enqueued_age_seconds: seconds from enqueue to the claim (None when
+            unknown), for the time-to-receipt histogram.
+    """
+
+    job: Job
+    claimed_at: float
+    enqueued_age_seconds: float | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class FlowState:
+    """The fleet-wide provider state as one statement saw it.
+
+    Attributes:
+        pause_reason: why the fleet is paused, or None when it is not.
+        pause_left_seconds: seconds until the next probe may start (≤ 0 when a
+            probe is due); None when not paused.
+        tokens: tokens in the rate-limit bucket after this statement, or None
+            when the statement did not use the bucket.
+    """
+
+    pause_reason: PauseReason | None = None
+    pause_left_seconds: float | None = None
+    tokens: float | None = None
+
+    @property
+    def paused(self) -> bool:
+        """True while the fleet must not claim (a pause, or a probe due)."""
+        return self.pause_reason is not None
+
+
+@dataclass(frozen=True, slots=True)
+class ClaimResult:
+    """What one claim statement returned: the attempts and the flow state."""
+
+    attempts: list[Attempt]
+    flow: FlowState
+
+
+@dataclass(frozen=True, slots=True)
+class Reschedule:
+    """A failed attempt to write back: ready after *delay_seconds*, or failed.
+
+    Attributes:
+        attempt: the attempt that failed.
+        outcome: its classified :class:`Outcome` (``detail`` becomes ``last_error``).
+        delay_seconds: backoff before the job is due again, seconds.
+        refund: give the attempt back (a fleet-wide provider outage, not the job's fault).
+    """
+
+    attempt: Attempt
+    outcome: Outcome
+    delay_seconds: float
+    refund: bool = False

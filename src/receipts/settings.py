@@ -105,7 +105,10 @@ class Settings(BaseSettings):
     )
     concurrency: int = Field(default=32, ge=1, le=10_000, description="Delivery slots.")
     lease_seconds: float = Field(default=60.0, gt=0, le=86_400)
-    lease_margin_seconds: float = Field(default=10.0, ge=0, le=3_600)
+    lease_margin_seconds: float | None = Field(
+        default=None, ge=0, le=3_600,
+        description="Lease minus this bounds the delivery timeout; default min(10, lease / 4).",
+    )
     max_attempts: int = Field(default=5, ge=1, le=1_000)
     delivery_timeout_seconds: float = Field(default=10.0, gt=0, le=3_600)
     poll_interval_seconds: float = Field(default=1.0, gt=0, le=3_600)
@@ -119,7 +122,7 @@ class Settings(BaseSettings):
         description="Transaction-pooling mode: no prepared statements, LISTEN or startup options.",
     )
     shutdown_grace_seconds: float = Field(default=20.0, ge=0, le=3_600)
-    retry_base_seconds: float = Field(default=5.0, gt=0, le=86_400)
+    retry_base_seconds: float = Field(default=10.0, gt=0, le=86_400)
     retry_cap_seconds: float = Field(default=900.0, gt=0, le=7 * 86_400)
     retry_after_max_seconds: float = Field(default=3_600.0, ge=0, le=7 * 86_400)
     recovery_delay_seconds: float = Field(default=5.0, ge=0, le=86_400)
@@ -132,7 +135,28 @@ class Settings(BaseSettings):
     lock_timeout_seconds: float = Field(default=2.0, gt=0, le=3_600)
     idle_in_transaction_timeout_seconds: float = Field(default=10.0, gt=0, le=3_600)
     auth_pause_seconds: float = Field(
-        default=30.0, gt=0, le=3_600, description="First claim pause after a 401/403."
+        default=30.0, gt=0, le=3_600, description="First fleet-wide pause after a 401/403."
+    )
+    provider_rate_limit_per_second: float = Field(
+        default=0.0, ge=0, le=1_000_000,
+        description="Fleet-wide provider rate limit (jobs/s); 0 means none.",
+    )
+    provider_burst: float | None = Field(
+        default=None, ge=1, le=10_000_000,
+        description="Token bucket capacity (jobs); default one second's worth of the rate.",
+    )
+    outage_window_seconds: float = Field(default=30.0, gt=0, le=3_600)
+    outage_min_jobs: int = Field(default=5, ge=1, le=10_000)
+    outage_failure_ratio: float = Field(default=0.8, gt=0, le=1)
+    outage_pause_seconds: float = Field(
+        default=5.0, gt=0, le=3_600, description="First fleet-wide pause after an outage."
+    )
+    pause_max_seconds: float = Field(
+        default=300.0, gt=0, le=86_400, description="Cap of a pause doubled by failed probes."
+    )
+    max_in_progress_answers: int = Field(
+        default=20, ge=0, le=10_000,
+        description="409 'in progress' answers per job that give their attempt back.",
     )
     application_name: str = Field(default="receipts", min_length=1, max_length=63)
 
@@ -164,12 +188,13 @@ class Settings(BaseSettings):
 
     @model_validator(mode="after")
     def _timeout_fits_lease(self) -> Settings:
-        budget = self.lease_seconds - self.lease_margin_seconds
+        margin = self.lease_margin
+        budget = self.lease_seconds - margin
         if self.delivery_timeout_seconds > budget:
             raise ValueError(
                 f"RECEIPTS_DELIVERY_TIMEOUT_SECONDS ({self.delivery_timeout_seconds:g}) must be "
-                f"at most RECEIPTS_LEASE_SECONDS - RECEIPTS_LEASE_MARGIN_SECONDS "
-                f"({self.lease_seconds:g} - {self.lease_margin_seconds:g} = {budget:g}), "
+                f"at most RECEIPTS_LEASE_SECONDS - lease margin "
+                f"({self.lease_seconds:g} - {margin:g} = {budget:g}), "
                 "so a delivery ends and is acked while its lease still holds"
             )
         if self.retry_cap_seconds < self.retry_base_seconds:
@@ -179,9 +204,38 @@ class Settings(BaseSettings):
         return self
 
     @property
+    def lease_margin(self) -> float:
+        """Seconds of the lease kept free after the delivery timeout for the ack.
+
+        ``RECEIPTS_LEASE_MARGIN_SECONDS`` when set, else ``min(10, lease / 4)``:
+        it scales with short leases (a 5 s lease keeps 1.25 s), so only
+        impossible arithmetic is refused.
+        """
+        if self.lease_margin_seconds is not None:
+            return self.lease_margin_seconds
+        return min(10.0, self.lease_seconds / 4)
+
+    @property
+    def burst(self) -> float:
+        """The token bucket's capacity (jobs): the setting, or one second's worth."""
+        if self.provider_burst is not None:
+            return self.provider_burst
+        return max(1.0, self.provider_rate_limit_per_second)
+
+    @property
     def dsn(self) -> str:
         """The database DSN in clear text, for the driver only; never log it."""
         return self.database_url.get_secret_value()
+
+    @property
+    def safe_provider_url(self) -> str:
+        """The provider URL without userinfo, query or fragment (they may carry tokens)."""
+        parts = urlsplit(self.provider_url)
+        host = parts.hostname or ""
+        if ":" in host:
+            host = f"[{host}]"
+        netloc = f"{host}:{parts.port}" if parts.port else host
+        return f"{parts.scheme}://{netloc}{parts.path}"
 
     @property
     def safe_dsn(self) -> str:

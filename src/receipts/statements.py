@@ -37,6 +37,10 @@ def query(name: str) -> sql.SQL:
 
 
 @cache
-def claim_query(limit: int) -> sql.Composed:
-    """The claim statement with *limit* as a literal (docs/design.md §10: no bind LIMIT)."""
-    return sql.SQL(statements()["claim"]).format(limit=sql.Literal(limit))  # type: ignore[arg-type,unused-ignore]
+def claim_query(limit: int, *, limited: bool = False) -> sql.Composed:
+    """The claim statement with *limit* as a literal (docs/design.md §10: no bind LIMIT).
+
+    *limited* selects the variant that charges the fleet-wide token bucket.
+    """
+    name = "claim_limited" if limited else "claim"
+    return sql.SQL(statements()[name]).format(limit=sql.Literal(limit))  # type: ignore[arg-type,unused-ignore]

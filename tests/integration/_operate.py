@@ -85,26 +85,13 @@ class ServedWorker:
 async def serving_worker(settings: Settings, *, wait_ready: bool = True
                          ) -> AsyncIterator[ServedWorker]:
     """Run a Worker with its metrics server until the block ends, then stop and drain it."""
-    from receipts.db import make_pool
-    from receipts.delivery import HttpDeliverer
-    from receipts.jobqueue import JobQueue
-    from receipts.metrics import Metrics, make_app, start_server
-    from receipts.worker import Worker, _watch_pool
+    from receipts.runtime import worker_runtime
 
-    metrics = Metrics()
-    pool = make_pool(settings, "worker")
-    deliverer = HttpDeliverer(settings.provider_url,
-                              timeout_seconds=settings.delivery_timeout_seconds,
-                              max_connections=settings.concurrency)
-    queue = JobQueue(pool, lease_seconds=settings.lease_seconds,
-                     max_attempts=settings.max_attempts)
-    worker = Worker(settings, queue, deliverer, metrics)
-    _watch_pool(pool, metrics)
     port = free_port()
-    runner = await start_server(make_app(metrics, worker.is_ready), port, host="127.0.0.1")
-    await pool.open(wait=False)
-    task = asyncio.create_task(worker.run())
-    async with httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
+    async with worker_runtime(settings, metrics_port=port) as runtime, \
+            httpx.AsyncClient(timeout=5.0, trust_env=False) as client:
+        worker = runtime.worker
+        task = asyncio.create_task(worker.run())
         served = ServedWorker(worker, port, client)
         try:
             if wait_ready:
@@ -115,9 +102,6 @@ async def serving_worker(settings: Settings, *, wait_ready: bool = True
         finally:
             worker.stop()
             await asyncio.wait_for(task, 30)
-            await deliverer.aclose()
-            await pool.close(timeout=5.0)
-            await runner.cleanup()
 
 
 def receipts_cli(args: list[str], env: Mapping[str, str], *, timeout_seconds: float = 60

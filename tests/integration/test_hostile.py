@@ -118,10 +118,7 @@ def test_cli_enqueue_answers_each_order_id_with_an_exit_status_and_one_line(
 
 async def test_a_worker_delivers_order_ids_with_quotes_and_non_ascii_text(dsn, provider):
     """Regression: a non-ASCII order id crashed the delivery (httpx ASCII-encodes headers)."""
-    from receipts.db import make_pool
-    from receipts.jobqueue import JobQueue
-    from receipts.metrics import Metrics
-    from receipts.worker import Worker
+    from receipts.runtime import worker_runtime
     from tests.conftest import make_settings
 
     odd = ["ørder-日本-3", "o'\"; --", "order with spaces"]
@@ -129,23 +126,17 @@ async def test_a_worker_delivers_order_ids_with_quotes_and_non_ascii_text(dsn, p
         for order_id in odd:
             enqueue(conn, order_id)
     settings = make_settings(dsn, provider_url=provider.url)
-    pool = make_pool(settings, "test")
-    await pool.open(wait=True)
-    deliverer = HttpDeliverer(provider.url, timeout_seconds=2)
-    worker = Worker(settings, JobQueue(pool, lease_seconds=30, max_attempts=5), deliverer,
-                    Metrics())
-    task = asyncio.create_task(worker.run())
-    try:
-        for _ in range(100):
-            states = fetch_rows(dsn, "SELECT state FROM receipt_jobs")
-            if all(s == ("done",) for s in states):
-                break
-            await asyncio.sleep(0.05)
-    finally:
-        worker.stop()
-        await asyncio.wait_for(task, 10)
-        await deliverer.aclose()
-        await pool.close()
+    async with worker_runtime(settings, metrics_port=0) as runtime:
+        task = asyncio.create_task(runtime.worker.run())
+        try:
+            for _ in range(100):
+                states = fetch_rows(dsn, "SELECT state FROM receipt_jobs")
+                if all(s == ("done",) for s in states):
+                    break
+                await asyncio.sleep(0.05)
+        finally:
+            runtime.worker.stop()
+            await asyncio.wait_for(task, 10)
     assert fetch_rows(dsn, "SELECT state, attempts FROM receipt_jobs") == [("done", 1)] * 3
     assert set(provider.provider.receipts) == {f"receipt:{o}" for o in odd}
 
@@ -386,7 +377,11 @@ async def test_workers_without_a_database_or_without_migrations_wait_not_ready_t
                          metrics_port=str(ports[name]), poll_interval_seconds="0.1"),
                 stdout=fh, stderr=subprocess.STDOUT)
     try:
-        await asyncio.sleep(6.5)  # a claim waits up to the 5 s pool timeout before failing
+        # A claim waits up to the 5 s pool timeout before failing: wait for that signal.
+        deadline = time.monotonic() + 30
+        while not all(read_events(logs[n], {"claim_failed"}) for n in cases):
+            assert time.monotonic() < deadline, "no claim_failed logged within 30 s"
+            await asyncio.sleep(0.1)
         for name, proc in procs.items():
             assert proc.poll() is None, (name, logs[name].read_text()[-800:])  # no crash loop
             assert await asyncio.to_thread(_get, f"http://127.0.0.1:{ports[name]}/healthz") == 200

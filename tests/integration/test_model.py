@@ -35,7 +35,7 @@ from receipts.db import make_pool
 from receipts.enqueue import enqueue
 from receipts.jobqueue import JobQueue
 from receipts.model import Job, JobState
-from tests.conftest import check_invariants, make_settings
+from tests.conftest import check_invariants, claim_jobs, make_settings, reschedule_one
 
 MAX_ATTEMPTS = 3
 LEASE_SECONDS = 120.0  # never runs out by itself within a test; expiry is a rule
@@ -120,7 +120,7 @@ def _machine(runner: asyncio.Runner, queue: JobQueue, dsn: str) -> type[RuleBase
         @rule(target=attempts, limit=st.integers(1, 4))
         def claim(self, limit: int) -> Any:
             eligible = self._eligible()
-            claimed: list[Job] = run(self.queue.claim(limit))
+            claimed: list[Job] = run(claim_jobs(self.queue, limit))
             assert len(claimed) == min(limit, len(eligible))
             assert {c.id for c in claimed} <= {j.id for j in eligible}
             assert len({c.token for c in claimed}) == len(claimed)
@@ -166,7 +166,7 @@ def _machine(runner: asyncio.Runner, queue: JobQueue, dsn: str) -> type[RuleBase
             if late:
                 self._expire(model)
             owned = model.owned_by(job)
-            state = run(self.queue.reschedule(job, delay_seconds=3600 if later else 0,
+            state = run(reschedule_one(self.queue, job, delay_seconds=3600 if later else 0,
                                               error="boom", permanent=permanent))
             if not owned:
                 assert state is None

@@ -6,7 +6,7 @@ import json
 import uuid
 
 from receipts.jobqueue import JobQueue
-from tests.conftest import enqueue_many, fetch_rows
+from tests.conftest import claim_jobs, enqueue_many, fetch_rows, reschedule_one
 from tests.integration._operate import receipts_cli
 
 SNAPSHOT = "SELECT * FROM receipt_jobs ORDER BY order_id"
@@ -22,10 +22,10 @@ async def _seed(dsn: str, queue: JobQueue) -> dict[str, str]:
     enqueue_many(dsn, ["failed-1", "failed-2", "running-1", "done-1", "ready-1"])
     fetch_rows(dsn, "UPDATE receipt_jobs SET run_at = run_at + interval '1 hour'"
                     " WHERE order_id = 'ready-1' RETURNING 1")
-    claimed = {j.order_id: j for j in await queue.claim(10)}
+    claimed = {j.order_id: j for j in await claim_jobs(queue, 10)}
     await queue.ack([(claimed["done-1"].id, claimed["done-1"].token)])
     for order in ("failed-1", "failed-2"):
-        await queue.reschedule(claimed[order], delay_seconds=0, error="422 order unknown",
+        await reschedule_one(queue, claimed[order], delay_seconds=0, error="422 order unknown",
                                permanent=True)
     return {str(o): str(i) for o, i in fetch_rows(dsn, "SELECT order_id, id FROM receipt_jobs")}
 
@@ -38,7 +38,7 @@ async def test_retry_makes_failed_jobs_deliverable_again(dsn: str, queue: JobQue
     rows = fetch_rows(dsn, "SELECT state, attempts, run_at <= statement_timestamp(), last_error,"
                            " finished_at FROM receipt_jobs WHERE order_id LIKE 'failed-%%'")
     assert rows == [("ready", 0, True, "manual retry after: 422 order unknown", None)] * 2
-    again = await queue.claim(10)
+    again = await claim_jobs(queue, 10)
     assert sorted(j.order_id for j in again) == ["failed-1", "failed-2"]
     assert {j.attempt for j in again} == {1}
 

@@ -14,7 +14,14 @@ from receipts.errors import InvalidOrderId, SchemaMissing
 from receipts.jobqueue import JobQueue
 from receipts.migrate import apply_migrations, bundled_migrations
 from receipts.model import JobState
-from tests.conftest import check_invariants, enqueue_many, fetch_rows, make_settings
+from tests.conftest import (
+    check_invariants,
+    claim_jobs,
+    enqueue_many,
+    fetch_rows,
+    make_settings,
+    reschedule_one,
+)
 
 
 def test_migrations_apply_once_and_again_as_a_noop(server):
@@ -66,28 +73,28 @@ def test_enqueue_refuses_order_ids_the_queue_cannot_carry(dsn, bad):
 
 async def test_claim_returns_at_most_the_limit_with_fresh_tokens(dsn, queue: JobQueue):
     enqueue_many(dsn, [f"o{i}" for i in range(5)])
-    first = await queue.claim(3)
-    second = await queue.claim(3)
+    first = await claim_jobs(queue, 3)
+    second = await claim_jobs(queue, 3)
     assert len(first) == 3 and len(second) == 2
     assert len({j.token for j in first + second}) == 5
     assert {j.attempt for j in first + second} == {1}
-    assert await queue.claim(3) == []
+    assert await claim_jobs(queue, 3) == []
     check_invariants(dsn, 5)
 
 
 async def test_a_stale_worker_cannot_ack_a_newer_attempt(dsn, queue: JobQueue):
     enqueue_many(dsn, ["order-stale"])
-    (old,) = await queue.claim(1)
+    (old,) = await claim_jobs(queue, 1)
     # The lease runs out (moved into the past, as time passes for a paused worker).
     fetch_rows(dsn, "UPDATE receipt_jobs SET lease_until = now() - interval '1 second'"
                     " RETURNING id")
     batch = await queue.recover_expired(batch=100, delay_seconds=0)
     assert batch.to_ready == 1
-    (new,) = await queue.claim(1)
+    (new,) = await claim_jobs(queue, 1)
     assert new.id == old.id and new.token != old.token and new.attempt == 2
 
     assert await queue.ack([(old.id, old.token)]) == set()
-    assert await queue.reschedule(old, delay_seconds=0, error="late") is None
+    assert await reschedule_one(queue, old, delay_seconds=0, error="late") is None
     assert fetch_rows(dsn, "SELECT state, lease_token FROM receipt_jobs") == [
         ("running", new.token)]
     assert await queue.ack([(new.id, new.token)]) == {new.id}
@@ -96,7 +103,7 @@ async def test_a_stale_worker_cannot_ack_a_newer_attempt(dsn, queue: JobQueue):
 
 async def test_an_ack_after_the_lease_expired_is_refused_even_without_recovery(dsn, queue):
     enqueue_many(dsn, ["order-late"])
-    (job,) = await queue.claim(1)
+    (job,) = await claim_jobs(queue, 1)
     fetch_rows(dsn, "UPDATE receipt_jobs SET lease_until = now() - interval '1 ms' RETURNING 1")
     assert await queue.ack([(job.id, job.token)]) == set()
     assert fetch_rows(dsn, "SELECT state FROM receipt_jobs") == [("running",)]
@@ -104,7 +111,7 @@ async def test_an_ack_after_the_lease_expired_is_refused_even_without_recovery(d
 
 async def test_batched_ack_reports_only_the_pairs_it_completed(dsn, queue: JobQueue):
     enqueue_many(dsn, [f"o{i}" for i in range(4)])
-    jobs = await queue.claim(4)
+    jobs = await claim_jobs(queue, 4)
     pairs = [(j.id, j.token) for j in jobs]
     pairs[0] = (jobs[0].id, uuid.uuid4())  # a wrong token
     assert await queue.ack(pairs) == {j.id for j in jobs[1:]}
@@ -119,11 +126,11 @@ async def test_failures_end_in_failed_at_max_attempts_never_ready(dsn, settings)
         enqueue_many(dsn, ["order-5xx"])
         states = []
         for _ in range(3):
-            (job,) = await queue.claim(1)
-            states.append(await queue.reschedule(job, delay_seconds=0, error="503 provider"))
+            (job,) = await claim_jobs(queue, 1)
+            states.append(await reschedule_one(queue, job, delay_seconds=0, error="503 provider"))
             check_invariants(dsn, 3)
         assert states == [JobState.READY, JobState.READY, JobState.FAILED]
-        assert await queue.claim(1) == []
+        assert await claim_jobs(queue, 1) == []
         assert fetch_rows(dsn, "SELECT state, attempts, last_error FROM receipt_jobs") == [
             ("failed", 3, "503 provider")]
     finally:
@@ -132,8 +139,9 @@ async def test_failures_end_in_failed_at_max_attempts_never_ready(dsn, settings)
 
 async def test_permanent_failure_fails_at_once(dsn, queue):
     enqueue_many(dsn, ["order-422"])
-    (job,) = await queue.claim(1)
-    assert await queue.reschedule(job, delay_seconds=0, error="422 bad", permanent=True) == "failed"
+    (job,) = await claim_jobs(queue, 1)
+    state = await reschedule_one(queue, job, delay_seconds=0, error="422 bad", permanent=True)
+    assert state == "failed"
 
 
 async def test_recovery_fails_expired_jobs_at_max_attempts(dsn, settings):
@@ -142,7 +150,7 @@ async def test_recovery_fails_expired_jobs_at_max_attempts(dsn, settings):
     queue = JobQueue(pool, lease_seconds=30, max_attempts=1)
     try:
         enqueue_many(dsn, ["order-crash"])
-        await queue.claim(1)
+        await claim_jobs(queue, 1)
         fetch_rows(dsn, "UPDATE receipt_jobs SET lease_until = now() - interval '1 s' RETURNING 1")
         batch = await queue.recover_expired(batch=100, delay_seconds=0)
         assert (batch.to_ready, batch.to_failed) == (0, 1)
@@ -154,7 +162,7 @@ async def test_recovery_fails_expired_jobs_at_max_attempts(dsn, settings):
 
 async def test_recovery_leaves_live_leases_alone(dsn, queue):
     enqueue_many(dsn, ["order-live"])
-    (job,) = await queue.claim(1)
+    (job,) = await claim_jobs(queue, 1)
     batch = await queue.recover_expired(batch=100, delay_seconds=0)
     assert (batch.to_ready, batch.to_failed) == (0, 0)
     assert await queue.ack([(job.id, job.token)]) == {job.id}
@@ -168,7 +176,7 @@ async def test_lease_arithmetic_uses_the_database_clock_in_any_session_timezone(
             await conn.execute("SET TimeZone = 'Pacific/Kiritimati'")  # UTC+14
         queue = JobQueue(pool, lease_seconds=30, max_attempts=5)
         enqueue_many(dsn, ["order-tz"])
-        (job,) = await queue.claim(1)
+        (job,) = await claim_jobs(queue, 1)
         (remaining,) = fetch_rows(
             dsn, "SELECT extract(epoch FROM lease_until - now()) FROM receipt_jobs")[0]
         assert 25 < float(remaining) <= 30
@@ -188,7 +196,7 @@ async def test_eight_concurrent_claimers_never_share_a_live_job(dsn, settings):
     async def claimer() -> None:
         nonlocal biggest
         while True:
-            jobs = await queue.claim(7)
+            jobs = await claim_jobs(queue, 7)
             biggest = max(biggest, len(jobs))
             if not jobs:
                 return
@@ -214,7 +222,7 @@ async def test_operations_before_migrations_raise_schema_missing(server):
         await pool.open()
         try:
             with pytest.raises(SchemaMissing, match="receipts migrate"):
-                await JobQueue(pool, lease_seconds=30, max_attempts=5).claim(1)
+                await claim_jobs(JobQueue(pool, lease_seconds=30, max_attempts=5), 1)
         finally:
             await pool.close()
     finally:
@@ -232,8 +240,8 @@ async def test_a_job_is_found_by_an_order_id_that_is_itself_a_uuid(dsn, queue):
 
 async def test_a_failed_job_keeps_its_run_at(dsn, queue):
     enqueue_many(dsn, ["order-final"])
-    (job,) = await queue.claim(1)
-    await queue.reschedule(job, delay_seconds=3600, error="422", permanent=True)
+    (job,) = await claim_jobs(queue, 1)
+    await reschedule_one(queue, job, delay_seconds=3600, error="422", permanent=True)
     (run_at, finished_at), = fetch_rows(dsn, "SELECT run_at, finished_at FROM receipt_jobs")
     assert run_at <= finished_at
 
@@ -253,7 +261,7 @@ async def test_the_dsn_options_such_as_a_search_path_are_kept(server):
         pool = make_pool(settings, "test")
         await pool.open()
         try:
-            (job,) = await JobQueue(pool, lease_seconds=30, max_attempts=5).claim(1)
+            (job,) = await claim_jobs(JobQueue(pool, lease_seconds=30, max_attempts=5), 1)
             async with pool.connection() as conn:
                 cur = await conn.execute("SHOW statement_timeout")
                 assert (await cur.fetchone())[0] == "5s"

@@ -6,31 +6,24 @@ import asyncio
 import time
 from collections.abc import Callable
 
-from receipts.db import make_pool
-from receipts.delivery import HttpDeliverer
-from receipts.jobqueue import JobQueue
-from receipts.metrics import Metrics
+from receipts.delivery import Deliverer
+from receipts.runtime import worker_runtime
 from receipts.settings import Settings
-from receipts.worker import Worker
 from tests.conftest import check_invariants, enqueue_many, fetch_rows, make_settings
 
 
 class Running:
-    """A Worker running in this event loop, with its metrics."""
+    """A Worker running in this event loop (built by the composition root), with its metrics."""
 
-    def __init__(self, settings: Settings) -> None:
+    def __init__(self, settings: Settings, deliverer: Deliverer | None = None) -> None:
         self.settings = settings
-        self.metrics = Metrics()
-        self.pool = make_pool(settings, "worker")
-        self.queue = JobQueue(self.pool, lease_seconds=settings.lease_seconds,
-                              max_attempts=settings.max_attempts)
-        self.deliverer = HttpDeliverer(settings.provider_url,
-                                       timeout_seconds=settings.delivery_timeout_seconds)
-        self.worker = Worker(settings, self.queue, self.deliverer, self.metrics)
+        self._root = worker_runtime(settings, deliverer=deliverer, metrics_port=0)
         self.task: asyncio.Task[None] | None = None
 
     async def __aenter__(self) -> Running:
-        await self.pool.open(wait=False)
+        self.runtime = await self._root.__aenter__()
+        self.worker = self.runtime.worker
+        self.metrics = self.runtime.metrics
         self.task = asyncio.create_task(self.worker.run())
         return self
 
@@ -38,8 +31,7 @@ class Running:
         self.worker.stop()
         assert self.task is not None
         await asyncio.wait_for(self.task, 30)
-        await self.deliverer.aclose()
-        await self.pool.close()
+        await self._root.__aexit__(None, None, None)
 
     def value(self, name: str, **labels: str) -> float:
         return self.metrics.registry.get_sample_value(name, labels or None) or 0.0
@@ -114,15 +106,19 @@ async def test_rejected_credentials_pause_claiming_instead_of_burning_attempts(d
     provider.set_faults(status=401)
     enqueue_many(dsn, [f"order-{i}" for i in range(50)])
     settings = make_settings(dsn, provider_url=provider.url, concurrency=4,
-                             auth_pause_seconds=0.5)
+                             auth_pause_seconds=0.2)
     async with Running(settings) as run:
-        await until(lambda: run.value("receipts_provider_breaker_open") == 1)
-        await asyncio.sleep(1.2)  # two pauses' worth: only single probes go out
-        attempted = fetch_rows(dsn, "SELECT count(*) FROM receipt_jobs WHERE attempts > 0")[0][0]
-        assert attempted <= 4 + 3
+        await until(lambda: run.value("receipts_provider_paused", reason="auth") == 1)
+        # Two failed probes: the pause doubled twice; only single probes went out.
+        await until(lambda: run.value("receipts_provider_probes_total", result="failed") >= 2)
+        probes = run.value("receipts_provider_probes_total", result="failed")
+        assert provider.provider.stats["requests"] <= 4 + probes + 1
+        # Jobs in flight when the credentials were refused kept their attempt.
+        assert fetch_rows(dsn, "SELECT max(attempts) FROM receipt_jobs")[0][0] <= 1
         provider.set_faults(status=None)
         await until(lambda: states(dsn) == {"done": 50}, timeout=30)
-        assert run.value("receipts_provider_breaker_open") == 0
+        assert run.value("receipts_provider_paused", reason="auth") == 0
+        assert run.value("receipts_provider_probes_total", result="resumed") == 1
 
 
 async def test_the_worker_clock_and_timezone_do_not_matter(dsn, provider, monkeypatch):
@@ -200,8 +196,7 @@ async def test_a_deliverer_that_raises_reschedules_the_job_instead_of_stranding_
     enqueue_many(dsn, ["order-bug"])
     settings = make_settings(dsn, max_attempts=2, retry_base_seconds=0.01,
                              retry_cap_seconds=0.02)
-    run = Running(settings)
-    run.worker.deliverer = Broken()
+    run = Running(settings, deliverer=Broken())
     async with run:
         await until(lambda: states(dsn) == {"failed": 1})
         assert run.value("receipts_retries_total", reason="internal_error") == 1

@@ -18,24 +18,84 @@ SELECT pg_notify(%(channel)s, '');
 -- {limit} is a literal per batch size: a bind parameter there lets a prepared
 -- generic plan fall to a seq scan + hash join (docs/design.md §10).
 -- SKIP LOCKED must be inside the CTE to lock the candidate rows.
-WITH candidate AS (
+-- While the fleet-wide provider pause is set nothing is claimed, except by the
+-- one probe (%(probe)s) that won begin_probe. The pause check is one
+-- primary-key read of a one-row table, run once per statement (an InitPlan).
+-- Every row returned carries the flow state; with no job claimed one row
+-- comes back whose job columns are NULL.
+WITH flow AS (
+  SELECT pause_reason,
+         extract(epoch FROM paused_until - statement_timestamp())::float8 AS pause_left
+  FROM receipt_flow WHERE id = 1
+), candidate AS (
   SELECT id
   FROM receipt_jobs
   WHERE state = 'ready'
     AND run_at <= statement_timestamp()
     AND attempts < %(max_attempts)s
+    AND (%(probe)s OR NOT EXISTS (SELECT 1 FROM flow WHERE pause_reason IS NOT NULL))
   ORDER BY run_at, id
   FOR UPDATE SKIP LOCKED
   LIMIT {limit}
+), claimed AS (
+  UPDATE receipt_jobs AS j
+  SET state = 'running',
+      attempts = j.attempts + 1,
+      lease_token = gen_random_uuid(),
+      lease_until = statement_timestamp() + make_interval(secs => %(lease_seconds)s)
+  FROM candidate AS c
+  WHERE j.id = c.id
+  RETURNING j.id, j.order_id, j.lease_token, j.attempts, j.created_at
 )
-UPDATE receipt_jobs AS j
-SET state = 'running',
-    attempts = j.attempts + 1,
-    lease_token = gen_random_uuid(),
-    lease_until = statement_timestamp() + make_interval(secs => %(lease_seconds)s)
-FROM candidate AS c
-WHERE j.id = c.id
-RETURNING j.id, j.order_id, j.lease_token, j.attempts;
+SELECT c.id, c.order_id, c.lease_token, c.attempts, c.created_at,
+       f.pause_reason, f.pause_left, NULL::float8 AS tokens
+FROM flow AS f LEFT JOIN claimed AS c ON true;
+
+-- name: claim_limited
+-- The claim under the fleet-wide rate limit: the token bucket row is locked,
+-- refilled by rate x elapsed (capped at the burst), and charged exactly one
+-- token per job this statement returns, in the same transaction: never a
+-- token for an unclaimed job, never a job without a token. At most
+-- floor(tokens) of the locked candidates are claimed; the others stay ready.
+WITH flow AS MATERIALIZED (
+  SELECT pause_reason,
+         extract(epoch FROM paused_until - statement_timestamp())::float8 AS pause_left,
+         least(%(burst)s::float8, tokens + %(rate)s::float8
+               * extract(epoch FROM statement_timestamp() - tokens_at)::float8) AS tokens
+  FROM receipt_flow WHERE id = 1
+  FOR UPDATE
+), candidate AS (
+  SELECT id, run_at
+  FROM receipt_jobs
+  WHERE state = 'ready'
+    AND run_at <= statement_timestamp()
+    AND attempts < %(max_attempts)s
+    AND (%(probe)s OR NOT EXISTS (SELECT 1 FROM flow WHERE pause_reason IS NOT NULL))
+  ORDER BY run_at, id
+  FOR UPDATE SKIP LOCKED
+  LIMIT {limit}
+), allowed AS (
+  SELECT id FROM candidate ORDER BY run_at, id
+  LIMIT (SELECT greatest(floor(tokens), 0)::int FROM flow)
+), claimed AS (
+  UPDATE receipt_jobs AS j
+  SET state = 'running',
+      attempts = j.attempts + 1,
+      lease_token = gen_random_uuid(),
+      lease_until = statement_timestamp() + make_interval(secs => %(lease_seconds)s)
+  FROM allowed AS a
+  WHERE j.id = a.id
+  RETURNING j.id, j.order_id, j.lease_token, j.attempts, j.created_at
+), spent AS (
+  UPDATE receipt_flow
+  SET tokens = (SELECT tokens FROM flow) - (SELECT count(*) FROM claimed),
+      tokens_at = statement_timestamp()
+  WHERE id = 1
+  RETURNING tokens
+)
+SELECT c.id, c.order_id, c.lease_token, c.attempts, c.created_at,
+       f.pause_reason, f.pause_left, s.tokens
+FROM flow AS f CROSS JOIN spent AS s LEFT JOIN claimed AS c ON true;
 
 -- name: ack
 -- Many (id, token) pairs in one statement. The guard is id + token + unexpired
@@ -53,23 +113,89 @@ WHERE j.id = a.id
 RETURNING j.id;
 
 -- name: reschedule
--- A failed attempt (known failure or unknown outcome), guarded like ack.
--- Ready again after %(delay_seconds)s, or failed when the attempts are used up
--- or the failure is permanent: never a ready row with attempts >= max.
-UPDATE receipt_jobs
-SET state = CASE WHEN %(permanent)s OR attempts >= %(max_attempts)s
-                 THEN 'failed' ELSE 'ready' END,
-    run_at = CASE WHEN %(permanent)s OR attempts >= %(max_attempts)s THEN run_at
-                  ELSE statement_timestamp() + make_interval(secs => %(delay_seconds)s) END,
-    finished_at = CASE WHEN %(permanent)s OR attempts >= %(max_attempts)s
-                       THEN statement_timestamp() END,
+-- Failed attempts (known failures and unknown outcomes) in one statement,
+-- each guarded like ack. A row becomes ready again after its delay, or failed
+-- when its failure is permanent or its attempts are used up: never a ready
+-- row with attempts >= max. An attempt is given back (attempts - 1) when
+-- `refund` is set (the provider was in a fleet-wide outage) or when the
+-- provider answered 409 "in progress" and the job's in_progress_count is
+-- still under %(max_in_progress)s.
+WITH r AS (
+  -- Read under our own lease: while the token matches, no other writer
+  -- changes attempts or in_progress_count, so these values are the row's.
+  SELECT r.id, r.token, r.delay, r.error, r.in_progress, b.back,
+         r.permanent OR j.attempts - b.back >= %(max_attempts)s AS final
+  FROM unnest(%(ids)s::uuid[], %(tokens)s::uuid[], %(delays)s::float8[], %(errors)s::text[],
+              %(permanent)s::bool[], %(refund)s::bool[], %(in_progress)s::bool[])
+         AS r(id, token, delay, error, permanent, refund, in_progress)
+  JOIN receipt_jobs AS j ON j.id = r.id
+  CROSS JOIN LATERAL (
+    SELECT (NOT r.permanent AND (r.refund OR (r.in_progress
+            AND j.in_progress_count < %(max_in_progress)s)))::int AS back
+  ) AS b
+)
+UPDATE receipt_jobs AS j
+SET state = CASE WHEN r.final THEN 'failed' ELSE 'ready' END,
+    attempts = j.attempts - r.back,
+    in_progress_count = j.in_progress_count + r.in_progress::int,
+    run_at = CASE WHEN r.final THEN j.run_at
+                  ELSE statement_timestamp() + make_interval(secs => r.delay) END,
+    finished_at = CASE WHEN r.final THEN statement_timestamp() END,
     lease_token = NULL,
     lease_until = NULL,
-    last_error = %(error)s
-WHERE id = %(id)s
-  AND lease_token = %(token)s
-  AND lease_until > statement_timestamp()
-RETURNING state;
+    last_error = r.error
+FROM r
+WHERE j.id = r.id
+  AND j.lease_token = r.token
+  AND j.lease_until > statement_timestamp()
+RETURNING j.id, j.state;
+
+-- name: extend_pause
+-- Pause every pod's claims for at least %(seconds)s from now because of
+-- %(reason)s. Never shortens a pause: the later end wins, and with it its
+-- reason; pause_seconds (the length a failed probe doubles) only grows.
+UPDATE receipt_flow
+SET pause_reason = CASE
+      WHEN paused_until IS NULL
+        OR statement_timestamp() + make_interval(secs => %(seconds)s) > paused_until
+      THEN %(reason)s ELSE pause_reason END,
+    paused_until = greatest(paused_until,
+                            statement_timestamp() + make_interval(secs => %(seconds)s)),
+    pause_seconds = greatest(pause_seconds, %(seconds)s)
+WHERE id = 1
+RETURNING pause_reason, extract(epoch FROM paused_until - statement_timestamp())::float8,
+          pause_seconds;
+
+-- name: begin_probe
+-- The pause has run out: exactly one pod wins the right to claim one probe
+-- job (the row lock serialises contenders, and a loser re-checks the WHERE
+-- against the winner's new paused_until). The winner moves paused_until on by
+-- %(guard_seconds)s, so that if it dies another pod probes after that.
+UPDATE receipt_flow
+SET paused_until = statement_timestamp() + make_interval(secs => %(guard_seconds)s)
+WHERE id = 1
+  AND pause_reason IS NOT NULL
+  AND paused_until <= statement_timestamp()
+RETURNING pause_reason, paused_until, pause_seconds;
+
+-- name: resume
+-- A probe was answered by a working provider: end the pause, unless another
+-- pod has extended it since the probe began (paused_until moved on).
+UPDATE receipt_flow
+SET pause_reason = NULL, paused_until = NULL, pause_seconds = 0
+WHERE id = 1
+  AND pause_reason IS NOT NULL
+  AND paused_until = %(probe_until)s
+RETURNING 1;
+
+-- name: flow_state
+-- The fleet-wide provider state, for gauges and review.
+SELECT pause_reason,
+       greatest(extract(epoch FROM paused_until - statement_timestamp())::float8, 0),
+       pause_seconds,
+       least(%(burst)s::float8, tokens + %(rate)s::float8
+             * extract(epoch FROM statement_timestamp() - tokens_at)::float8)
+FROM receipt_flow WHERE id = 1;
 
 -- name: recover_expired
 -- One bounded batch of abandoned attempts; the caller commits each batch.

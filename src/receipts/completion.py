@@ -1,0 +1,238 @@
+"""The completer: every outcome write of an attempt, coalesced and accounted once.
+
+Acks (delivered) and reschedules (a known failure, an unknown outcome, or a
+permanent failure) are submitted here by the delivery tasks. One flusher
+task takes everything submitted since its last statement (up to
+``max_batch`` of each kind) and writes it with one guarded statement per
+kind, so batches grow by themselves under load and stay at one job when the
+queue is quiet; no timer adds latency. A batched ack is 2.6–7× faster than
+one ack per job on this kind of machine (docs/design.md §10).
+
+Writes are independent of the delivery tasks that submitted them:
+cancelling a delivery task (stop, abandon) cancels only its wait, and
+:meth:`Completer.close` flushes what is pending. When the database cannot
+be reached, a write is retried until the lease it belongs to has certainly
+expired (more than ``lease_seconds`` of this process's monotonic clock since
+the claim returned, and the database counted the lease from an earlier
+instant); then it is dropped as a lost lease: recovery owns that job now.
+
+Accounting, written once for both kinds: a write the token/lease guard
+refused is a stale ack (``receipts_stale_acks_total``) and a lost lease;
+an ack that landed counts in ``receipts_acks_total``; a reschedule in
+``receipts_retries_total{reason}`` or ``receipts_failures_total{reason}``.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import time
+import uuid
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
+
+from receipts.errors import QueueError
+from receipts.jobqueue import WorkerQueue
+from receipts.logs import get_logger, job_fields
+from receipts.metrics import Metrics
+from receipts.model import Attempt, JobState, Reason, Reschedule, Verdict
+
+log = get_logger("completion")
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+BACKOFF_FIRST_SECONDS = 0.05
+BACKOFF_MAX_SECONDS = 5.0
+
+
+@dataclass(slots=True)
+class _Pending(Generic[T, R]):
+    item: T
+    attempt: Attempt
+    result: asyncio.Future[R] = field(
+        default_factory=lambda: asyncio.get_running_loop().create_future()
+    )
+
+
+class _Lane(Generic[T, R]):
+    """Pending writes of one kind and the statement that writes a batch of them."""
+
+    def __init__(self, name: str, write: Callable[[list[T]], Awaitable[dict[uuid.UUID, Any]]],
+                 lost: R) -> None:
+        self.name = name
+        self.write = write
+        self.lost = lost  # the result of a write that was given up
+        self.pending: list[_Pending[T, R]] = []
+
+
+class Completer:
+    """Coalesce and write attempt outcomes (see the module doc).
+
+    Args:
+        queue: the :class:`~receipts.jobqueue.JobQueue` (or a fake): ``ack``, ``reschedule``.
+        metrics: the process's :class:`Metrics`.
+        lease_seconds: the lease length, seconds (bounds write retries).
+        max_batch: most attempts of one kind in one statement.
+    """
+
+    def __init__(self, queue: WorkerQueue, metrics: Metrics, *, lease_seconds: float,
+                 max_batch: int = 500) -> None:
+        self.queue = queue
+        self.metrics = metrics
+        self.lease_seconds = lease_seconds
+        self.max_batch = max_batch
+        self._acks: _Lane[Attempt, bool] = _Lane("ack", self._write_acks, False)
+        self._reschedules: _Lane[Reschedule, JobState | None] = _Lane(
+            "reschedule", self._write_reschedules, None)
+        self._wake = asyncio.Event()
+        self._closing = False
+        self._task: asyncio.Task[None] | None = None
+        self.healthy = True
+
+    def start(self) -> None:
+        """Start the flusher task (idempotent)."""
+        if self._task is None:
+            self._task = asyncio.create_task(self._run(), name="completer")
+
+    def ack(self, attempt: Attempt) -> asyncio.Future[bool]:
+        """Queue a delivered *attempt*; resolves True (done) or False (stale or lost)."""
+        return self._submit(self._acks, attempt, attempt)
+
+    def reschedule(self, item: Reschedule) -> asyncio.Future[JobState | None]:
+        """Queue a failed attempt; resolves to the job's new state, or None (stale or lost)."""
+        return self._submit(self._reschedules, item, item.attempt)
+
+    def _submit(self, lane: _Lane[T, R], item: T, attempt: Attempt) -> asyncio.Future[R]:
+        pending: _Pending[T, R] = _Pending(item, attempt)
+        lane.pending.append(pending)
+        self._wake.set()
+        return pending.result
+
+    async def close(self, timeout_seconds: float) -> None:
+        """Flush what is pending (for at most *timeout_seconds*), then stop."""
+        self._closing = True
+        self._wake.set()
+        if self._task is None:
+            return
+        try:
+            await asyncio.wait_for(asyncio.shield(self._task), timeout_seconds)
+        except TimeoutError:
+            self._task.cancel()
+            left = 0
+            for lane in self._lanes:
+                for p in lane.pending:
+                    left += 1
+                    if not p.result.done():
+                        p.result.set_result(lane.lost)
+            log.warning("writes_abandoned", extra={"pending": left})
+
+    @property
+    def _lanes(self) -> tuple[_Lane[Any, Any], ...]:
+        return (self._acks, self._reschedules)
+
+    async def _run(self) -> None:
+        while True:
+            if not any(lane.pending for lane in self._lanes):
+                if self._closing:
+                    return
+                self._wake.clear()
+                await self._wake.wait()
+                continue
+            for lane in self._lanes:
+                if lane.pending:
+                    batch = lane.pending[: self.max_batch]
+                    del lane.pending[: len(batch)]
+                    await self._flush(lane, batch)
+
+    async def _flush(self, lane: _Lane[T, R], batch: list[_Pending[T, R]]) -> None:
+        """Write *batch*, retrying while its leases may still hold; settle every item."""
+        backoff = BACKOFF_FIRST_SECONDS
+        while batch:
+            try:
+                start = time.perf_counter()
+                written = await lane.write([p.item for p in batch])
+                self.metrics.statement_duration.labels(lane.name).observe(
+                    time.perf_counter() - start)
+                self.healthy = True
+            except QueueError as exc:
+                self.healthy = False
+                self.metrics.db_errors.labels(lane.name).inc()
+                batch = self._drop_expired(lane, batch)
+                log.warning("write_failed", extra={"statement": lane.name, "error": str(exc),
+                                                   "retrying": len(batch)})
+                if batch:
+                    await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
+                    backoff = min(backoff * 2, BACKOFF_MAX_SECONDS)
+                continue
+            for p in batch:
+                result = written.get(p.attempt.job.id, lane.lost)
+                self._account(p, result)
+                if not p.result.done():
+                    p.result.set_result(result)
+            return
+
+    def _drop_expired(self, lane: _Lane[T, R], batch: list[_Pending[T, R]]) -> list[_Pending[T, R]]:
+        """Give up the items whose lease has certainly expired; return the rest."""
+        now = time.monotonic()
+        keep = []
+        for p in batch:
+            if now - p.attempt.claimed_at > self.lease_seconds:
+                self.metrics.leases_lost.inc()
+                log.warning("lease_lost",
+                            extra={**job_fields(p.attempt.job, "write_unconfirmed"),
+                                   "statement": lane.name})
+                if not p.result.done():
+                    p.result.set_result(lane.lost)
+            else:
+                keep.append(p)
+        return keep
+
+    # ------------------------------------------------------------ the writes
+
+    async def _write_acks(self, attempts: list[Attempt]) -> dict[uuid.UUID, Any]:
+        done = await self.queue.ack([(a.job.id, a.job.token) for a in attempts])
+        return {job_id: True for job_id in done}
+
+    async def _write_reschedules(self, items: list[Reschedule]) -> dict[uuid.UUID, Any]:
+        return dict(await self.queue.reschedule(items))
+
+    # ------------------------------------------------------------ accounting
+
+    def _account(self, pending: _Pending[Any, Any], result: object) -> None:
+        item, job = pending.item, pending.attempt.job
+        if isinstance(item, Attempt):
+            if result:
+                self.metrics.acks.inc()
+                if item.enqueued_age_seconds is not None:
+                    age = item.enqueued_age_seconds + time.monotonic() - item.claimed_at
+                    self.metrics.time_to_receipt.observe(age)
+                return
+            self._stale(job, "ack", Reason.DELIVERED)
+            return
+        assert isinstance(item, Reschedule)
+        outcome = item.outcome
+        fields = {**job_fields(job, outcome.reason), "status": outcome.status,
+                  "error": outcome.detail or str(outcome.reason)}
+        if result is None:
+            self._stale(job, "reschedule", outcome.reason, fields)
+        elif result is JobState.FAILED:
+            permanent = outcome.verdict is Verdict.PERMANENT
+            reason = outcome.reason if permanent else Reason.MAX_ATTEMPTS
+            self.metrics.failures.labels(reason).inc()
+            log.warning("job_failed", extra={**fields, "failure": str(reason)})
+        else:
+            self.metrics.retries.labels(outcome.reason).inc()
+            log.info("job_retry", extra={**fields, "delay_seconds": round(item.delay_seconds, 3),
+                                         "refund": item.refund})
+
+    def _stale(self, job: Any, statement: str, reason: Reason,
+               fields: dict[str, Any] | None = None) -> None:
+        # The guard refused the write: our lease expired (and maybe a newer
+        # attempt holds the row). The row was left untouched; the lease was lost.
+        self.metrics.stale_acks.inc()
+        self.metrics.leases_lost.inc()
+        log.warning("stale_ack" if statement == "ack" else "stale_reschedule",
+                    extra=fields or job_fields(job, "stale"))
+

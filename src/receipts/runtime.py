@@ -1,0 +1,148 @@
+"""The composition root: build a worker process's parts, run them, tear them down.
+
+:func:`worker_runtime` is the one place that wires settings into a pool, a
+queue, a deliverer, metrics, the metrics server and a :class:`Worker`. The
+``receipts worker`` command adds only signal handling (:func:`run_worker`);
+tests and the benchmark use the same root with their own deliverer or port.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import signal
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+
+from psycopg_pool import AsyncConnectionPool
+
+from receipts.db import make_pool
+from receipts.delivery import Deliverer, HttpDeliverer
+from receipts.jobqueue import JobQueue
+from receipts.logs import get_logger
+from receipts.metrics import Metrics, make_app, start_server
+from receipts.settings import Settings
+from receipts.worker import Worker
+
+log = get_logger("runtime")
+
+POOL_CLOSE_SECONDS = 5.0
+#: Signals that stop a worker gracefully (drain, flush, exit 0). SIGHUP is one:
+#: a worker has no configuration to reload (settings are read once at start), so
+#: a hang-up from a closed terminal or a supervisor means "stop", done cleanly.
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+
+
+@dataclass(frozen=True, slots=True)
+class Runtime:
+    """The parts of a running worker process.
+
+    Attributes:
+        worker: the claim/deliver loop (``await runtime.worker.run()``).
+        queue: its :class:`JobQueue`.
+        pool: the connection pool behind the queue.
+        metrics: the process's metrics.
+        metrics_port: the port ``/metrics`` is served on (0 when not served).
+    """
+
+    worker: Worker
+    queue: JobQueue
+    pool: AsyncConnectionPool
+    metrics: Metrics
+    metrics_port: int
+
+
+def make_queue(settings: Settings, pool: AsyncConnectionPool) -> JobQueue:
+    """The :class:`JobQueue` the settings describe, on *pool*."""
+    return JobQueue(
+        pool,
+        lease_seconds=settings.lease_seconds,
+        max_attempts=settings.max_attempts,
+        rate_limit_per_second=settings.provider_rate_limit_per_second,
+        burst=settings.burst,
+        max_in_progress=settings.max_in_progress_answers,
+    )
+
+
+def make_deliverer(settings: Settings) -> HttpDeliverer:
+    """The HTTP deliverer the settings describe (URL, timeout, token, slots)."""
+    token = settings.provider_token.get_secret_value() if settings.provider_token else None
+    return HttpDeliverer(
+        settings.provider_url,
+        timeout_seconds=settings.delivery_timeout_seconds,
+        token=token,
+        max_connections=settings.concurrency,
+    )
+
+
+@asynccontextmanager
+async def worker_runtime(
+    settings: Settings,
+    *,
+    deliverer: Deliverer | None = None,
+    metrics: Metrics | None = None,
+    metrics_port: int | None = None,
+) -> AsyncIterator[Runtime]:
+    """Build, open and finally close a worker's parts (the worker itself is not run).
+
+    Args:
+        settings: validated settings.
+        deliverer: defaults to :func:`make_deliverer`; the runtime closes it.
+        metrics: defaults to a fresh :class:`Metrics`.
+        metrics_port: overrides ``settings.metrics_port`` (0: no server).
+
+    Raises ``OSError`` when the metrics port is taken. The pool opens without
+    waiting: an unreachable database is the worker's to ride out.
+    """
+    metrics = metrics or Metrics()
+    pool = make_pool(settings, "worker")
+    deliverer = deliverer or make_deliverer(settings)
+    queue = make_queue(settings, pool)
+    worker = Worker(settings, queue, deliverer, metrics)
+    watch_pool(pool, metrics)
+    port = settings.metrics_port if metrics_port is None else metrics_port
+    runner = None
+    try:
+        if port:
+            runner = await start_server(make_app(metrics, worker.is_ready), port)
+        await pool.open(wait=False)
+        yield Runtime(worker, queue, pool, metrics, port)
+    finally:
+        await deliverer.aclose()
+        with contextlib.suppress(Exception):
+            await pool.close(timeout=POOL_CLOSE_SECONDS)
+        if runner is not None:
+            await runner.cleanup()
+
+
+async def run_worker(settings: Settings, deliverer: Deliverer | None = None) -> None:
+    """Run a worker process until SIGTERM, SIGINT or SIGHUP, then drain and return.
+
+    *deliverer* defaults to HTTP to ``settings.provider_url``. Raises
+    ``OSError`` when the metrics port is taken.
+    """
+    async with worker_runtime(settings, deliverer=deliverer) as runtime:
+        loop = asyncio.get_running_loop()
+        for sig in STOP_SIGNALS:
+            loop.add_signal_handler(sig, runtime.worker.stop)
+        log.info("worker_started", extra={
+            "concurrency": settings.concurrency, "lease_seconds": settings.lease_seconds,
+            "database": settings.safe_dsn, "provider": settings.safe_provider_url,
+            "metrics_port": runtime.metrics_port,
+            "rate_limit_per_second": settings.provider_rate_limit_per_second,
+        })
+        await runtime.worker.run()
+
+
+def watch_pool(pool: AsyncConnectionPool, metrics: Metrics) -> None:
+    """Expose psycopg_pool's ``get_stats()`` (never ``pop_stats()``) as gauges."""
+
+    def stat(key: str) -> float:
+        return float(pool.get_stats().get(key, 0))
+
+    metrics.pool_connections.labels("size").set_function(lambda: stat("pool_size"))
+    metrics.pool_connections.labels("in_use").set_function(
+        lambda: stat("pool_size") - stat("pool_available")
+    )
+    metrics.pool_connections.labels("waiting").set_function(lambda: stat("requests_waiting"))
