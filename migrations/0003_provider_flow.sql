@@ -3,7 +3,8 @@
 -- One row holds what every worker pod must agree on about the provider:
 --   * a pause: while pause_reason is set, no pod claims (except the one probe
 --     that won begin_probe); paused_until is when the next probe may start;
---     pause_seconds is the current pause length (doubled by a failed probe).
+--     pause_seconds is the current pause length (doubled by a failed probe);
+--     probe_until bounds the probe in flight (another pod probes after it).
 --     Any pod may extend the pause, never shorten it; only a delivered probe
 --     (or a probe the provider answered properly) ends it.
 --   * a token bucket for RECEIPTS_PROVIDER_RATE_LIMIT_PER_SECOND: tokens
@@ -17,6 +18,7 @@ CREATE TABLE receipt_flow (
   pause_reason   TEXT CHECK (pause_reason IN ('auth', 'outage', 'retry_after')),
   paused_until   TIMESTAMPTZ,
   pause_seconds  DOUBLE PRECISION NOT NULL DEFAULT 0 CHECK (pause_seconds >= 0),
+  probe_until    TIMESTAMPTZ,
   tokens         DOUBLE PRECISION NOT NULL DEFAULT 0,
   tokens_at      TIMESTAMPTZ NOT NULL DEFAULT '2000-01-01 00:00:00+00',  -- a full bucket
   CHECK ((pause_reason IS NULL) = (paused_until IS NULL))

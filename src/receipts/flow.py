@@ -184,7 +184,7 @@ class ProviderGate:
                 return Decision(resume=until, probe=True)
             if provider_failed:
                 seconds = self._jitter(min(self.policy.pause_max_seconds,
-                                           max(self.probe_pause_seconds, 1.0) * 2))
+                                           max(self.probe_pause_seconds, 0.01) * 2))
                 if outcome.retry_after_seconds is not None:
                     seconds = max(seconds, min(outcome.retry_after_seconds,
                                                self.policy.retry_after_max_seconds))

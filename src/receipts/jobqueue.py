@@ -259,7 +259,8 @@ class JobQueue:
     async def begin_probe(self, guard_seconds: float) -> tuple[datetime, FlowState] | None:
         """Try to become the one pod that probes the provider after a pause.
 
-        Returns (the probe's pause deadline, for :meth:`resume`; the pause) to
+        Returns (the probe's deadline, for :meth:`resume`; the pause, whose
+        ``pause_left_seconds`` is the pause *length* a failed probe doubles) to
         the winner, None to everyone else (no pause, not due yet, or another
         pod won). *guard_seconds* is how long others wait if this pod dies.
         """

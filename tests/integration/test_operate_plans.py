@@ -78,7 +78,8 @@ def big_dsn(pg18: Server) -> Iterator[str]:
             conn.execute(f'ALTER TABLE receipt_jobs ADD CONSTRAINT "{name}" {definition}')
         for _, definition in indexes:
             conn.execute(definition)
-        conn.execute(CLAIM, {"max_attempts": 5, "lease_seconds": 60.0})  # some running rows
+        conn.execute(CLAIM, {"max_attempts": 5, "lease_seconds": 60.0,
+                            "probe": False})  # some running rows
         conn.execute("VACUUM (ANALYZE) receipt_jobs")
     print(f"\n[bench] generated {DONE_ROWS:,} done + {READY_ROWS:,} ready rows"
           f" (+ VACUUM ANALYZE) in {time.perf_counter() - started:.1f}s")
@@ -132,3 +133,27 @@ def test_ack_plan_uses_the_primary_key_not_the_expired_index(big_dsn: str, plan_
     assert top["Plan"]["Actual Rows"] == 100  # all 100 acks landed (then rolled back)
     print(f"[bench] ack of 100 ({plan_mode}): {top['Execution Time']:.2f} ms, "
           f"indexes {sorted(indexes)}")
+
+
+@pytest.mark.parametrize("name", ["claim", "claim_limited"])
+@pytest.mark.parametrize("plan_mode", ["force_custom_plan", "force_generic_plan"])
+def test_claims_walk_the_ready_index_with_or_without_the_rate_limit(
+        big_dsn: str, name: str, plan_mode: str) -> None:
+    claim = statements()[name].format(limit=100)
+    for key, n in (("max_attempts", 1), ("lease_seconds", 2), ("probe", 3), ("rate", 4),
+                   ("burst", 5)):
+        claim = claim.replace(f"%({key})s", f"${n}")
+    with psycopg.connect(big_dsn, autocommit=True, cursor_factory=psycopg.ClientCursor) as conn:
+        conn.execute(f"SET plan_cache_mode = {plan_mode}")
+        conn.execute("BEGIN")
+        try:
+            types = "int, float8, bool" + (", float8, float8" if name == "claim_limited" else "")
+            conn.execute(f"PREPARE claim_stmt({types}) AS {claim}")
+            args = "5, 60.0, false" + (", 1000000, 1000000" if name == "claim_limited" else "")
+            top, nodes = _explain(conn, f"EXECUTE claim_stmt({args})")
+        finally:
+            conn.execute("ROLLBACK")
+    assert _seq_scans(nodes) == []
+    assert "receipt_jobs_ready" in _indexes(nodes)
+    assert top["Plan"]["Actual Rows"] == 100
+    print(f"[bench] {name} of 100 ({plan_mode}): {top['Execution Time']:.2f} ms")

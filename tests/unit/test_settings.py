@@ -28,8 +28,22 @@ def test_dsn_passwords_are_masked_in_any_text(text, expected):
 def test_defaults_follow_the_design():
     settings = load_settings(database_url="postgresql://u@h/d")
     assert (settings.lease_seconds, settings.max_attempts, settings.metrics_port) == (60, 5, 9464)
-    budget = settings.lease_seconds - settings.lease_margin_seconds
+    budget = settings.lease_seconds - settings.lease_margin
     assert settings.delivery_timeout_seconds <= budget
+
+
+@pytest.mark.parametrize(("lease", "timeout"), [(5, 3), (12, 2), (60, 50), (3600, 3590)])
+def test_the_lease_margin_scales_with_the_lease_so_short_leases_work(lease, timeout):
+    settings = load_settings(database_url="postgresql://u@h/d", lease_seconds=lease,
+                             delivery_timeout_seconds=timeout)
+    assert settings.lease_margin == min(10, lease / 4)
+
+
+@pytest.mark.parametrize(("lease", "timeout"), [(5, 4), (1, 1), (60, 51)])
+def test_only_impossible_lease_arithmetic_is_refused(lease, timeout):
+    with pytest.raises(SettingsError, match="RECEIPTS_DELIVERY_TIMEOUT_SECONDS"):
+        load_settings(database_url="postgresql://u@h/d", lease_seconds=lease,
+                      delivery_timeout_seconds=timeout)
 
 
 def test_a_delivery_timeout_that_does_not_fit_the_lease_is_refused_by_name():

@@ -25,7 +25,8 @@ SELECT pg_notify(%(channel)s, '');
 -- comes back whose job columns are NULL.
 WITH flow AS (
   SELECT pause_reason,
-         extract(epoch FROM paused_until - statement_timestamp())::float8 AS pause_left
+         extract(epoch FROM greatest(paused_until, probe_until)
+                            - statement_timestamp())::float8 AS pause_left
   FROM receipt_flow WHERE id = 1
 ), candidate AS (
   SELECT id
@@ -59,7 +60,8 @@ FROM flow AS f LEFT JOIN claimed AS c ON true;
 -- floor(tokens) of the locked candidates are claimed; the others stay ready.
 WITH flow AS MATERIALIZED (
   SELECT pause_reason,
-         extract(epoch FROM paused_until - statement_timestamp())::float8 AS pause_left,
+         extract(epoch FROM greatest(paused_until, probe_until)
+                            - statement_timestamp())::float8 AS pause_left,
          least(%(burst)s::float8, tokens + %(rate)s::float8
                * extract(epoch FROM statement_timestamp() - tokens_at)::float8) AS tokens
   FROM receipt_flow WHERE id = 1
@@ -153,7 +155,8 @@ RETURNING j.id, j.state;
 -- name: extend_pause
 -- Pause every pod's claims for at least %(seconds)s from now because of
 -- %(reason)s. Never shortens a pause: the later end wins, and with it its
--- reason; pause_seconds (the length a failed probe doubles) only grows.
+-- reason; pause_seconds (the length a failed probe doubles) only grows. A
+-- probe in flight loses its claim to resume: the provider failed again.
 UPDATE receipt_flow
 SET pause_reason = CASE
       WHEN paused_until IS NULL
@@ -161,7 +164,8 @@ SET pause_reason = CASE
       THEN %(reason)s ELSE pause_reason END,
     paused_until = greatest(paused_until,
                             statement_timestamp() + make_interval(secs => %(seconds)s)),
-    pause_seconds = greatest(pause_seconds, %(seconds)s)
+    pause_seconds = greatest(pause_seconds, %(seconds)s),
+    probe_until = NULL
 WHERE id = 1
 RETURNING pause_reason, extract(epoch FROM paused_until - statement_timestamp())::float8,
           pause_seconds;
@@ -169,23 +173,26 @@ RETURNING pause_reason, extract(epoch FROM paused_until - statement_timestamp())
 -- name: begin_probe
 -- The pause has run out: exactly one pod wins the right to claim one probe
 -- job (the row lock serialises contenders, and a loser re-checks the WHERE
--- against the winner's new paused_until). The winner moves paused_until on by
--- %(guard_seconds)s, so that if it dies another pod probes after that.
+-- against the winner's probe_until). If the winner dies, another pod may
+-- probe once %(guard_seconds)s have passed.
 UPDATE receipt_flow
-SET paused_until = statement_timestamp() + make_interval(secs => %(guard_seconds)s)
+SET probe_until = statement_timestamp() + make_interval(secs => %(guard_seconds)s)
 WHERE id = 1
   AND pause_reason IS NOT NULL
   AND paused_until <= statement_timestamp()
-RETURNING pause_reason, paused_until, pause_seconds;
+  AND (probe_until IS NULL OR probe_until <= statement_timestamp())
+RETURNING pause_reason, probe_until, pause_seconds;
 
 -- name: resume
--- A probe was answered by a working provider: end the pause, unless another
--- pod has extended it since the probe began (paused_until moved on).
+-- The provider answered the probe properly: end the pause, unless another pod
+-- has extended it since (paused_until moved into the future, or the probe
+-- was taken over after its guard ran out).
 UPDATE receipt_flow
-SET pause_reason = NULL, paused_until = NULL, pause_seconds = 0
+SET pause_reason = NULL, paused_until = NULL, pause_seconds = 0, probe_until = NULL
 WHERE id = 1
   AND pause_reason IS NOT NULL
-  AND paused_until = %(probe_until)s
+  AND probe_until = %(probe_until)s
+  AND paused_until <= statement_timestamp()
 RETURNING 1;
 
 -- name: flow_state

@@ -1,0 +1,218 @@
+"""In-memory fakes of the worker's two dependencies: the queue and the deliverer.
+
+:class:`FakeQueue` keeps the lease protocol's rules (claim only due, ready
+rows under the attempt limit and outside a pause; writes guarded by token) and
+the fleet-wide flow row, all in memory on the monotonic clock, so the claim
+loop's bookkeeping can be tested in milliseconds. The integration tests prove
+the same rules against PostgreSQL.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+
+from receipts.errors import DatabaseUnavailable
+from receipts.jobqueue import QueueStats
+from receipts.model import (
+    Attempt,
+    ClaimResult,
+    FlowState,
+    Job,
+    JobState,
+    Outcome,
+    PauseReason,
+    Reason,
+    Reschedule,
+    Verdict,
+)
+
+
+@dataclass
+class Row:
+    id: uuid.UUID
+    order_id: str
+    state: JobState = JobState.READY
+    attempts: int = 0
+    run_at: float = 0.0
+    token: uuid.UUID | None = None
+    lease_until: float = 0.0
+    in_progress_count: int = 0
+    last_error: str | None = None
+
+
+@dataclass
+class FakeQueue:
+    """The worker's queue statements over in-memory rows (see the module doc)."""
+
+    lease_seconds: float = 30.0
+    max_attempts: int = 5
+    rate: float = 0.0
+    rows: dict[uuid.UUID, Row] = field(default_factory=dict)
+    pause_reason: PauseReason | None = None
+    paused_until: float = 0.0
+    pause_seconds: float = 0.0
+    probe_until: float | None = None
+    claims: list[tuple[int, int]] = field(default_factory=list)  # (limit, returned)
+    fail_claims: int = 0  # the next N claims raise DatabaseUnavailable
+    pauses: list[tuple[PauseReason, float]] = field(default_factory=list)
+    resumed: int = 0
+    refunds: int = 0
+
+    def add(self, n: int) -> list[uuid.UUID]:
+        ids = []
+        for i in range(n):
+            row = Row(uuid.uuid4(), f"order-{len(self.rows) + i}")
+            self.rows[row.id] = row
+            ids.append(row.id)
+        return ids
+
+    def count(self, state: JobState) -> int:
+        return sum(1 for r in self.rows.values() if r.state is state)
+
+    def _flow(self) -> FlowState:
+        if self.pause_reason is None:
+            return FlowState()
+        until = max(self.paused_until, self.probe_until or 0.0)
+        return FlowState(self.pause_reason, until - time.monotonic())
+
+    async def claim(self, limit: int, *, probe: bool = False) -> ClaimResult:
+        if self.fail_claims:
+            self.fail_claims -= 1
+            raise DatabaseUnavailable("database unavailable: fake outage")
+        now = time.monotonic()
+        attempts = []
+        if probe or self.pause_reason is None:
+            due = sorted((r for r in self.rows.values()
+                          if r.state is JobState.READY and r.run_at <= now
+                          and r.attempts < self.max_attempts), key=lambda r: r.run_at)
+            for row in due[:limit]:
+                row.state, row.attempts = JobState.RUNNING, row.attempts + 1
+                row.token, row.lease_until = uuid.uuid4(), now + self.lease_seconds
+                job = Job(row.id, row.order_id, row.token, row.attempts)
+                attempts.append(Attempt(job, now))
+        self.claims.append((limit, len(attempts)))
+        await asyncio.sleep(0)
+        return ClaimResult(attempts, self._flow())
+
+    def _owned(self, job_id: uuid.UUID, token: uuid.UUID) -> Row | None:
+        row = self.rows.get(job_id)
+        if row and row.token == token and row.lease_until > time.monotonic():
+            return row
+        return None
+
+    async def ack(self, pairs: Sequence[tuple[uuid.UUID, uuid.UUID]]) -> set[uuid.UUID]:
+        done = set()
+        for job_id, token in pairs:
+            row = self._owned(job_id, token)
+            if row:
+                row.state, row.token = JobState.DONE, None
+                done.add(job_id)
+        return done
+
+    async def reschedule(self, items: Sequence[Reschedule]) -> dict[uuid.UUID, JobState]:
+        out = {}
+        for item in items:
+            row = self._owned(item.attempt.job.id, item.attempt.job.token)
+            if row is None:
+                continue
+            permanent = item.outcome.verdict is Verdict.PERMANENT
+            back = not permanent and (item.refund or (
+                item.outcome.reason is Reason.IN_PROGRESS and row.in_progress_count < 20))
+            self.refunds += int(back)
+            row.attempts -= int(back)
+            row.in_progress_count += int(item.outcome.reason is Reason.IN_PROGRESS)
+            final = permanent or row.attempts >= self.max_attempts
+            row.state = JobState.FAILED if final else JobState.READY
+            row.run_at = time.monotonic() + item.delay_seconds
+            row.token, row.last_error = None, item.outcome.detail
+            out[row.id] = row.state
+        return out
+
+    async def extend_pause(self, reason: PauseReason, seconds: float) -> FlowState:
+        self.pauses.append((reason, seconds))
+        until = time.monotonic() + seconds
+        if self.pause_reason is None or until > self.paused_until:
+            self.pause_reason, self.paused_until = reason, until
+        self.pause_seconds = max(self.pause_seconds, seconds)
+        self.probe_until = None
+        return self._flow()
+
+    async def begin_probe(self, guard_seconds: float) -> tuple[datetime, FlowState] | None:
+        now = time.monotonic()
+        if self.pause_reason is None or self.paused_until > now:
+            return None
+        if self.probe_until is not None and self.probe_until > now:
+            return None
+        self.probe_until = now + guard_seconds
+        stamp = datetime(2026, 1, 1, tzinfo=UTC) + timedelta(seconds=self.probe_until)
+        return stamp, FlowState(self.pause_reason, self.pause_seconds)
+
+    async def resume(self, probe_until: datetime) -> bool:
+        if self.pause_reason is None or self.probe_until is None:
+            return False
+        stamp = datetime(2026, 1, 1, tzinfo=UTC) + timedelta(seconds=self.probe_until)
+        if stamp != probe_until or self.paused_until > time.monotonic():
+            return False
+        self.pause_reason, self.paused_until, self.pause_seconds = None, 0.0, 0.0
+        self.probe_until = None
+        self.resumed += 1
+        return True
+
+    async def queue_stats(self) -> QueueStats:
+        return QueueStats(ready_due=self.count(JobState.READY), ready=self.count(JobState.READY),
+                          running=self.count(JobState.RUNNING), expired=0,
+                          failed=self.count(JobState.FAILED), lag_seconds=0.0,
+                          done_estimate=self.count(JobState.DONE), dead_tuples=0,
+                          oldest_transaction_seconds=0.0)
+
+
+class ScriptedDeliverer:
+    """A deliverer whose answer is chosen per call by *answer(job)*; may block on a gate.
+
+    Attributes:
+        calls: jobs delivered so far, in order.
+        release: while cleared, deliveries wait (to hold slots busy).
+        in_flight: deliveries currently inside :meth:`deliver`.
+        most_in_flight: the highest :attr:`in_flight` seen.
+    """
+
+    def __init__(self, answer: Callable[[Job], Outcome] | None = None) -> None:
+        self.answer = answer or (lambda job: Outcome(Verdict.DELIVERED, Reason.DELIVERED, 200))
+        self.calls: list[Job] = []
+        self.release = asyncio.Event()
+        self.release.set()
+        self.in_flight = 0
+        self.most_in_flight = 0
+
+    async def deliver(self, job: Job) -> Outcome:
+        self.calls.append(job)
+        self.in_flight += 1
+        self.most_in_flight = max(self.most_in_flight, self.in_flight)
+        try:
+            await self.release.wait()
+            return self.answer(job)
+        finally:
+            self.in_flight -= 1
+
+    async def aclose(self) -> None:
+        return None
+
+
+def outcome(status: int, retry_after: float | None = None) -> Outcome:
+    """The outcome the HTTP deliverer gives for *status* (a subset of its table)."""
+    if 200 <= status < 300:
+        return Outcome(Verdict.DELIVERED, Reason.DELIVERED, status)
+    if status == 409:
+        return Outcome(Verdict.RETRY, Reason.IN_PROGRESS, status, retry_after, "409")
+    if status == 429:
+        return Outcome(Verdict.RETRY, Reason.RATE_LIMITED, status, retry_after, "429")
+    if status in (401, 403):
+        return Outcome(Verdict.RETRY, Reason.AUTH_REJECTED, status, None, str(status))
+    if status >= 500:
+        return Outcome(Verdict.RETRY, Reason.PROVIDER_5XX, status, retry_after, str(status))
+    return Outcome(Verdict.PERMANENT, Reason.REJECTED, status, None, str(status))

@@ -1,0 +1,145 @@
+"""The claim loop against in-memory fakes: slots, sleeps, outages, probes (milliseconds each)."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Callable
+
+import pytest
+
+from receipts.metrics import Metrics
+from receipts.model import JobState, PauseReason
+from receipts.settings import Settings, load_settings
+from receipts.worker import Worker
+from tests.unit.fakes import FakeQueue, ScriptedDeliverer, outcome
+
+
+def settings(**overrides: object) -> Settings:
+    base: dict[str, object] = {
+        "database_url": "postgresql://u@127.0.0.1:1/db", "provider_url": "http://127.0.0.1:9/r",
+        "concurrency": 4, "poll_interval_seconds": 0.02, "retry_base_seconds": 0.01,
+        "retry_cap_seconds": 0.02, "outage_pause_seconds": 0.05, "auth_pause_seconds": 0.05,
+        "listen_notify": False, "queue_stats_interval_seconds": 60, "metrics_port": 0,
+        "lease_seconds": 30, "delivery_timeout_seconds": 1,
+    }
+    return load_settings(**(base | overrides))
+
+
+async def until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached in time"
+        await asyncio.sleep(0.002)
+
+
+class Loop:
+    def __init__(self, queue: FakeQueue, deliverer: ScriptedDeliverer, **overrides: object):
+        self.metrics = Metrics()
+        self.worker = Worker(settings(**overrides), queue, deliverer, self.metrics)
+        self.task: asyncio.Task[None] | None = None
+
+    def value(self, name: str, **labels: str) -> float:
+        return self.metrics.registry.get_sample_value(name, labels or None) or 0.0
+
+    async def __aenter__(self) -> Loop:
+        self.task = asyncio.create_task(self.worker.run())
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        self.worker.stop()
+        assert self.task is not None
+        await asyncio.wait_for(self.task, 5)
+
+
+async def test_claims_never_ask_for_more_than_the_free_slots():
+    queue, deliverer = FakeQueue(), ScriptedDeliverer()
+    queue.add(50)
+    deliverer.release.clear()
+    async with Loop(queue, deliverer) as loop:
+        await until(lambda: deliverer.in_flight == 4)
+        deliverer.release.set()
+        await until(lambda: queue.count(JobState.DONE) == 50)
+    assert loop.worker.max_overclaim == 0
+    assert deliverer.most_in_flight == 4
+    assert all(limit <= 4 for limit, _ in queue.claims)
+    assert loop.value("receipts_acks_total") == 50
+
+
+async def test_a_short_claim_sleeps_a_jittered_poll_interval_that_a_notify_cuts_short():
+    queue = FakeQueue()
+    worker = Worker(settings(poll_interval_seconds=10), queue, ScriptedDeliverer(), Metrics())
+    seconds, wakeable = await worker.step(4)  # type: ignore[misc]
+    assert 7.5 <= seconds <= 12.5 and wakeable
+    queue.add(4)
+    assert await worker.step(4) == (0.0, False)  # a full claim: claim again at once
+
+
+async def test_a_database_outage_backs_off_then_resumes_by_itself():
+    queue, deliverer = FakeQueue(fail_claims=5), ScriptedDeliverer()
+    queue.add(3)
+    async with Loop(queue, deliverer) as loop:
+        assert not loop.worker.is_ready()
+        await until(lambda: queue.count(JobState.DONE) == 3)
+        assert loop.worker.is_ready()
+    assert loop.value("receipts_db_errors_total", statement="claim") == 5
+    assert loop.value("receipts_database_ready") == 1
+
+
+async def test_an_outage_pauses_claiming_refunds_attempts_and_a_probe_resumes():
+    queue = FakeQueue()
+    queue.add(40)
+    down = True
+    deliverer = ScriptedDeliverer(lambda job: outcome(503 if down else 200))
+    async with Loop(queue, deliverer) as loop:
+        await until(lambda: queue.pause_reason is PauseReason.OUTAGE)
+        await until(lambda: loop.value("receipts_provider_probes_total", result="failed") >= 2)
+        # Paused: only the slots in flight at detection and single probes went out.
+        assert len(deliverer.calls) <= 4 + 4 + 3
+        assert max(r.attempts for r in queue.rows.values()) <= 1
+        assert loop.value("receipts_provider_paused", reason="outage") == 1
+        down = False
+        await until(lambda: queue.count(JobState.DONE) == 40)
+    assert queue.count(JobState.FAILED) == 0
+    assert queue.resumed == 1 and queue.pause_reason is None
+    assert loop.value("receipts_provider_paused", reason="outage") == 0
+    assert loop.value("receipts_provider_probes_total", result="resumed") == 1
+    lengths = [s for r, s in queue.pauses if r is PauseReason.OUTAGE]
+    assert lengths[1] > lengths[0] * 1.5  # a failed probe doubled the pause
+
+
+async def test_a_409_in_progress_does_not_use_up_attempts():
+    queue = FakeQueue(max_attempts=5)
+    (job_id,) = queue.add(1)
+    answers = iter([409] * 10 + [200])
+    deliverer = ScriptedDeliverer(lambda job: outcome(next(answers)))
+    async with Loop(queue, deliverer):
+        await until(lambda: queue.count(JobState.DONE) == 1)
+    assert len(deliverer.calls) == 11
+    assert queue.rows[job_id].in_progress_count == 10
+
+
+async def test_a_fleet_pause_set_by_another_pod_stops_this_pods_claims():
+    queue, deliverer = FakeQueue(), ScriptedDeliverer()
+    queue.add(5)
+    await queue.extend_pause(PauseReason.RETRY_AFTER, 0.3)
+    started = time.monotonic()
+    async with Loop(queue, deliverer) as loop:
+        await until(lambda: queue.count(JobState.DONE) == 5)
+        assert loop.value("receipts_provider_probes_total", result="resumed") == 1
+    first = deliverer.calls[0]
+    assert time.monotonic() - started >= 0.3 and first is not None
+
+
+@pytest.mark.parametrize("status", [401, 403])
+async def test_rejected_credentials_pause_the_fleet_without_failing_jobs(status):
+    queue = FakeQueue(max_attempts=2)
+    queue.add(20)
+    ok = False
+    deliverer = ScriptedDeliverer(lambda job: outcome(200 if ok else status))
+    async with Loop(queue, deliverer) as loop:
+        await until(lambda: loop.value("receipts_provider_probes_total", result="failed") >= 3)
+        assert queue.count(JobState.FAILED) == 0
+        ok = True
+        await until(lambda: queue.count(JobState.DONE) == 20)
+    assert next(r for r, _ in queue.pauses) is PauseReason.AUTH
