@@ -112,6 +112,11 @@ class Metrics:
             "Probe deliveries after a pause, by result (resumed, failed, inconclusive).",
             ["result"], registry=r,
         )
+        self.claim_rate_limit = Gauge(
+            "receipts_claim_rate_limit",
+            "Admission control's current claim-rate limit, jobs/s (0 while it is off).",
+            registry=r,
+        )
         self.provider_tokens = Gauge(
             "receipts_provider_tokens",
             "Tokens left in the fleet-wide rate-limit bucket after this pod's last claim "

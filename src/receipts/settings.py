@@ -145,6 +145,18 @@ class Settings(BaseSettings):
         default=None, ge=1, le=10_000_000,
         description="Token bucket capacity (jobs); default one second's worth of the rate.",
     )
+    admission_control: bool = Field(
+        default=True,
+        description="Adapt the claim rate to the database's statement latency (AIMD).",
+    )
+    admission_min_rate_per_second: float = Field(
+        default=50.0, gt=0, le=1_000_000,
+        description="Admission control never claims slower than this (jobs/s per worker).",
+    )
+    admission_max_rate_per_second: float = Field(
+        default=20_000.0, gt=0, le=10_000_000,
+        description="Admission control's ceiling and starting limit (jobs/s per worker).",
+    )
     outage_window_seconds: float = Field(default=30.0, gt=0, le=3_600)
     outage_min_jobs: int = Field(default=5, ge=1, le=10_000)
     outage_failure_ratio: float = Field(default=0.8, gt=0, le=1)
@@ -196,6 +208,11 @@ class Settings(BaseSettings):
                 f"at most RECEIPTS_LEASE_SECONDS - lease margin "
                 f"({self.lease_seconds:g} - {margin:g} = {budget:g}), "
                 "so a delivery ends and is acked while its lease still holds"
+            )
+        if self.admission_max_rate_per_second < self.admission_min_rate_per_second:
+            raise ValueError(
+                "RECEIPTS_ADMISSION_MAX_RATE_PER_SECOND must be at least "
+                "RECEIPTS_ADMISSION_MIN_RATE_PER_SECOND"
             )
         if self.retry_cap_seconds < self.retry_base_seconds:
             raise ValueError(

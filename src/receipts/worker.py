@@ -18,6 +18,10 @@ Shape (docs/design.md §4, §11):
   which may extend the pause (outage, 401/403, ``Retry-After``). Under a
   fleet-wide rate limit a claim that ran out of tokens sleeps until the next
   token.
+* Admission control (on by default): claims also spend a local token bucket
+  whose rate an AIMD limiter adapts to the claim and ack statements' latency,
+  so a drain leaves the checkout database its headroom
+  (:mod:`receipts.admission`).
 * Database outage: the loop backs off (jittered, ≤ 30 s), ``/readyz`` says
   not ready, and it resumes by itself.
 * Stop: claim nothing more, let in-flight deliveries finish for up to
@@ -34,6 +38,7 @@ import time
 from collections.abc import Iterable
 from datetime import datetime
 
+from receipts.admission import AdmissionController, AdmissionPolicy
 from receipts.completion import Completer
 from receipts.db import notifications
 from receipts.delivery import Deliverer
@@ -59,6 +64,12 @@ log = get_logger("worker")
 
 OUTAGE_BACKOFF_FIRST_SECONDS = 0.1
 OUTAGE_BACKOFF_MAX_SECONDS = 30.0
+
+
+def admission_policy(settings: Settings) -> AdmissionPolicy:
+    """The :class:`AdmissionPolicy` the settings describe."""
+    return AdmissionPolicy(min_rate=settings.admission_min_rate_per_second,
+                           max_rate=settings.admission_max_rate_per_second)
 
 
 def flow_policy(settings: Settings) -> FlowPolicy:
@@ -97,7 +108,11 @@ class Worker:
             cap_seconds=settings.retry_cap_seconds,
             retry_after_max_seconds=settings.retry_after_max_seconds,
         )
-        self.completer = Completer(queue, metrics, lease_seconds=settings.lease_seconds)
+        self.admission = AdmissionController(admission_policy(settings)) if (
+            settings.admission_control) else None
+        self.completer = Completer(
+            queue, metrics, lease_seconds=settings.lease_seconds,
+            on_statement=self.admission.observe if self.admission else None)
         self.gate = gate or ProviderGate(flow_policy(settings))
         self._inflight: set[asyncio.Task[None]] = set()
         self._slot_freed = asyncio.Event()
@@ -186,6 +201,11 @@ class Worker:
         probe_until: datetime | None = None
         state = FlowState()
         limit = min(free, self.settings.claim_batch_max)
+        if self.admission is not None and not gate.paused:
+            limit, wait = self.admission.allowance(limit)
+            self.metrics.claim_rate_limit.set(self.admission.limit)
+            if limit == 0:
+                return wait, False
         try:
             if gate.paused:
                 won = await self.queue.begin_probe(self._probe_guard_seconds())
@@ -204,6 +224,8 @@ class Worker:
                                  state.pause_left_seconds or 0.0)
                 log.info("provider_probe", extra=job_fields(result.attempts[0].job, "probe"))
             return 0.0, False
+        if self.admission is not None:
+            self.admission.refund(limit - len(result.attempts))
         self._observe_flow(result.flow)
         if gate.paused:
             return gate.pause_left(), False
@@ -230,7 +252,10 @@ class Worker:
             self.max_overclaim, limit - (self.settings.concurrency - len(self._inflight)))
         start = time.perf_counter()
         result = await self.queue.claim(limit, probe=probe)
-        self.metrics.statement_duration.labels("claim").observe(time.perf_counter() - start)
+        took = time.perf_counter() - start
+        self.metrics.statement_duration.labels("claim").observe(took)
+        if self.admission is not None:
+            self.admission.observe(took, len(result.attempts))
         self._db_state(True)
         self.metrics.claims.inc()
         self.metrics.claim_batch.observe(len(result.attempts))
