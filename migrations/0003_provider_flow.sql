@@ -35,3 +35,8 @@ INSERT INTO receipt_flow (id) VALUES (1);
 -- failed attempt: it gives the attempt back, up to a separate budget counted here.
 ALTER TABLE receipt_jobs
   ADD COLUMN in_progress_count INTEGER NOT NULL DEFAULT 0 CHECK (in_progress_count >= 0);
+
+-- The token of the attempt whose outcome was written last (ack or reschedule).
+-- When a write's commit succeeded but its answer was lost, the worker asks on a
+-- fresh connection whether its own token is here: written, or not written.
+ALTER TABLE receipt_jobs ADD COLUMN last_token UUID;

@@ -24,6 +24,7 @@ from typing import Any
 
 import psycopg
 import pytest
+from aiohttp import web
 
 from receipts.embedded import EmbeddedPostgres, free_port
 from receipts.migrate import apply_migrations
@@ -260,3 +261,32 @@ async def reschedule_one(queue: Any, job: Job, *, delay_seconds: float, error: s
     states = await queue.reschedule([Reschedule(Attempt(job, time.monotonic()), outcome,
                                                 delay_seconds, refund)])
     return states.get(job.id)  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+async def stub():
+    """A real HTTP server whose single handler each test sets."""
+    handler: dict[str, object] = {}
+    seen: list[dict[str, str]] = []
+
+    async def dispatch(request: web.Request) -> web.StreamResponse:
+        seen.append({"key": request.headers.get("Idempotency-Key", ""),
+                     "body": await request.text()})
+        return await handler["fn"](request)  # type: ignore[operator]
+
+    app = web.Application()
+    app.router.add_route("*", "/{tail:.*}", dispatch)
+    runner = web.AppRunner(app, shutdown_timeout=0.5)
+    await runner.setup()
+    port = free_port()
+    await web.TCPSite(runner, "127.0.0.1", port).start()
+
+    class Stub:
+        url = f"http://127.0.0.1:{port}/receipts"
+        requests = seen
+
+        def answer(self, fn) -> None:
+            handler["fn"] = fn
+
+    yield Stub()
+    await runner.cleanup()

@@ -16,6 +16,13 @@ expired (more than ``lease_seconds`` of this process's monotonic clock since
 the claim returned, and the database counted the lease from an earlier
 instant); then it is dropped as a lost lease: recovery owns that job now.
 
+A write whose connection broke may still have committed. Before it is
+retried, one ``resolve_writes`` statement on another connection asks which
+of the batch's attempts already carry their own token as the row's
+``last_token`` (ack and reschedule set it in the same statement): those are
+settled as written, the others are written again. So a lost answer is
+neither a false stale ack nor a missing ack in the counters.
+
 Accounting, written once for both kinds: a write the token/lease guard
 refused is a stale ack (``receipts_stale_acks_total``) and a lost lease;
 an ack that landed counts in ``receipts_acks_total``; a reschedule in
@@ -32,7 +39,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, Generic, TypeVar
 
-from receipts.errors import QueueError
+from receipts.errors import DatabaseUnavailable, QueueError
 from receipts.jobqueue import WorkerQueue
 from receipts.logs import get_logger, job_fields
 from receipts.metrics import Metrics
@@ -94,6 +101,8 @@ class Completer:
         self._closing = False
         self._task: asyncio.Task[None] | None = None
         self.healthy = True
+        #: ``time.monotonic()`` when the statement in flight started (None: idle).
+        self.busy_since: float | None = None
 
     def start(self) -> None:
         """Start the flusher task (idempotent)."""
@@ -153,17 +162,28 @@ class Completer:
     async def _flush(self, lane: _Lane[T, R], batch: list[_Pending[T, R]]) -> None:
         """Write *batch*, retrying while its leases may still hold; settle every item."""
         backoff = BACKOFF_FIRST_SECONDS
+        uncertain = False  # did a failed try perhaps commit?
         while batch:
             try:
+                if uncertain:
+                    self.busy_since = time.monotonic()
+                    batch = await self._settle_landed(lane, batch)
+                    uncertain = False
+                    if not batch:
+                        return
                 start = time.perf_counter()
+                self.busy_since = time.monotonic()
                 written = await lane.write([p.item for p in batch])
                 took = time.perf_counter() - start
                 self.metrics.statement_duration.labels(lane.name).observe(took)
+                self.busy_since = None
                 if self.on_statement is not None:
                     self.on_statement(took, len(batch))
                 self.healthy = True
             except QueueError as exc:
+                self.busy_since = None
                 self.healthy = False
+                uncertain = uncertain or isinstance(exc, DatabaseUnavailable)
                 self.metrics.db_errors.labels(lane.name).inc()
                 batch = self._drop_expired(lane, batch)
                 log.warning("write_failed", extra={"statement": lane.name, "error": str(exc),
@@ -178,6 +198,28 @@ class Completer:
                 if not p.result.done():
                     p.result.set_result(result)
             return
+
+    async def _settle_landed(self, lane: _Lane[T, R], batch: list[_Pending[T, R]]
+                             ) -> list[_Pending[T, R]]:
+        """Settle the items whose earlier, unanswered write did land; return the others.
+
+        Raises the queue's errors (the caller retries the whole batch).
+        """
+        landed = await self.queue.resolve_writes(
+            [(p.attempt.job.id, p.attempt.job.token) for p in batch])
+        if landed:
+            log.info("write_confirmed", extra={"statement": lane.name, "count": len(landed)})
+        rest = []
+        for p in batch:
+            state = landed.get(p.attempt.job.id)
+            if state is None:
+                rest.append(p)
+                continue
+            result: Any = True if isinstance(p.item, Attempt) else state
+            self._account(p, result)
+            if not p.result.done():
+                p.result.set_result(result)
+        return rest
 
     def _drop_expired(self, lane: _Lane[T, R], batch: list[_Pending[T, R]]) -> list[_Pending[T, R]]:
         """Give up the items whose lease has certainly expired; return the rest."""

@@ -8,6 +8,7 @@ to :mod:`receipts.errors`, keeping the driver error as ``__cause__``.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
@@ -20,6 +21,12 @@ from psycopg_pool import AsyncConnectionPool, PoolTimeout
 from receipts.enqueue import NOTIFY_CHANNEL
 from receipts.errors import DatabaseUnavailable, QueueError, SchemaMissing
 from receipts.settings import Settings, redact_dsn
+
+CONNECT_TIMEOUT_SECONDS = 5
+#: Added to the server's statement_timeout to make the client-side deadline.
+DEADLINE_SLACK_SECONDS = 5.0
+#: A silent LISTEN connection is checked this often, seconds.
+LISTEN_CHECK_SECONDS = 30.0
 
 
 def translate(exc: BaseException) -> QueueError:
@@ -52,7 +59,17 @@ def connection_kwargs(settings: Settings, role: str) -> dict[str, Any]:
     kwargs: dict[str, Any] = {
         "application_name": f"{settings.application_name}-{role}",
         "autocommit": True,
-        "connect_timeout": 5,
+        "connect_timeout": CONNECT_TIMEOUT_SECONDS,
+        # Our text is UTF-8 whatever the database's encoding (see check_encoding).
+        "client_encoding": "UTF8",
+        # A peer that vanished without a RST (a half-open connection) is found by
+        # keepalives on an idle connection and by tcp_user_timeout on a busy one;
+        # a peer that still ACKs but never answers is found by statement_deadline.
+        "keepalives": 1,
+        "keepalives_idle": 10,
+        "keepalives_interval": 5,
+        "keepalives_count": 3,
+        "tcp_user_timeout": round(statement_deadline(settings) * 1000),
     }
     if settings.pgbouncer:
         kwargs["prepare_threshold"] = None
@@ -92,14 +109,36 @@ def make_pool(settings: Settings, role: str, *, max_size: int | None = None) -> 
     )
 
 
+def statement_deadline(settings: Settings) -> float:
+    """The client-side deadline of one round trip, seconds.
+
+    The server's ``statement_timeout`` plus ``DEADLINE_SLACK_SECONDS``: a
+    server that is alive ends a slow statement itself first; a connection
+    that has not answered by then is half-open or wedged, and is discarded.
+    """
+    return settings.statement_timeout_seconds + DEADLINE_SLACK_SECONDS
+
+
 @asynccontextmanager
-async def borrow(pool: AsyncConnectionPool) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
-    """Borrow one pooled connection for one statement; driver errors are translated."""
+async def borrow(pool: AsyncConnectionPool, deadline_seconds: float | None = None
+                 ) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
+    """Borrow one pooled connection for one statement; driver errors are translated.
+
+    With *deadline_seconds*, the whole block (waiting for a connection, the
+    round trip, reading rows) must end in time: otherwise the statement is
+    cancelled, the connection closed by the driver (so the pool discards it)
+    and :class:`DatabaseUnavailable` raised; the statement's effect is
+    unknown, as after any broken connection.
+    """
     try:
-        async with pool.connection() as conn:
+        async with asyncio.timeout(deadline_seconds), pool.connection() as conn:
             yield conn
     except QueueError:
         raise
+    except TimeoutError as exc:
+        raise DatabaseUnavailable(
+            f"database unavailable: no answer within {deadline_seconds:g}s "
+            "(connection discarded)") from exc
     except (psycopg.Error, PoolTimeout) as exc:
         raise translate(exc) from exc
 
@@ -131,18 +170,62 @@ async def notifications(settings: Settings) -> AsyncIterator[None]:
     """LISTEN on the enqueue channel on a dedicated connection; yield per notification.
 
     Yields once right after LISTEN succeeds (anything enqueued while nobody
-    listened) and once per notification. Raises :class:`DatabaseUnavailable`
-    when the connection fails; the caller reconnects with backoff.
+    listened) and once per notification. Every ``LISTEN_CHECK_SECONDS``
+    without a notification the connection is checked with a round trip under
+    the statement deadline, so a half-open connection is noticed. Raises
+    :class:`DatabaseUnavailable` when the connection fails or does not
+    answer; the caller reconnects with backoff.
     """
     conn = await connect(settings, "listen")
+    deadline = statement_deadline(settings)
     try:
         async with conn:
-            await conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
+            async with asyncio.timeout(deadline):
+                await conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
             yield None
-            async for _ in conn.notifies():
-                yield None
+            while True:
+                async for _ in conn.notifies(timeout=LISTEN_CHECK_SECONDS):
+                    yield None
+                async with asyncio.timeout(deadline):
+                    await conn.execute("SELECT 1")
+    except TimeoutError as exc:
+        raise DatabaseUnavailable(
+            f"database unavailable: LISTEN connection silent for {deadline:g}s") from exc
     except psycopg.Error as exc:
         raise translate(exc) from exc
+
+
+#: Python codecs for the server encodings that cannot store every character.
+_NARROW_ENCODINGS = {"LATIN1": "latin-1", "LATIN9": "iso8859-15", "WIN1252": "cp1252",
+                     "WIN1250": "cp1250", "WIN1251": "cp1251", "KOI8R": "koi8-r"}
+
+
+def storable(conn: psycopg.AsyncConnection[Any], text: str) -> str:
+    """*text* as the connected database can store it (unstorable characters become ``?``).
+
+    A provider's error message may hold any character; a LATIN1 database
+    refuses most of them, and a failed write would strand the job until its
+    lease expired. UTF8 databases (the normal case) get *text* unchanged.
+    """
+    codec = _NARROW_ENCODINGS.get(conn.info.parameter_status("server_encoding") or "")
+    if codec is None:
+        return text
+    return text.encode(codec, "replace").decode(codec)
+
+
+async def check_encoding(conn: psycopg.AsyncConnection[Any]) -> None:
+    """Refuse a database that cannot keep our text apart from bytes.
+
+    Raises :class:`QueueError` naming the encoding for ``SQL_ASCII`` (it stores
+    bytes without checking them, so order ids and errors written by other
+    clients could be anything). Narrow encodings such as LATIN1 are accepted:
+    error texts are stored lossily (see :func:`storable`).
+    """
+    encoding = conn.info.parameter_status("server_encoding")
+    if encoding == "SQL_ASCII":
+        raise QueueError(
+            f"database {conn.info.dbname!r} uses encoding SQL_ASCII, which stores text "
+            "unchecked; create it with ENCODING 'UTF8'")
 
 
 @contextmanager

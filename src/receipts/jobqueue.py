@@ -31,7 +31,7 @@ from psycopg import sql
 from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
-from receipts.db import borrow
+from receipts.db import borrow, storable
 from receipts.model import (
     Attempt,
     ClaimResult,
@@ -115,6 +115,12 @@ class WorkerQueue(Protocol):
         """See :meth:`JobQueue.reschedule`."""
         ...
 
+    async def resolve_writes(
+        self, pairs: Sequence[tuple[uuid.UUID, uuid.UUID]]
+    ) -> dict[uuid.UUID, JobState]:
+        """See :meth:`JobQueue.resolve_writes`."""
+        ...
+
     async def extend_pause(self, reason: PauseReason, seconds: float) -> FlowState:
         """See :meth:`JobQueue.extend_pause`."""
         ...
@@ -145,6 +151,8 @@ class JobQueue:
         burst: the bucket's capacity (jobs); defaults to one second's worth.
         max_in_progress: how many 409 "in progress" answers per job give their
             attempt back (docs/design.md §11).
+        deadline_seconds: client-side deadline of each statement, seconds
+            (None: none); see :func:`receipts.db.borrow`.
 
     Every method raises :class:`~receipts.errors.DatabaseUnavailable` when the
     database cannot be reached, :class:`~receipts.errors.SchemaMissing` before
@@ -160,8 +168,10 @@ class JobQueue:
         rate_limit_per_second: float = 0.0,
         burst: float | None = None,
         max_in_progress: int = 20,
+        deadline_seconds: float | None = None,
     ) -> None:
         self.pool = pool
+        self.deadline_seconds = deadline_seconds
         self.lease_seconds = float(lease_seconds)
         self.max_attempts = int(max_attempts)
         self.rate = float(rate_limit_per_second)
@@ -170,13 +180,17 @@ class JobQueue:
 
     @asynccontextmanager
     async def _conn(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
-        async with borrow(self.pool) as conn:
+        async with borrow(self.pool, self.deadline_seconds) as conn:
             yield conn
 
     async def _rows(
-        self, query: sql.SQL | sql.Composed, params: dict[str, Any]
+        self, query: sql.SQL | sql.Composed, params: dict[str, Any], *,
+        texts: tuple[str, ...] = (),
     ) -> list[tuple[Any, ...]]:
+        """Run one statement; list parameters named in *texts* are made storable first."""
         async with self._conn() as conn:
+            for key in texts:
+                params[key] = [storable(conn, t) for t in params[key]]
             cur = await conn.execute(query, params)
             return await cur.fetchall() if cur.description else []
 
@@ -244,6 +258,25 @@ class JobQueue:
                 "max_attempts": self.max_attempts,
                 "max_in_progress": self.max_in_progress,
             },
+            texts=("errors",),
+        )
+        return {r[0]: JobState(r[1]) for r in rows}
+
+    async def resolve_writes(
+        self, pairs: Sequence[tuple[uuid.UUID, uuid.UUID]]
+    ) -> dict[uuid.UUID, JobState]:
+        """Which (job id, token) attempts already have their outcome written; {id: state}.
+
+        For a write whose connection broke around its commit: a pair in the
+        result was acked or rescheduled by that attempt (state as written
+        then, or later); a pair missing was not, and may be written again
+        (the token guard still decides).
+        """
+        if not pairs:
+            return {}
+        rows = await self._rows(
+            query("resolve_writes"),
+            {"ids": [p[0] for p in pairs], "tokens": [p[1] for p in pairs]},
         )
         return {r[0]: JobState(r[1]) for r in rows}
 

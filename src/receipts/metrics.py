@@ -195,17 +195,22 @@ class Metrics:
         return generate_latest(self.registry)
 
 
-def make_app(metrics: Metrics, is_ready: Callable[[], bool]) -> web.Application:
+def make_app(metrics: Metrics, is_ready: Callable[[], bool],
+             is_alive: Callable[[], bool] = lambda: True) -> web.Application:
     """The aiohttp app serving ``/metrics``, ``/healthz`` and ``/readyz``.
 
-    *is_ready* is called per ``/readyz`` request; it must only read memory.
+    *is_ready* is called per ``/readyz`` request, *is_alive* per ``/healthz``
+    request (503 when it is false: the liveness probe restarts the pod); both
+    must only read memory.
     """
 
     async def metrics_view(_: web.Request) -> web.Response:
         return web.Response(body=metrics.render(), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def healthz(_: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
+        if is_alive():
+            return web.json_response({"status": "ok"})
+        return web.json_response({"status": "wedged: a database statement hangs"}, status=503)
 
     async def readyz(_: web.Request) -> web.Response:
         if is_ready():

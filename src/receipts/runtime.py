@@ -17,8 +17,9 @@ from dataclasses import dataclass
 
 from psycopg_pool import AsyncConnectionPool
 
-from receipts.db import make_pool
-from receipts.delivery import Deliverer, HttpDeliverer
+from receipts.db import check_encoding, connect, make_pool, statement_deadline
+from receipts.delivery import Deliverer, HttpDeliverer, tls_context
+from receipts.errors import DatabaseUnavailable
 from receipts.jobqueue import JobQueue
 from receipts.logs import get_logger
 from receipts.metrics import Metrics, make_app, start_server
@@ -62,6 +63,7 @@ def make_queue(settings: Settings, pool: AsyncConnectionPool) -> JobQueue:
         rate_limit_per_second=settings.provider_rate_limit_per_second,
         burst=settings.burst,
         max_in_progress=settings.max_in_progress_answers,
+        deadline_seconds=statement_deadline(settings),
     )
 
 
@@ -73,6 +75,8 @@ def make_deliverer(settings: Settings) -> HttpDeliverer:
         timeout_seconds=settings.delivery_timeout_seconds,
         token=token,
         max_connections=settings.concurrency,
+        tls=tls_context(settings.provider_ca_file, settings.provider_client_cert_file,
+                        settings.provider_client_key_file),
     )
 
 
@@ -105,7 +109,7 @@ async def worker_runtime(
     runner = None
     try:
         if port:
-            runner = await start_server(make_app(metrics, worker.is_ready), port)
+            runner = await start_server(make_app(metrics, worker.is_ready, worker.is_alive), port)
         await pool.open(wait=False)
         yield Runtime(worker, queue, pool, metrics, port)
     finally:
@@ -120,8 +124,11 @@ async def run_worker(settings: Settings, deliverer: Deliverer | None = None) -> 
     """Run a worker process until SIGTERM, SIGINT or SIGHUP, then drain and return.
 
     *deliverer* defaults to HTTP to ``settings.provider_url``. Raises
-    ``OSError`` when the metrics port is taken.
+    ``OSError`` when the metrics port is taken, and
+    :class:`~receipts.errors.QueueError` when the database answers but cannot
+    be used (:func:`check_database`).
     """
+    await check_database(settings)
     async with worker_runtime(settings, deliverer=deliverer) as runtime:
         loop = asyncio.get_running_loop()
         for sig in STOP_SIGNALS:
@@ -133,6 +140,20 @@ async def run_worker(settings: Settings, deliverer: Deliverer | None = None) -> 
             "rate_limit_per_second": settings.provider_rate_limit_per_second,
         })
         await runtime.worker.run()
+
+
+async def check_database(settings: Settings) -> None:
+    """Refuse, at start, a database the worker cannot use (see :func:`receipts.db.check_encoding`).
+
+    An unreachable database is not refused: the worker rides out outages and
+    reports not-ready until the database answers.
+    """
+    try:
+        conn = await connect(settings, "worker")
+    except DatabaseUnavailable:
+        return
+    async with conn:
+        await check_encoding(conn)
 
 
 def watch_pool(pool: AsyncConnectionPool, metrics: Metrics) -> None:

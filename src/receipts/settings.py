@@ -103,6 +103,17 @@ class Settings(BaseSettings):
     provider_token: SecretStr | None = Field(
         default=None, description="Bearer token sent to the provider, if any."
     )
+    provider_ca_file: str | None = Field(
+        default=None,
+        description="PEM bundle of the CA(s) that sign an https provider's certificate "
+                    "(a private CA); default: the public CAs.",
+    )
+    provider_client_cert_file: str | None = Field(
+        default=None, description="PEM client certificate for providers that require mTLS.",
+    )
+    provider_client_key_file: str | None = Field(
+        default=None, description="PEM key of the client certificate (if not in the same file).",
+    )
     concurrency: int = Field(default=32, ge=1, le=10_000, description="Delivery slots.")
     lease_seconds: float = Field(default=60.0, gt=0, le=86_400)
     lease_margin_seconds: float | None = Field(
@@ -191,6 +202,19 @@ class Settings(BaseSettings):
         parts = urlsplit(value)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError("must be an http:// or https:// URL with a host")
+        return value
+
+    @field_validator("provider_ca_file", "provider_client_cert_file",
+                     "provider_client_key_file")
+    @classmethod
+    def _readable_file(cls, value: str | None) -> str | None:
+        if value is None or not value.strip():
+            return None
+        try:
+            with open(value, "rb"):
+                pass
+        except OSError as exc:
+            raise ValueError(f"cannot read {value!r}: {exc.strerror}") from None
         return value
 
     @field_validator("log_level", mode="before")

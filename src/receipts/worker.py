@@ -40,7 +40,7 @@ from datetime import datetime
 
 from receipts.admission import AdmissionController, AdmissionPolicy
 from receipts.completion import Completer
-from receipts.db import notifications
+from receipts.db import notifications, statement_deadline
 from receipts.delivery import Deliverer
 from receipts.errors import QueueError
 from receipts.flow import FlowPolicy, ProviderGate
@@ -62,6 +62,8 @@ from receipts.settings import Settings
 
 log = get_logger("worker")
 
+STOP_CLAIM_SECONDS = 1.0
+WATCHDOG_SLACK_SECONDS = 10.0
 OUTAGE_BACKOFF_FIRST_SECONDS = 0.1
 OUTAGE_BACKOFF_MAX_SECONDS = 30.0
 
@@ -119,6 +121,9 @@ class Worker:
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self._db_ok = False
+        self._busy_since: float | None = None
+        #: A statement waiting longer than this fails /healthz (seconds).
+        self.watchdog_seconds = 2 * statement_deadline(settings) + WATCHDOG_SLACK_SECONDS
         #: The most jobs one claim asked for compared with the slots free then
         #: (tests assert it never exceeds 0).
         self.max_overclaim = 0
@@ -132,8 +137,22 @@ class Worker:
         return len(self._inflight)
 
     def is_ready(self) -> bool:
-        """True while the database answered this worker's last statement."""
-        return self._db_ok and self.completer.healthy
+        """True while the database answered this worker's last statement and it is not wedged."""
+        return self._db_ok and self.completer.healthy and self.is_alive()
+
+    def stalled_seconds(self) -> float:
+        """How long the claim loop or the completer has waited on one statement, seconds."""
+        now = time.monotonic()
+        since = [t for t in (self._busy_since, self.completer.busy_since) if t is not None]
+        return max((now - t for t in since), default=0.0)
+
+    def is_alive(self) -> bool:
+        """False when a statement has hung past the watchdog limit (``/healthz`` fails).
+
+        Every statement has a client-side deadline, so this only trips when
+        something below it is wedged; the liveness probe then restarts the pod.
+        """
+        return self.stalled_seconds() <= self.watchdog_seconds
 
     def wake(self) -> None:
         """Cut the current poll sleep short (a NOTIFY arrived)."""
@@ -154,17 +173,28 @@ class Worker:
     # ------------------------------------------------------------- loop
 
     async def run(self) -> None:
-        """Claim and deliver until :meth:`stop`, then drain; never raises for outages."""
+        """Claim and deliver until :meth:`stop`, then drain; never raises for outages.
+
+        After :meth:`stop`, a claim statement still waiting on the database
+        gets ``STOP_CLAIM_SECONDS`` before it is cancelled (whatever it may
+        have committed is left to lease expiry), so a wedged connection cannot
+        hold the process past its grace period.
+        """
         self.completer.start()
         helpers = [asyncio.create_task(self._stats_loop(), name="queue-stats")]
         if self.settings.listen_notify and not self.settings.pgbouncer:
             helpers.append(asyncio.create_task(self._listen_loop(), name="listen"))
+        claiming = asyncio.create_task(self._claim_loop(), name="claim-loop")
+        stopped = asyncio.create_task(self._stop.wait())
         try:
-            await self._claim_loop()
+            await asyncio.wait({claiming, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            if not claiming.done():
+                await asyncio.wait({claiming}, timeout=STOP_CLAIM_SECONDS)
         finally:
-            for task in helpers:
+            stopped.cancel()
+            for task in (claiming, *helpers):
                 task.cancel()
-            await asyncio.gather(*helpers, return_exceptions=True)
+            await asyncio.gather(claiming, *helpers, return_exceptions=True)
             await self._drain()
 
     async def _claim_loop(self) -> None:
@@ -206,6 +236,7 @@ class Worker:
             self.metrics.claim_rate_limit.set(self.admission.limit)
             if limit == 0:
                 return wait, False
+        self._busy_since = time.monotonic()
         try:
             if gate.paused:
                 won = await self.queue.begin_probe(self._probe_guard_seconds())
@@ -218,6 +249,8 @@ class Worker:
             self.metrics.db_errors.labels("claim").inc()
             log.warning("claim_failed", extra={"error": str(exc)})
             return None
+        finally:
+            self._busy_since = None
         if probe_until is not None:
             if result.attempts:
                 gate.start_probe(result.attempts[0].job.id, probe_until,

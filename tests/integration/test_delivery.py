@@ -18,35 +18,6 @@ def a_job(order_id: str = "order-1", attempt: int = 1) -> Job:
     return Job(id=uuid.uuid4(), order_id=order_id, token=uuid.uuid4(), attempt=attempt)
 
 
-@pytest.fixture
-async def stub():
-    """A real HTTP server whose single handler each test sets."""
-    handler: dict[str, object] = {}
-    seen: list[dict[str, str]] = []
-
-    async def dispatch(request: web.Request) -> web.StreamResponse:
-        seen.append({"key": request.headers.get("Idempotency-Key", ""),
-                     "body": await request.text()})
-        return await handler["fn"](request)  # type: ignore[operator]
-
-    app = web.Application()
-    app.router.add_route("*", "/{tail:.*}", dispatch)
-    runner = web.AppRunner(app, shutdown_timeout=0.5)
-    await runner.setup()
-    port = free_port()
-    await web.TCPSite(runner, "127.0.0.1", port).start()
-
-    class Stub:
-        url = f"http://127.0.0.1:{port}/receipts"
-        requests = seen
-
-        def answer(self, fn) -> None:
-            handler["fn"] = fn
-
-    yield Stub()
-    await runner.cleanup()
-
-
 async def deliver_once(url: str, timeout: float = 2.0, job: Job | None = None) -> Outcome:
     """One delivery through a fresh HttpDeliverer (closed afterwards)."""
     deliverer = HttpDeliverer(url, timeout_seconds=timeout)

@@ -43,6 +43,7 @@ class Row:
     lease_until: float = 0.0
     in_progress_count: int = 0
     last_error: str | None = None
+    last_token: uuid.UUID | None = None
 
 
 @dataclass
@@ -59,6 +60,8 @@ class FakeQueue:
     probe_until: float | None = None
     claims: list[tuple[int, int]] = field(default_factory=list)  # (limit, returned)
     fail_claims: int = 0  # the next N claims raise DatabaseUnavailable
+    hang_claims: bool = False  # claims never answer (a half-open connection)
+    lose_ack_answers: int = 0  # the next N acks commit, then their answer is lost
     pauses: list[tuple[PauseReason, float]] = field(default_factory=list)
     resumed: int = 0
     refunds: int = 0
@@ -84,6 +87,8 @@ class FakeQueue:
         if self.fail_claims:
             self.fail_claims -= 1
             raise DatabaseUnavailable("database unavailable: fake outage")
+        while self.hang_claims:
+            await asyncio.sleep(3600)
         now = time.monotonic()
         attempts = []
         if probe or self.pause_reason is None:
@@ -110,8 +115,11 @@ class FakeQueue:
         for job_id, token in pairs:
             row = self._owned(job_id, token)
             if row:
-                row.state, row.token = JobState.DONE, None
+                row.state, row.token, row.last_token = JobState.DONE, None, token
                 done.add(job_id)
+        if self.lose_ack_answers:
+            self.lose_ack_answers -= 1
+            raise DatabaseUnavailable("database unavailable: connection lost after commit")
         return done
 
     async def reschedule(self, items: Sequence[Reschedule]) -> dict[uuid.UUID, JobState]:
@@ -130,8 +138,14 @@ class FakeQueue:
             row.state = JobState.FAILED if final else JobState.READY
             row.run_at = time.monotonic() + item.delay_seconds
             row.token, row.last_error = None, item.outcome.detail
+            row.last_token = item.attempt.job.token
             out[row.id] = row.state
         return out
+
+    async def resolve_writes(self, pairs: Sequence[tuple[uuid.UUID, uuid.UUID]]
+                             ) -> dict[uuid.UUID, JobState]:
+        return {job_id: self.rows[job_id].state for job_id, token in pairs
+                if job_id in self.rows and self.rows[job_id].last_token == token}
 
     async def extend_pause(self, reason: PauseReason, seconds: float) -> FlowState:
         self.pauses.append((reason, seconds))

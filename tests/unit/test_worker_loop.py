@@ -143,3 +143,25 @@ async def test_rejected_credentials_pause_the_fleet_without_failing_jobs(status)
         ok = True
         await until(lambda: queue.count(JobState.DONE) == 20)
     assert next(r for r, _ in queue.pauses) is PauseReason.AUTH
+
+
+async def test_an_ack_whose_answer_was_lost_counts_as_an_ack_not_a_stale_one():
+    queue, deliverer = FakeQueue(lose_ack_answers=2), ScriptedDeliverer()
+    queue.add(10)
+    async with Loop(queue, deliverer) as loop:
+        await until(lambda: queue.count(JobState.DONE) == 10)
+        await until(lambda: loop.value("receipts_acks_total") == 10)
+    assert loop.value("receipts_stale_acks_total") == 0
+    assert loop.value("receipts_leases_lost_total") == 0
+    assert loop.value("receipts_db_errors_total", statement="ack") == 2
+
+
+async def test_a_wedged_claim_fails_the_watchdog_and_stop_still_returns():
+    queue, deliverer = FakeQueue(hang_claims=True), ScriptedDeliverer()
+    loop = Loop(queue, deliverer)
+    loop.worker.watchdog_seconds = 0.2
+    async with loop:
+        await until(lambda: not loop.worker.is_alive())
+        assert not loop.worker.is_ready()
+        started = time.monotonic()
+    assert time.monotonic() - started < 3  # the hung claim was cancelled at stop

@@ -107,6 +107,7 @@ UPDATE receipt_jobs AS j
 SET state = 'done',
     lease_token = NULL,
     lease_until = NULL,
+    last_token = a.token,
     finished_at = statement_timestamp()
 FROM unnest(%(ids)s::uuid[], %(tokens)s::uuid[]) AS a(id, token)
 WHERE j.id = a.id
@@ -145,12 +146,23 @@ SET state = CASE WHEN r.final THEN 'failed' ELSE 'ready' END,
     finished_at = CASE WHEN r.final THEN statement_timestamp() END,
     lease_token = NULL,
     lease_until = NULL,
+    last_token = r.token,
     last_error = r.error
 FROM r
 WHERE j.id = r.id
   AND j.lease_token = r.token
   AND j.lease_until > statement_timestamp()
 RETURNING j.id, j.state;
+
+-- name: resolve_writes
+-- After a write whose answer was lost (the connection broke around its
+-- commit): which of these attempts' outcomes are in place? An ack or a
+-- reschedule records its token as last_token in the same statement, so a row
+-- carrying our token was written by us; any other row was not.
+SELECT j.id, j.state
+FROM receipt_jobs AS j
+JOIN unnest(%(ids)s::uuid[], %(tokens)s::uuid[]) AS a(id, token) ON j.id = a.id
+WHERE j.last_token = a.token;
 
 -- name: extend_pause
 -- Pause every pod's claims for at least %(seconds)s from now because of
