@@ -24,6 +24,7 @@ from pydantic import (
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 ENV_PREFIX = "RECEIPTS_"
+MASK = "***"
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 
@@ -55,29 +56,54 @@ def redact_dsn(text: str) -> str:
 
 
 def check_dsn(dsn: str) -> None:
-    """Raise ``ValueError`` when *dsn* is not a usable libpq URI or key/value string.
+    """Raise ``ValueError`` when libpq would not accept *dsn* (URI or key/value).
 
-    The message never contains the DSN or its password.
+    Parsed by psycopg's conninfo (libpq's own parser), so every form libpq
+    accepts passes, multi-host failover URIs with ``target_session_attrs``
+    included. The message never contains the DSN or any part of it.
     """
     from psycopg.conninfo import conninfo_to_dict
 
     if not dsn.strip():
         raise ValueError("is empty")
     if "://" in dsn:
-        parts = urlsplit(dsn)
-        if parts.scheme not in ("postgresql", "postgres"):
-            raise ValueError("must start with postgresql:// (or be a key=value libpq string)")
-        if parts.netloc.count("@") > 1:
+        authority = dsn.split("://", 1)[1].split("/", 1)[0].split("?", 1)[0]
+        if authority.count("@") > 1:  # libpq would read the rest as a host name
             raise ValueError("has an unencoded '@' in its user or password (write it as %40)")
-        try:
-            _ = parts.port
-        except ValueError:
-            raise ValueError("has an invalid port") from None
     try:
         conninfo_to_dict(dsn)
-    except Exception as exc:  # psycopg.ProgrammingError; message may echo the DSN
-        detail = " ".join(str(exc).split())
-        raise ValueError(f"is not a valid libpq connection string ({redact_dsn(detail)})") from None
+    except Exception:  # psycopg.ProgrammingError; its message may quote the DSN
+        raise ValueError(
+            "is not a valid libpq connection string (postgresql://… URI or key=value pairs)"
+        ) from None
+
+
+def safe_dsn(dsn: str) -> str:
+    """*dsn* as key=value pairs without its password, for logs and messages.
+
+    Parsed, not pattern-matched: a password with spaces, quotes, ``@`` or
+    ``%`` cannot leak a fragment. An unparsable DSN becomes ``<invalid DSN>``.
+    """
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+    try:
+        info = conninfo_to_dict(dsn)
+    except Exception:
+        return "<invalid DSN>"
+    if info.pop("password", None) is not None:
+        info["password"] = MASK
+    return make_conninfo("", **info)
+
+
+def dsn_password(dsn: str) -> str | None:
+    """The password inside *dsn* as libpq reads it (decoded), or None."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        password = conninfo_to_dict(dsn).get("password")
+    except Exception:
+        return None
+    return str(password) if password else None
 
 
 class Settings(BaseSettings):
@@ -280,8 +306,8 @@ class Settings(BaseSettings):
 
     @property
     def safe_dsn(self) -> str:
-        """The DSN with its password masked, for logs and messages."""
-        return redact_dsn(self.dsn)
+        """The DSN with its password masked (parsed, not pattern-matched), for logs."""
+        return safe_dsn(self.dsn)
 
     @property
     def retention_seconds(self) -> float:

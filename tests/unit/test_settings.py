@@ -62,7 +62,7 @@ def test_a_rejected_dsn_is_never_echoed():
 def test_secrets_do_not_show_in_the_settings_repr():
     settings = load_settings(database_url="postgresql://u:hunter2@h/d", provider_token="tok-xyz")
     assert "hunter2" not in repr(settings) and "tok-xyz" not in repr(settings)
-    assert settings.safe_dsn == "postgresql://u:***@h/d"
+    assert settings.safe_dsn == "user=u dbname=d host=h password=***"
 
 
 @pytest.mark.parametrize(
@@ -97,3 +97,47 @@ def test_the_database_url_is_required():
 def test_an_empty_provider_token_means_none():
     settings = load_settings(database_url="postgresql://u@h/d", provider_token=" ")
     assert settings.provider_token is None
+
+
+@pytest.mark.parametrize("dsn", [
+    "postgresql://h1:5432,h2:5433/db?target_session_attrs=read-write",
+    "postgresql://u:pw@h1,h2/db?target_session_attrs=primary&connect_timeout=3",
+    "host=h1,h2 port=5432,5433 dbname=db target_session_attrs=read-write",
+    "postgresql:///db?host=/var/run/postgresql",
+])
+def test_every_form_libpq_accepts_is_accepted(dsn):
+    assert load_settings(database_url=dsn).dsn == dsn
+
+
+PASSWORDS = ["with space", "qu'o\"te", "at@sign", "per%cent", "ünï©ødé", "a b' c=d", "🔑🔑"]
+
+
+@pytest.mark.parametrize("password", PASSWORDS)
+def test_passwords_of_any_shape_never_show_in_the_safe_dsn(password):
+    from urllib.parse import quote
+
+    from psycopg.conninfo import make_conninfo
+
+    for dsn in (f"postgresql://alice:{quote(password, safe='')}@db.example:5432/shop",
+                make_conninfo("", host="db.example", user="alice", password=password,
+                              dbname="shop")):
+        settings = load_settings(database_url=dsn)
+        assert password not in settings.safe_dsn
+        assert "password=***" in settings.safe_dsn and "db.example" in settings.safe_dsn
+        assert password not in repr(settings)
+
+
+@pytest.mark.parametrize("bad", ["postgresql://u:se cret@h/d x=", "host=h password='unterminated",
+                                 "nonsense=1 password=hunter2"])
+def test_an_invalid_dsn_is_refused_without_any_part_of_it(bad):
+    with pytest.raises(SettingsError) as info:
+        load_settings(database_url=bad)
+    message = str(info.value)
+    assert "RECEIPTS_DATABASE_URL" in message
+    assert "hunter2" not in message and "se cret" not in message and "unterminated" not in message
+
+
+def test_the_provider_url_is_logged_without_userinfo_or_query():
+    settings = load_settings(database_url="postgresql://u@h/d",
+                             provider_url="https://user:s3cr3t@api.example:8443/r?token=abc#x")
+    assert settings.safe_provider_url == "https://api.example:8443/r"
