@@ -117,6 +117,9 @@ class ReferenceProvider:
         self.in_progress: set[str] = set()
         self.stats: Counter[str] = Counter()
         self.request_log: list[tuple[str, str]] = []
+        #: (time.monotonic() of the answer, HTTP status) of every answer sent with
+        #: a status (rate and pause tests read it; hangs and resets are not in it).
+        self.answers: list[tuple[float, int]] = []
 
     def reset(self) -> None:
         """Forget every receipt and counter."""
@@ -124,6 +127,7 @@ class ReferenceProvider:
         self.in_progress.clear()
         self.stats.clear()
         self.request_log.clear()
+        self.answers.clear()
 
     def _rejects(self, key: str) -> bool:
         digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
@@ -196,6 +200,7 @@ class ReferenceProvider:
     def _answer(self, status: int, body: dict[str, Any],
                 headers: dict[str, str] | None = None) -> web.Response:
         self.stats[f"status_{status}"] += 1
+        self.answers.append((time.monotonic(), status))
         return web.json_response(body, status=status, headers=headers)
 
     def snapshot(self) -> dict[str, Any]:
