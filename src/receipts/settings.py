@@ -310,6 +310,25 @@ class Settings(BaseSettings):
         return safe_dsn(self.dsn)
 
     @property
+    def stop_budget_seconds(self) -> float:
+        """Longest a worker takes to stop after SIGTERM, in seconds.
+
+        The sum of the three phases of the drain: waiting for in-flight
+        deliveries, at most ``min(shutdown_grace_seconds,
+        delivery_timeout_seconds)`` (a delivery cannot outlast its timeout);
+        flushing the pending acks, at most ``max(5, min(shutdown_grace_seconds,
+        30))``; closing the connection pool, at most 5. The Helm chart derives
+        the pod's ``terminationGracePeriodSeconds`` from the same formula (plus
+        a margin) and refuses a smaller one, so Kubernetes never kills a worker
+        that is still inside its own budget.
+        """
+        grace = self.shutdown_grace_seconds
+        deliveries = min(grace, self.delivery_timeout_seconds)
+        ack_flush = max(5.0, min(grace, 30.0))
+        pool_close = 5.0
+        return deliveries + ack_flush + pool_close
+
+    @property
     def retention_seconds(self) -> float:
         """Retention of done/failed rows in seconds; 0 disables pruning."""
         return self.retention_days * 86_400.0

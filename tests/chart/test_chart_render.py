@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 from typing import Any
 
@@ -26,14 +27,13 @@ from chartkit import (
 )
 from kubernetes_validate.utils import SchemaNotFoundError, VersionNotSupportedError
 
+from receipts.settings import Settings
+
 SCENARIOS: list[tuple[Path, ...]] = [(), *((path,) for path in CI_VALUES)]
 SCENARIO_IDS = ["defaults", *(path.name.removesuffix("-values.yaml") for path in CI_VALUES)]
 KUBE_VERSIONS = [OLDEST_KUBE_VERSION, kubernetes_validate.latest_version()]
 CUSTOM_GROUPS = ("keda.sh/", "monitoring.coreos.com/")
 BUDGET_AT_LIMIT = CHART / "ci" / "budget-at-limit-values.yaml"
-KEDA_QUERY = (
-    "SELECT count(*) FROM receipt_jobs WHERE state = 'ready' AND run_at <= statement_timestamp()"
-)
 
 
 def test_ci_scenarios_cover_the_documented_cases() -> None:
@@ -45,6 +45,8 @@ def test_ci_scenarios_cover_the_documented_cases() -> None:
         "monitoring-off-values.yaml",
         "existing-secret-values.yaml",
         "budget-at-limit-values.yaml",
+        "keda-pgbouncer-values.yaml",
+        "scheduling-values.yaml",
     } <= names
 
 
@@ -151,6 +153,13 @@ def test_values_schema_rejects_unknown_keys(setting: str) -> None:
 # ------------------------------------------------------------- connection budget
 
 
+def values_file(tmp_path: Path, values: dict[str, Any]) -> tuple[Path, ...]:
+    """A values file holding *values* (for numbers `--set` would pass as strings)."""
+    path = tmp_path / "values.yaml"
+    path.write_text(yaml.safe_dump(values))
+    return (path,)
+
+
 def budget_failure(*sets: str, values: tuple[Path, ...] = ()) -> str:
     result = template(values, sets)
     assert result.returncode != 0, "rendering should have failed"
@@ -162,33 +171,68 @@ def test_budget_exactly_at_its_limit_renders() -> None:
     assert one(docs, "Deployment")
 
 
-def test_budget_one_below_the_need_fails_with_the_arithmetic() -> None:
-    message = budget_failure("connectionBudget.maxConnections=13", values=(BUDGET_AT_LIMIT,))
+def test_budget_one_below_the_need_fails_with_the_arithmetic_and_the_rule() -> None:
+    message = budget_failure("connectionBudget.maxConnections=16", values=(BUDGET_AT_LIMIT,))
     assert "connection budget exceeded" in message
     assert (
-        "4 max replicas × 3 per pod (pool 2 + listener 1) + recovery 1 + migration 1 "
-        "+ reserved 0 = 14 connections; budget 13" in message
+        "(4 max replicas + 1 rollout surge) × 3 per pod (pool 2 + listener 1) + recovery 1 "
+        "+ migration 1 + KEDA 0 + reserved 0 = 17 connections; budget 16" in message
     )
+    # The formula itself, so the reader can redo the sum for other values.
+    assert ("(maxReplicas + worker.maxSurge + max(worker.maxUnavailable, "
+            "podDisruptionBudget.maxUnavailable)) × (config.poolMaxSize + 1 listener") in message
     assert "connectionBudget.maxConnections" in message
 
 
 def test_budget_counts_autoscaling_max_replicas_by_default() -> None:
-    # Defaults: 10 × (2 + 1) + 1 + 1 = 32.
-    render((), ("connectionBudget.maxConnections=32",))
-    assert "= 32 connections; budget 31" in budget_failure("connectionBudget.maxConnections=31")
+    # Defaults: (10 + 1 draining) × (2 + 1) + 1 + 1 = 35.
+    render((), ("connectionBudget.maxConnections=35",))
+    assert "= 35 connections; budget 34" in budget_failure("connectionBudget.maxConnections=34")
 
 
 def test_budget_counts_fixed_replicas_without_autoscaling() -> None:
     sets = ("autoscaling.enabled=false", "worker.replicaCount=5")
-    render((), (*sets, "connectionBudget.maxConnections=17"))
-    assert "5 max replicas" in budget_failure(*sets, "connectionBudget.maxConnections=16")
+    render((), (*sets, "connectionBudget.maxConnections=20"))  # (5 + 1) × 3 + 2
+    assert "(5 max replicas + 1 rollout surge)" in budget_failure(
+        *sets, "connectionBudget.maxConnections=19")
+
+
+@pytest.mark.parametrize(
+    ("sets", "surge"),
+    [
+        (("worker.maxSurge=2",), 3),  # 2 new pods + 1 old one draining
+        (("worker.maxSurge=0", "worker.maxUnavailable=3"), 3),
+        # 25 % of 10, rounded up, + the PDB's 1 evicted pod draining.
+        (("worker.maxSurge=25%", "worker.maxUnavailable=0"), 4),
+        (("worker.maxUnavailable=1", "podDisruptionBudget.maxUnavailable=2"), 2),
+        (("worker.maxUnavailable=1", "podDisruptionBudget.maxUnavailable=2",
+          "podDisruptionBudget.enabled=false"), 1),
+    ],
+)
+def test_budget_counts_the_pods_a_rollout_or_an_eviction_adds(sets: tuple[str, ...],
+                                                             surge: int) -> None:
+    need = (10 + surge) * 3 + 2
+    render((), (*sets, f"connectionBudget.maxConnections={need}"))
+    message = budget_failure(*sets, f"connectionBudget.maxConnections={need - 1}")
+    assert f"(10 max replicas + {surge} rollout surge)" in message
+    assert f"= {need} connections" in message
+
+
+def test_budget_counts_keda_s_own_connection() -> None:
+    keda = ("autoscaling.keda.enabled=true",)
+    render((), (*keda, "connectionBudget.maxConnections=36"))  # 35 + KEDA 1
+    message = budget_failure(*keda, "connectionBudget.maxConnections=35")
+    assert "+ KEDA 1 + reserved 0 = 36 connections" in message
+    # KEDA is off with autoscaling off, whatever keda.enabled says.
+    render((), (*keda, "autoscaling.enabled=false", "worker.replicaCount=10",
+                "connectionBudget.maxConnections=35"))
 
 
 def test_budget_has_no_listener_connection_behind_pgbouncer() -> None:
     pgbouncer = (CHART / "ci" / "pgbouncer-values.yaml",)
-    render(pgbouncer)  # 20 × 2 + 1 + 1 = 42
-    message = budget_failure("connectionBudget.maxConnections=41", values=pgbouncer)
-    assert "20 max replicas × 2 per pod (pool 2 + listener 0)" in message
+    render(pgbouncer)  # (20 + 1) × 2 + 1 + 1 = 44
+    message = budget_failure("connectionBudget.maxConnections=43", values=pgbouncer)
+    assert "(20 max replicas + 1 rollout surge) × 2 per pod (pool 2 + listener 0)" in message
     configmap = one(render(pgbouncer), "ConfigMap")
     assert configmap["data"]["RECEIPTS_LISTEN_NOTIFY"] == "false"
     assert configmap["data"]["RECEIPTS_PGBOUNCER"] == "true"
@@ -196,23 +240,43 @@ def test_budget_has_no_listener_connection_behind_pgbouncer() -> None:
 
 def test_budget_counts_reserved_connections_and_skips_disabled_jobs() -> None:
     base = ("autoscaling.maxReplicas=2", "config.poolMaxSize=1", "config.listenNotify=false")
-    render((), (*base, "connectionBudget.maxConnections=4"))  # 2×1 + 1 + 1
+    render((), (*base, "connectionBudget.maxConnections=5"))  # (2 + 1) × 1 + 1 + 1
     render((), (*base, "recovery.enabled=false", "migration.enabled=false",
-                "connectionBudget.reserved=2", "connectionBudget.maxConnections=4"))
-    assert "reserved 3 = 7" in budget_failure(*base, "connectionBudget.reserved=3",
-                                              "connectionBudget.maxConnections=6")
+                "connectionBudget.reserved=2", "connectionBudget.maxConnections=5"))
+    assert "reserved 3 = 8" in budget_failure(*base, "connectionBudget.reserved=3",
+                                              "connectionBudget.maxConnections=7")
 
 
-def test_notes_show_the_same_budget_arithmetic() -> None:
+def test_keda_behind_a_transaction_pooler_is_refused_unless_declared_compatible() -> None:
+    sets = ("config.pgbouncer=true", "autoscaling.keda.enabled=true")
+    result = template((), sets)
+    assert result.returncode != 0
+    assert "prepared statement" in result.stderr
+    assert "autoscaling.keda.poolerCompatible" in result.stderr
+    render((), (*sets, "autoscaling.keda.poolerCompatible=true"))
+    # The CPU HPA does not query the database: no objection there.
+    render((), ("config.pgbouncer=true",))
+
+
+def test_a_rollout_that_could_never_replace_a_pod_is_refused() -> None:
+    result = template((), ("worker.maxSurge=0", "worker.maxUnavailable=0"))
+    assert result.returncode != 0 and "maxSurge" in result.stderr
+
+
+def test_notes_show_the_same_budget_arithmetic_and_cite_no_document() -> None:
     result = helm("install", RELEASE, str(CHART), "--dry-run=client", "--namespace", NAMESPACE,
                   "-f", str(BUDGET_AT_LIMIT))
     assert result.returncode == 0, result.stderr
     notes = result.stdout.split("NOTES:", 1)[1]
-    assert "4 max replicas × 3 connections per pod (pool 2 + listener 1)" in notes
-    assert "+ recovery 1 + migration 1 + reserved 0" in notes
-    assert "= 14 of 14 (connectionBudget.maxConnections)" in notes
+    assert ("(4 max replicas + 1 rollout surge) × 3 connections per pod "
+            "(pool 2 + listener 1)") in notes
+    assert "+ recovery 1 + migration 1 + KEDA 0 + reserved 0" in notes
+    assert "= 17 of 17 (connectionBudget.maxConnections)" in notes
     assert "receipts jobs list --state failed" in notes
     assert "port-forward svc/receipts 9464:9464" in notes
+    assert "metrics-server" in notes  # the CPU HPA's limits are stated
+    for citation in ("docs/", "§", "design", ".md"):
+        assert citation not in notes, citation
 
 
 # ------------------------------------------------------------------- behaviour
@@ -247,19 +311,63 @@ def test_migration_runs_as_a_pre_install_and_pre_upgrade_hook() -> None:
         hook_secret["metadata"]["name"])
 
 
-def test_grace_period_exceeds_delivery_timeout_plus_drain() -> None:
-    for sets in [(), ("config.deliveryTimeoutSeconds=45", "config.shutdownGraceSeconds=30")]:
-        deployment = one(render((), sets), "Deployment")
-        config = one(render((), sets), "ConfigMap")["data"]
-        grace = deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-        assert grace > float(config["RECEIPTS_DELIVERY_TIMEOUT_SECONDS"]) + float(
-            config["RECEIPTS_SHUTDOWN_GRACE_SECONDS"])
+def _settings_from(configmap: dict[str, Any]) -> Settings:
+    """The worker's Settings built from the ConfigMap the chart renders."""
+    env = {name.removeprefix("RECEIPTS_").lower(): value
+           for name, value in configmap["data"].items()}
+    return Settings(database_url="postgresql://receipts@db.example/receipts", **env)
 
 
-def test_a_too_short_grace_period_is_refused() -> None:
-    result = template((), ("worker.terminationGracePeriodSeconds=30",))
+@pytest.mark.parametrize(
+    "config",
+    [
+        {},
+        {"shutdownGraceSeconds": 0},
+        {"shutdownGraceSeconds": 2.5, "deliveryTimeoutSeconds": 1.5},
+        {"shutdownGraceSeconds": 45, "deliveryTimeoutSeconds": 40},
+        {"shutdownGraceSeconds": 300, "deliveryTimeoutSeconds": 100, "leaseSeconds": 300},
+    ],
+)
+def test_grace_period_is_the_worker_s_own_stop_budget_plus_a_margin(
+    config: dict[str, float], tmp_path: Path
+) -> None:
+    docs = render(values_file(tmp_path, {"config": config}))
+    grace = one(docs, "Deployment")["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    budget = _settings_from(one(docs, "ConfigMap")).stop_budget_seconds
+    assert grace == math.ceil(budget) + 5, (grace, budget)
+
+
+def test_the_stop_budget_formula_by_hand() -> None:
+    # min(grace, delivery timeout) + ack flush max(5, min(grace, 30)) + pool close 5.
+    base = {"database_url": "postgresql://receipts@db.example/receipts"}
+    assert Settings(**base).stop_budget_seconds == 10 + 20 + 5  # the defaults
+    assert Settings(**base, shutdown_grace_seconds=0).stop_budget_seconds == 0 + 5 + 5
+    assert Settings(**base, shutdown_grace_seconds=120, delivery_timeout_seconds=40,
+                    lease_seconds=60).stop_budget_seconds == 40 + 30 + 5
+    assert one(render(), "Deployment")["spec"]["template"]["spec"][
+        "terminationGracePeriodSeconds"] == 40
+
+
+def test_a_grace_period_below_the_stop_budget_is_refused_with_the_formula() -> None:
+    result = template((), ("worker.terminationGracePeriodSeconds=39",))
     assert result.returncode != 0
-    assert "terminationGracePeriodSeconds" in result.stderr
+    assert "terminationGracePeriodSeconds (39) is below 40" in result.stderr
+    assert "stop budget is 35 s" in result.stderr
+    deployment = one(render((), ("worker.terminationGracePeriodSeconds=40",)), "Deployment")
+    assert deployment["spec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 40
+    # A longer grace drain raises the floor: 10 + 30 + 5 = 45, + 5.
+    result = template((), ("config.shutdownGraceSeconds=60",
+                           "worker.terminationGracePeriodSeconds=49"))
+    assert result.returncode != 0 and "below 50" in result.stderr
+
+
+def test_extra_env_cannot_override_a_setting_the_chart_computes_from() -> None:
+    result = template((), ("config.extraEnv.RECEIPTS_SHUTDOWN_GRACE_SECONDS=600",))
+    assert result.returncode != 0
+    assert "RECEIPTS_SHUTDOWN_GRACE_SECONDS" in result.stderr
+    data = one(render((), ("config.extraEnv.RECEIPTS_AUTH_PAUSE_SECONDS=60",)), "ConfigMap")[
+        "data"]
+    assert data["RECEIPTS_AUTH_PAUSE_SECONDS"] == "60"
 
 
 def test_a_delivery_timeout_longer_than_the_lease_allows_is_refused() -> None:
@@ -335,7 +443,7 @@ def test_existing_secret_replaces_the_chart_secret_everywhere() -> None:
     assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == "receipts-runner"
 
 
-def test_keda_scales_on_due_ready_jobs_and_replaces_the_hpa() -> None:
+def test_keda_scales_on_jobs_due_or_in_flight_and_replaces_the_hpa() -> None:
     docs = render((CHART / "ci" / "keda-values.yaml",))
     assert by_kind(docs, "HorizontalPodAutoscaler") == []
     scaled = one(docs, "ScaledObject")
@@ -344,13 +452,50 @@ def test_keda_scales_on_due_ready_jobs_and_replaces_the_hpa() -> None:
     assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (0, 8)
     (trigger,) = spec["triggers"]
     assert trigger["type"] == "postgresql"
-    assert trigger["metadata"]["query"] == KEDA_QUERY
-    assert trigger["metadata"]["targetQueryValue"] == "200"
-    assert trigger["metadata"]["activationTargetQueryValue"] == "1"
+    assert trigger["metricType"] == "AverageValue"
+    query = trigger["metadata"]["query"]
+    assert "state = 'ready' AND run_at <= statement_timestamp() AND attempts < 5" in query
+    assert "state = 'running' AND lease_until > statement_timestamp()" in query
+    assert "receipt_flow WHERE pause_reason IS NOT NULL" in query
+    # Target: floor(32 slots × 0.75) = 24 per pod; each count stops at 8 × 24 = 192.
+    assert trigger["metadata"]["targetQueryValue"] == "24"
+    assert "LIMIT 192" in query
+    # Any job due or in flight wakes a fleet scaled to zero.
+    assert trigger["metadata"]["activationTargetQueryValue"] == "0"
     auth = one(docs, "TriggerAuthentication")
     assert trigger["authenticationRef"]["name"] == auth["metadata"]["name"]
     assert auth["spec"]["secretTargetRef"][0]["parameter"] == "connection"
     assert "replicas" not in one(docs, "Deployment")["spec"]
+
+
+@pytest.mark.parametrize(
+    ("concurrency", "utilisation", "max_attempts", "target"),
+    [
+        (32, None, 5, "25"),  # default utilisation 0.8
+        (10, 1, 5, "10"),
+        (1, 0.5, 5, "1"),  # at least 1
+        (7, None, 9, "5"),
+    ],
+)
+def test_keda_target_is_slots_times_utilisation(
+    concurrency: int, utilisation: float | None, max_attempts: int, target: str, tmp_path: Path
+) -> None:
+    keda: dict[str, Any] = {"enabled": True}
+    if utilisation is not None:
+        keda["utilisation"] = utilisation
+    values = {"config": {"concurrency": concurrency, "maxAttempts": max_attempts},
+              "autoscaling": {"keda": keda}}
+    docs = render(values_file(tmp_path, values))
+    (trigger,) = one(docs, "ScaledObject")["spec"]["triggers"]
+    assert trigger["metadata"]["targetQueryValue"] == target
+    assert f"attempts < {max_attempts}" in trigger["metadata"]["query"]
+
+
+@pytest.mark.parametrize("utilisation", [0, 1.5])
+def test_keda_utilisation_outside_0_to_1_is_refused(utilisation: float, tmp_path: Path) -> None:
+    values = {"autoscaling": {"keda": {"enabled": True, "utilisation": utilisation}}}
+    result = template(values_file(tmp_path, values))
+    assert result.returncode != 0 and "utilisation" in result.stderr
 
 
 def test_without_keda_a_cpu_hpa_scales_the_workers() -> None:
@@ -457,3 +602,72 @@ def test_release_names_prefix_every_object() -> None:
     docs = render((CHART / "ci" / "keda-values.yaml",), release="prod")
     for name in _all_objects(docs):
         assert name.split("/", 1)[1].startswith("prod-receipts"), name
+
+
+# ------------------------------------------------------------------ chart details
+
+WORKLOAD_COMPONENTS = {"Deployment": "worker", "CronJob": "recovery", "Job": "migration"}
+SHARED_KINDS = {"ConfigMap", "ServiceAccount", "PrometheusRule"}
+
+
+def test_shared_objects_carry_no_component_and_workloads_their_own() -> None:
+    docs = render((CHART / "ci" / "keda-values.yaml",))
+    seen = set()
+    for doc in docs:
+        labels = doc["metadata"]["labels"]
+        kind = doc["kind"]
+        annotations = doc["metadata"].get("annotations", {})
+        if kind == "ConfigMap" and doc["metadata"]["name"].endswith("-dashboard"):
+            assert labels["app.kubernetes.io/component"] == "dashboard"
+        elif kind in SHARED_KINDS or (kind == "Secret" and "helm.sh/hook" not in annotations):
+            assert "app.kubernetes.io/component" not in labels, kind
+            seen.add(kind)
+        elif kind in WORKLOAD_COMPONENTS:
+            assert labels["app.kubernetes.io/component"] == WORKLOAD_COMPONENTS[kind], kind
+    assert seen == SHARED_KINDS | {"Secret"}
+
+
+def _placement(spec: dict[str, Any]) -> tuple[Any, Any, Any]:
+    return spec.get("nodeSelector"), spec.get("tolerations"), spec.get("affinity")
+
+
+def test_recovery_and_migration_pods_take_the_worker_placement_unless_set() -> None:
+    docs = render((CHART / "ci" / "scheduling-values.yaml",))
+    specs = {name.split("/")[0]: spec for name, spec in pod_specs(docs)}
+    worker = _placement(specs["Deployment"])
+    assert worker[0] == {"pool": "workers"} and worker[1] and worker[2]
+    assert _placement(specs["Job"]) == worker  # migration: nothing set, inherits
+    # recovery: its own nodeSelector; [] and {} mean none, not the worker's.
+    assert _placement(specs["CronJob"]) == ({"pool": "batch"}, None, None)
+
+
+def test_placement_defaults_to_none_anywhere() -> None:
+    for _, spec in pod_specs(render()):
+        assert _placement(spec) == (None, None, None)
+
+
+def test_retention_zero_turns_pruning_off_and_renders() -> None:
+    data = one(render((), ("config.retentionDays=0",)), "ConfigMap")["data"]
+    assert data["RECEIPTS_RETENTION_DAYS"] == "0"
+    settings = _settings_from({"data": data})
+    assert settings.retention_seconds == 0  # recovery skips pruning at 0
+    assert template((), ("config.retentionDays=-1",)).returncode != 0
+
+
+def test_failed_recovery_runs_and_their_logs_are_kept_for_the_runbook() -> None:
+    cron = one(render(), "CronJob")
+    job = cron["spec"]["jobTemplate"]["spec"]
+    # No TTL: the history limits keep the last failed Jobs (and their pods) until newer
+    # failures replace them, however long ago they failed.
+    assert "ttlSecondsAfterFinished" not in job
+    assert cron["spec"]["failedJobsHistoryLimit"] >= 1
+    assert job["template"]["spec"]["restartPolicy"] == "Never"  # failed pods stay
+    job = one(render((), ("recovery.ttlSecondsAfterFinished=86400",)), "CronJob")
+    assert job["spec"]["jobTemplate"]["spec"]["ttlSecondsAfterFinished"] == 86400
+
+
+def test_pdb_lets_unhealthy_pods_be_evicted_where_kubernetes_knows_the_field() -> None:
+    pdb = one(render(), "PodDisruptionBudget")
+    assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
+    old = one(render((), (), "1.25.0"), "PodDisruptionBudget")
+    assert "unhealthyPodEvictionPolicy" not in old["spec"]

@@ -1,0 +1,246 @@
+"""Capacity planner: from a receipt rate and a delivery latency to pods, slots and connections.
+
+Pure arithmetic, no I/O (``receipts plan`` prints what :func:`plan` returns).
+The model, written out in docs/scaling.md:
+
+* **Little's law**: jobs in flight = arrival rate × time each spends in flight
+  (the provider's latency), so the fleet needs that many busy slots, and
+  ``1 / utilisation`` times as many slots in total so that a burst finds some
+  free.
+* **Worker CPU**: a pod runs one Python event loop, which can use one core at
+  most; each HTTP delivery costs :data:`HTTP_DELIVERY_CPU_SECONDS` of it. Pods
+  are planned at :data:`POD_CPU_CORES` each.
+* **Pods** are the larger of the two needs; the slots per pod follow from the
+  pods (so that KEDA's target, slots × utilisation, matches the in-flight
+  jobs each pod carries at the planned rate), within the range the bench
+  measured.
+* **Connections** follow the chart's budget rule (pool + listener per pod,
+  one extra draining pod in a rollout, recovery, migration, KEDA).
+* **The database**: the rate as a share of the claim+ack ceiling of one
+  PostgreSQL (the bench's, or one measured on your own server), and the WAL it
+  writes. Above :data:`DB_SHARE_LIMIT` of that ceiling the queue is split over
+  shards (a queue beside each orders shard, one release each) and the fleet
+  figures are those of one release.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+#: Worker CPU per HTTP delivery, in seconds: ~580 µs, measured by the bench
+#: (bench/README.md: "receipts HTTP 200 ms, 400 slots", 581 µs CPU per job;
+#: bench/results/profile_connections.txt puts 89 % of it in the HTTP client).
+HTTP_DELIVERY_CPU_SECONDS = 580e-6
+
+#: CPU a worker pod is planned to use at the given rate, in cores. One process
+#: runs one event loop and cannot use more than one core (the bench saw one
+#: loop saturate near 1,700 deliveries/s); 0.7 keeps 30 % for bursts, the
+#: claim loop and garbage collection.
+POD_CPU_CORES = 0.7
+
+#: Default share of a pod's slots kept busy (the chart's autoscaling.keda.utilisation).
+DEFAULT_UTILISATION = 0.8
+
+#: Fewest delivery slots per pod the planner proposes.
+MIN_CONCURRENCY = 8
+
+#: Most delivery slots per pod the planner proposes: the most the bench ran in
+#: one process (500 slots, bench/README.md scenarios 2 and 7); more would be
+#: unmeasured.
+MAX_CONCURRENCY = 500
+
+#: Database connections per worker pod: the chart's default pool (2) + the LISTEN connection.
+CONNECTIONS_PER_POD = 3
+
+#: Other connections of a release: recovery, migration, KEDA's scaler.
+CONNECTIONS_OTHER = 3
+
+#: Claim+ack jobs/s one PostgreSQL 18 sustained in the bench with nothing else
+#: to do: pgbench running the project's claim (batch 100) and ack, 8 clients,
+#: 2 vCPU, fsync and synchronous_commit on (bench/README.md, raw limit).
+DB_CEILING_BATCHED_JOBS_PER_SECOND = 52_650
+
+#: WAL written per job, in bytes: enqueue (one transaction each) + claim + ack +
+#: VACUUM of the dead rows, without full-page images (1,330-1,490 B measured for
+#: claim batches of 1, 10 and 100 on PostgreSQL 18.6; up to 1,940 B when every
+#: page is touched for the first time after a checkpoint). docs/scaling.md says how.
+WAL_BYTES_PER_JOB = 1_500
+
+#: Above this share of the batched ceiling, one PostgreSQL of the bench's size
+#: has no room left for the orders it serves: plan a second queue database.
+DB_SHARE_LIMIT = 0.5
+
+
+class PlanError(ValueError):
+    """An input the planner cannot work with; ``str()`` is one line naming it."""
+
+
+@dataclass(frozen=True)
+class Plan:
+    """A capacity plan. Rates in jobs per second, durations in seconds, CPU in cores.
+
+    Attributes:
+        rate: the receipt rate planned for (the peak, all shards), jobs/s.
+        db_ceiling: claim+ack jobs/s one queue database sustains (measured).
+        shards: queue databases (and releases) the rate needs; the fleet
+            figures below are per release, for rate ÷ shards.
+        latency_seconds: mean time a delivery is in flight (provider latency), s.
+        utilisation: share of the slots kept busy at that rate (0 < u ≤ 1).
+        in_flight: rate × latency (Little's law), jobs.
+        worker_cpu_cores: rate × CPU per delivery, cores.
+        pods_for_cpu: pods needed for the worker CPU at POD_CPU_CORES each.
+        pods_for_slots: pods needed for the slots at MAX_CONCURRENCY each.
+        concurrency: delivery slots per pod (config.concurrency).
+        min_replicas, max_replicas: the autoscaling range.
+        keda_target: jobs due or in flight per pod KEDA aims for,
+            floor(concurrency × utilisation), at least 1.
+        connections: the chart's connection budget for this plan.
+        db_share: the rate of one shard ÷ db_ceiling.
+        wal_bytes_per_second: one shard's rate × WAL_BYTES_PER_JOB.
+    """
+
+    rate: float
+    db_ceiling: float
+    shards: int
+    latency_seconds: float
+    utilisation: float
+    in_flight: float
+    worker_cpu_cores: float
+    pods_for_cpu: int
+    pods_for_slots: int
+    concurrency: int
+    min_replicas: int
+    max_replicas: int
+    keda_target: int
+    connections: int
+    db_share: float
+    wal_bytes_per_second: float
+
+    @property
+    def release_rate(self) -> float:
+        """Jobs/s one release (one shard) carries."""
+        return self.rate / self.shards
+
+
+def plan(rate: float, latency_seconds: float, *,
+         utilisation: float = DEFAULT_UTILISATION,
+         db_ceiling: float = DB_CEILING_BATCHED_JOBS_PER_SECOND) -> Plan:
+    """Plan a fleet for *rate* receipts/s whose deliveries take *latency_seconds* each.
+
+    The rate is the peak to carry; the result has a quarter more pods (at
+    least one) as headroom to drain a backlog after an outage and to lose a
+    pod, and at least two pods so that a rollout or one pod's loss never stops
+    delivery. *db_ceiling* is the claim+ack jobs/s one queue database
+    sustains (default: the bench's 2-vCPU PostgreSQL; measure your own with
+    the bench's raw scenario). Raises :class:`PlanError` for a rate, latency
+    or ceiling that is not a positive finite number, or a utilisation outside
+    (0, 1].
+    """
+    _check("--rate", rate, upper=10_000_000)
+    _check("--latency", latency_seconds, upper=3_600)
+    _check("--db-ceiling", db_ceiling, upper=100_000_000)
+    if not (math.isfinite(utilisation) and 0 < utilisation <= 1):
+        raise PlanError(f"--utilisation must be above 0 and at most 1, not {utilisation:g}")
+
+    shards = max(1, math.ceil(rate / (db_ceiling * DB_SHARE_LIMIT)))
+    release_rate = rate / shards
+    in_flight = release_rate * latency_seconds
+    slots_total = in_flight / utilisation
+    cpu = release_rate * HTTP_DELIVERY_CPU_SECONDS
+    pods_for_cpu = max(1, math.ceil(cpu / POD_CPU_CORES))
+    pods_for_slots = max(1, math.ceil(slots_total / MAX_CONCURRENCY))
+    pods = max(pods_for_cpu, pods_for_slots)
+    concurrency = min(MAX_CONCURRENCY, max(MIN_CONCURRENCY, math.ceil(slots_total / pods)))
+    max_replicas = max(2, pods + max(1, math.ceil(pods / 4)))
+    min_replicas = 2
+    keda_target = max(1, math.floor(concurrency * utilisation))
+    connections = (max_replicas + 1) * CONNECTIONS_PER_POD + CONNECTIONS_OTHER
+    return Plan(
+        rate=rate,
+        db_ceiling=db_ceiling,
+        shards=shards,
+        latency_seconds=latency_seconds,
+        utilisation=utilisation,
+        in_flight=in_flight,
+        worker_cpu_cores=cpu,
+        pods_for_cpu=pods_for_cpu,
+        pods_for_slots=pods_for_slots,
+        concurrency=concurrency,
+        min_replicas=min_replicas,
+        max_replicas=max_replicas,
+        keda_target=keda_target,
+        connections=connections,
+        db_share=release_rate / db_ceiling,
+        wal_bytes_per_second=release_rate * WAL_BYTES_PER_JOB,
+    )
+
+
+def _check(option: str, value: float, *, upper: float) -> None:
+    if not (math.isfinite(value) and 0 < value <= upper):
+        raise PlanError(f"{option} must be a number above 0 and at most {upper:,.0f}, "
+                        f"not {value:g}")
+
+
+def helm_values(p: Plan) -> str:
+    """The Helm values of *p* as a YAML snippet to paste into a values file."""
+    pods = max(p.pods_for_cpu, p.pods_for_slots)
+    millicores = max(100, math.ceil(p.worker_cpu_cores / pods * 1000 / 50) * 50)
+    return (
+        "config:\n"
+        f"  concurrency: {p.concurrency}\n"
+        "worker:\n"
+        "  resources:\n"
+        "    requests:\n"
+        f"      cpu: {millicores}m\n"
+        "autoscaling:\n"
+        "  enabled: true\n"
+        f"  minReplicas: {p.min_replicas}\n"
+        f"  maxReplicas: {p.max_replicas}\n"
+        "  keda:\n"
+        "    enabled: true\n"
+        f"    utilisation: {p.utilisation:g}\n"
+        "connectionBudget:\n"
+        f"  maxConnections: {p.connections}\n"
+    )
+
+
+def describe(p: Plan) -> str:
+    """*p* as the text ``receipts plan`` prints: the figures, the reasoning, the values."""
+    mb = p.wal_bytes_per_second / 1e6
+    lines = [
+        f"plan for {p.rate:,g} receipts/s at {p.latency_seconds:g} s per delivery "
+        f"(utilisation {p.utilisation:g})",
+        "",
+    ]
+    if p.shards > 1:
+        lines += [
+            f"shards             {p.shards} queue databases, one release each, "
+            f"{p.release_rate:,.0f} receipts/s per release",
+            f"                   ({p.rate:,g}/s is above {DB_SHARE_LIMIT:.0%} of one database's "
+            f"{p.db_ceiling:,g}/s claim+ack ceiling; docs/scaling.md)",
+            "",
+            "per release:",
+        ]
+    lines += [
+        f"in flight          {p.in_flight:,.1f} jobs (Little's law: rate × latency)",
+        f"worker CPU         {p.worker_cpu_cores:,.2f} cores "
+        f"({HTTP_DELIVERY_CPU_SECONDS * 1e6:.0f} µs per delivery, bench)",
+        f"pods               {max(p.pods_for_cpu, p.pods_for_slots)} needed "
+        f"({p.pods_for_cpu} for CPU at {POD_CPU_CORES:g} core each, {p.pods_for_slots} for "
+        f"slots at ≤ {MAX_CONCURRENCY} each)",
+        f"concurrency        {p.concurrency} slots per pod",
+        f"replicas           min {p.min_replicas}, max {p.max_replicas} "
+        "(+25 % headroom, at least 1 pod)",
+        f"KEDA target        {p.keda_target} jobs due or in flight per pod "
+        "(slots × utilisation)",
+        f"DB connections     {p.connections} = ({p.max_replicas} + 1 draining) × "
+        f"{CONNECTIONS_PER_POD} + recovery, migration, KEDA",
+        f"database           {p.db_share:.1%} of the {p.db_ceiling:,g}/s claim+ack ceiling, "
+        f"WAL ≈ {mb:,.2f} MB/s ({WAL_BYTES_PER_JOB:,} B per job)",
+        "",
+        "Helm values" + (" (each release):" if p.shards > 1 else ":"),
+        "",
+        helm_values(p).rstrip("\n"),
+    ]
+    return "\n".join(lines)

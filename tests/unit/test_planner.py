@@ -1,0 +1,146 @@
+"""The capacity planner: Little's law, the bench's CPU per delivery, the chart's budget rule."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import yaml
+
+from receipts.cli import main
+from receipts.planner import (
+    DB_CEILING_BATCHED_JOBS_PER_SECOND,
+    HTTP_DELIVERY_CPU_SECONDS,
+    MAX_CONCURRENCY,
+    POD_CPU_CORES,
+    Plan,
+    PlanError,
+    describe,
+    helm_values,
+    plan,
+)
+
+
+def test_in_flight_is_rate_times_latency() -> None:
+    assert plan(2_000, 0.2).in_flight == pytest.approx(400)
+    assert plan(40, 0.05).in_flight == pytest.approx(2)
+
+
+def test_a_small_rate_needs_the_minimum_fleet() -> None:
+    p = plan(40, 0.2)
+    assert (p.pods_for_cpu, p.pods_for_slots) == (1, 1)
+    assert (p.min_replicas, p.max_replicas) == (2, 2)
+    assert p.concurrency == 10  # 8 in flight / 0.8
+    assert p.keda_target == 8
+    assert p.shards == 1
+
+
+def test_cpu_decides_the_pods_when_the_provider_is_fast() -> None:
+    p = plan(2_000, 0.2)
+    cores = 2_000 * HTTP_DELIVERY_CPU_SECONDS
+    assert p.worker_cpu_cores == pytest.approx(cores)
+    assert p.pods_for_cpu == math.ceil(cores / POD_CPU_CORES) == 2
+    # The slots follow the pods: each pod carries its share of the 400 in flight at 80 %.
+    assert p.concurrency == 250 and p.keda_target == 200
+    # At the planned rate KEDA's formula asks for exactly the pods planned.
+    assert math.ceil(p.in_flight / p.keda_target) == p.pods_for_cpu
+    assert p.max_replicas == 3  # + a quarter, at least one pod
+
+
+def test_slots_decide_the_pods_when_the_provider_is_slow() -> None:
+    p = plan(500, 10.0)  # 5,000 in flight, 6,250 slots
+    assert p.pods_for_slots == math.ceil(6_250 / MAX_CONCURRENCY) == 13
+    assert p.pods_for_slots > p.pods_for_cpu
+    assert p.concurrency <= MAX_CONCURRENCY
+    assert p.concurrency * p.pods_for_slots * p.utilisation >= p.in_flight
+
+
+def test_connections_follow_the_chart_budget_rule() -> None:
+    p = plan(2_000, 0.2)
+    # (max replicas + 1 draining) × (pool 2 + listener 1) + recovery + migration + KEDA.
+    assert p.connections == (3 + 1) * 3 + 3
+
+
+def test_past_half_a_database_the_queue_is_sharded() -> None:
+    p = plan(50_000, 0.2)
+    assert p.shards == 2 and p.release_rate == 25_000
+    assert p.db_share == pytest.approx(25_000 / DB_CEILING_BATCHED_JOBS_PER_SECOND)
+    assert p.db_share <= 0.5
+    # The fleet figures are one release's.
+    assert p.worker_cpu_cores == pytest.approx(25_000 * HTTP_DELIVERY_CPU_SECONDS)
+    # A database measured at twice the bench's ceiling carries it alone.
+    assert plan(50_000, 0.2, db_ceiling=2 * DB_CEILING_BATCHED_JOBS_PER_SECOND).shards == 1
+
+
+def test_utilisation_sets_the_headroom_in_slots() -> None:
+    assert plan(100, 1.0, utilisation=1.0).concurrency == 100
+    assert plan(100, 1.0, utilisation=0.5).concurrency == 200
+
+
+def test_helm_values_are_valid_yaml_with_the_plan_s_numbers() -> None:
+    p = plan(2_000, 0.2)
+    values = yaml.safe_load(helm_values(p))
+    assert values["config"]["concurrency"] == p.concurrency
+    assert values["autoscaling"]["minReplicas"] == p.min_replicas
+    assert values["autoscaling"]["maxReplicas"] == p.max_replicas
+    assert values["autoscaling"]["keda"] == {"enabled": True, "utilisation": 0.8}
+    assert values["connectionBudget"]["maxConnections"] == p.connections
+    assert values["worker"]["resources"]["requests"]["cpu"] == "600m"  # 1.16 cores / 2, up
+
+
+@pytest.mark.parametrize(
+    ("rate", "latency", "utilisation", "complaint"),
+    [
+        (0, 1, 0.8, "--rate"),
+        (-5, 1, 0.8, "--rate"),
+        (math.inf, 1, 0.8, "--rate"),
+        (10, math.nan, 0.8, "--latency"),
+        (10, 0, 0.8, "--latency"),
+        (10, 1, 0, "--utilisation"),
+        (10, 1, 1.5, "--utilisation"),
+    ],
+)
+def test_bad_input_is_refused_naming_the_option(rate: float, latency: float,
+                                                utilisation: float, complaint: str) -> None:
+    with pytest.raises(PlanError, match=complaint):
+        plan(rate, latency, utilisation=utilisation)
+
+
+def test_describe_shows_every_figure_and_the_values() -> None:
+    text = describe(plan(50_000, 0.2))
+    for needle in ("in flight", "worker CPU", "concurrency", "replicas", "KEDA target",
+                   "DB connections", "WAL", "shards             2", "Helm values"):
+        assert needle in text, needle
+
+
+def test_receipts_plan_prints_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", "--rate", "2000", "--latency", "0.2"]) == 0
+    out = capsys.readouterr().out
+    assert "plan for 2,000 receipts/s at 0.2 s per delivery" in out
+    assert "maxReplicas: 3" in out
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["plan", "--rate", "fast", "--latency", "0.2"],
+        ["plan", "--rate", "-3", "--latency", "0.2"],
+        ["plan", "--latency", "0.2"],
+        ["plan", "--rate", "10", "--latency", "0.2", "--utilisation", "2"],
+    ],
+)
+def test_receipts_plan_bad_input_is_exit_2_with_one_line(
+    args: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(args) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert len(captured.err.strip().splitlines()) == 1
+    assert captured.err.startswith("receipts: error: --")
+
+
+def test_plan_is_a_frozen_value() -> None:
+    p = plan(40, 0.2)
+    with pytest.raises(AttributeError):
+        p.concurrency = 1  # type: ignore[misc]
+    assert isinstance(p, Plan)
