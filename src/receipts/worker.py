@@ -177,8 +177,10 @@ class Worker:
 
         After :meth:`stop`, a claim statement still waiting on the database
         gets ``STOP_CLAIM_SECONDS`` before it is cancelled (whatever it may
-        have committed is left to lease expiry), so a wedged connection cannot
-        hold the process past its grace period.
+        have committed is left to lease expiry), and the drain waits for it no
+        longer than for the deliveries, so a wedged connection cannot hold the
+        process past its stop budget (``Settings.stop_budget_seconds`` plus
+        this second).
         """
         self.completer.start()
         helpers = [asyncio.create_task(self._stats_loop(), name="queue-stats")]
@@ -194,8 +196,10 @@ class Worker:
             stopped.cancel()
             for task in (claiming, *helpers):
                 task.cancel()
-            await asyncio.gather(claiming, *helpers, return_exceptions=True)
-            await self._drain()
+            # A cancelled statement may take the driver a few seconds to abandon
+            # (it tries to cancel it in the server): wait for that alongside the
+            # deliveries, within the same budget, never longer.
+            await self._drain(also={claiming, *helpers})
 
     async def _claim_loop(self) -> None:
         backoff = OUTAGE_BACKOFF_FIRST_SECONDS
@@ -417,16 +421,18 @@ class Worker:
             await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
             backoff = min(backoff * 2, OUTAGE_BACKOFF_MAX_SECONDS)
 
-    async def _drain(self) -> None:
+    async def _drain(self, also: set[asyncio.Task[None]]) -> None:
         grace = min(self.settings.shutdown_grace_seconds, self.settings.delivery_timeout_seconds)
-        pending = set(self._inflight)
-        log.info("draining", extra={"inflight": len(pending), "grace_seconds": grace})
+        deliveries = set(self._inflight)
+        log.info("draining", extra={"inflight": len(deliveries), "grace_seconds": grace})
+        pending = deliveries | {t for t in also if not t.done()}
         if pending:
             _, left = await asyncio.wait(pending, timeout=grace)
             _cancel(left)
-            if left:
-                log.warning("deliveries_abandoned", extra={"count": len(left)})
-                await asyncio.gather(*left, return_exceptions=True)
+            abandoned = left & deliveries
+            if abandoned:
+                log.warning("deliveries_abandoned", extra={"count": len(abandoned)})
+                await asyncio.wait(abandoned, timeout=1.0)
         await self.completer.close(timeout_seconds=ack_flush_seconds(self.settings))
         log.info("stopped")
 
