@@ -9,8 +9,8 @@ escalates to SIGKILL. Leaving the ``with`` block stops every child still
 running, whatever happened inside it.
 
 The environment of a child holds only what a Python process needs (``PATH``,
-``HOME``, ``TMPDIR``, ``TZ`` and the locale variables) plus the variables the
-caller names: a ``RECEIPTS_*`` setting exported in the parent's shell never
+``HOME``, ``TMPDIR``, ``TZ``, the locale variables and ``PYTHONPATH``) plus
+the variables the caller names: a ``RECEIPTS_*`` setting exported in the parent's shell never
 leaks into a child, so each child runs with exactly the settings written
 next to its start.
 
@@ -39,9 +39,11 @@ import httpx
 from prometheus_client.parser import text_string_to_metric_families
 
 #: Variables of the parent's environment every child gets: what a Python
-#: process needs to find its interpreter, home, temporary folder, time zone
-#: and locale. Everything else (``RECEIPTS_*`` included) is named by the caller.
-PASSED_THROUGH = ("PATH", "HOME", "TMPDIR", "TZ", "LANG", "LANGUAGE")
+#: process needs to find programs, its home, temporary folder, time zone and
+#: locale, and the module path that let the parent import this package (so
+#: ``python -m receipts`` runs the same code). Everything else (``RECEIPTS_*``
+#: included) is named by the caller.
+PASSED_THROUGH = ("PATH", "HOME", "TMPDIR", "TZ", "LANG", "LANGUAGE", "PYTHONPATH")
 LOCALE_PREFIX = "LC_"
 #: How much of a child's output an error message quotes (characters).
 TAIL_CHARS = 2000

@@ -21,13 +21,13 @@ receipts_pool_connections{state="in_use",pool="worker"} 1.0
 """
 
 
-def test_a_child_gets_path_home_and_locale_and_only_the_receipts_settings_it_is_given():
+def test_a_child_gets_path_home_locale_module_path_and_only_the_settings_it_is_given():
     parent = {"PATH": "/usr/bin", "HOME": "/root", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
               "TZ": "UTC", "RECEIPTS_CONCURRENCY": "0", "RECEIPTS_PROVIDER_TOKEN": "t0k",
-              "AWS_SECRET_ACCESS_KEY": "x", "PYTHONPATH": "/elsewhere"}
+              "AWS_SECRET_ACCESS_KEY": "x", "PYTHONPATH": "/src", "VIRTUAL_ENV": "/venv"}
     env = child_env({"RECEIPTS_DATABASE_URL": "postgresql:///db"}, parent=parent)
     assert env == {"PATH": "/usr/bin", "HOME": "/root", "LANG": "C.UTF-8", "LC_ALL": "C.UTF-8",
-                   "TZ": "UTC", "RECEIPTS_DATABASE_URL": "postgresql:///db"}
+                   "TZ": "UTC", "PYTHONPATH": "/src", "RECEIPTS_DATABASE_URL": "postgresql:///db"}
 
 
 def test_a_named_variable_overrides_the_parents():
