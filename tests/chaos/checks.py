@@ -58,7 +58,7 @@ class Finding:
     detail: str = ""
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(slots=True)
 class WorkerView:
     """What the harness knows of one worker process at the end of the run.
 

@@ -134,7 +134,7 @@ class FaultInjector:
                 with contextlib.suppress(httpx.HTTPError, ChildError, ValueError):
                     m = await asyncio.to_thread(w.child.scrape)
                     if m.total("receipts_inflight_deliveries") > 0:
-                        w.last_metrics = m
+                        w.metrics = m
                         return w
             await asyncio.sleep(0.02)
         return candidates[0]
@@ -143,7 +143,7 @@ class FaultInjector:
         victim = await self._victim()
         if victim is None:
             return
-        inflight = int(victim.last_metrics.total("receipts_inflight_deliveries"))
+        inflight = int(victim.metrics.total("receipts_inflight_deliveries"))
         victim.killed = True
         await asyncio.to_thread(victim.child.kill)
         self.faults["sigkill"] += 1
@@ -157,7 +157,7 @@ class FaultInjector:
         if victim is None:
             return
         hold = self.cfg.lease_seconds + 2.0
-        victim.paused_ever = True
+        victim.paused = True
         victim.child.pause()
         self.faults["sigstop"] += 1
         self.run.say(f"SIGSTOP {victim.child.name} for {hold:g}s "

@@ -56,7 +56,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -66,7 +66,7 @@ import psycopg
 from receipts.embedded import EmbeddedPostgres, free_port
 from receipts.enqueue import enqueue
 from receipts.migrate import apply_migrations
-from receipts.supervisor import Child, ChildError, MetricSamples, Supervisor
+from receipts.supervisor import Child, ChildError, Supervisor
 from tests.chaos.checks import (
     AuditRow,
     Evidence,
@@ -137,23 +137,15 @@ class ChaosConfig:
     quiet: bool = False
 
 
-@dataclass(slots=True)
-class WorkerProc:
-    """One worker process of the run and what the harness learnt about it."""
+@dataclass(slots=True, kw_only=True)
+class WorkerProc(WorkerView):
+    """One worker process of the run: its child, and what the checks see of it."""
 
     child: Child
-    app: str
-    proxied: bool = False
-    killed: bool = False
-    paused_ever: bool = False
-    last_metrics: MetricSamples = field(default_factory=MetricSamples)
 
-    def view(self) -> WorkerView:
-        """What the checks see of it (its stale-ack log lines read now)."""
-        return WorkerView(name=self.child.name, app=self.app, killed=self.killed,
-                          paused=self.paused_ever, proxied=self.proxied,
-                          metrics=self.last_metrics,
-                          stale=tuple(read_events(self.child.log_path, STALE_EVENTS)))
+    def read_stale(self) -> None:
+        """Read its refused acks and reschedules from its log (killed ones keep theirs)."""
+        self.stale = tuple(read_events(self.child.log_path, STALE_EVENTS))
 
 
 def read_events(path: Path | None, names: set[str]) -> list[dict[str, Any]]:
@@ -254,7 +246,7 @@ class ChaosRun:
                    "?sslmode=disable&gssencmode=disable")
         child = self.sup.start(f"worker-{index}", ["worker"],
                                self._worker_env(dsn, port, app), port=port)
-        proc = WorkerProc(child, f"{app}-worker", proxied=proxied)
+        proc = WorkerProc(name=child.name, app=f"{app}-worker", proxied=proxied, child=child)
         self.workers.append(proc)
         await asyncio.to_thread(child.wait_healthy)
         return proc
@@ -268,7 +260,7 @@ class ChaosRun:
             if w.child.paused:
                 continue
             with contextlib.suppress(httpx.HTTPError, ChildError, ValueError):
-                w.last_metrics = await asyncio.to_thread(w.child.scrape)
+                w.metrics = await asyncio.to_thread(w.child.scrape)
 
     # -------------------------------------------------------------- database
 
@@ -358,8 +350,9 @@ class ChaosRun:
         while True:
             await self._scrape_all()
             trail = read_trail(await self._audit())
-            views = [w.view() for w in self.workers]
-            if (not counter_mismatches(views, trail, len(self._cut_rows()))
+            for w in self.workers:
+                w.read_stale()
+            if (not counter_mismatches(self.workers, trail, len(self._cut_rows()))
                     or time.monotonic() > deadline):
                 return
             await asyncio.sleep(0.1)
@@ -441,12 +434,14 @@ class ChaosRun:
         exit_codes = await asyncio.to_thread(self.sup.stop_all, timeout_seconds=20)
         self.say(f"drained in {self.report.drain_seconds:.1f}s; checking")
 
+        for w in self.workers:
+            w.read_stale()
         rows = await self._sql("SELECT order_id, state FROM receipt_jobs")
         states = {str(o): str(s) for o, s in rows}
         evidence = Evidence(
             expected={f"{self.order_prefix}{i:07d}" for i in range(c.jobs)},
             states=states, audit=await self._audit(),
-            workers=[w.view() for w in self.workers],
+            workers=list(self.workers),
             provider_stats=provider_stats, receipts=receipts, requests=requests,
             violations=self.violations + self.injector.crashes,
             cut_rows=self._cut_rows(), cuts=len(self.proxy.cuts),
