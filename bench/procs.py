@@ -4,10 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
-import socket
-import subprocess
-import sys
 import threading
 import time
 from collections.abc import Sequence
@@ -16,44 +12,45 @@ from typing import Any
 
 import psycopg
 
+from receipts.embedded import free_port
+from receipts.supervisor import ChildError, Supervisor
+
 ROOT = Path(__file__).resolve().parent.parent
+START_TIMEOUT_SECONDS = 60.0  # a child imports its queue library before "ready"
 
 
 def _env() -> dict[str, str]:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = os.pathsep.join(
-        p for p in (str(ROOT), str(ROOT / "src"), env.get("PYTHONPATH", "")) if p
-    )
-    env.setdefault("XDG_RUNTIME_DIR", "/tmp")
-    return env
+    """What the children need besides the supervisor's clean environment."""
+    path = os.pathsep.join(
+        p for p in (str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")) if p)
+    return {"PYTHONPATH": path, "XDG_RUNTIME_DIR": os.environ.get("XDG_RUNTIME_DIR", "/tmp")}
 
 
 class Children:
-    """Child processes of ``bench.child`` that start together on :meth:`go`."""
+    """Child processes of ``bench.child`` that start together on :meth:`go`.
+
+    Each prints ``ready`` once it has imported and set up what it needs, then
+    waits for one line on stdin; raises ``RuntimeError`` (with the child's
+    output) when one exits or stays silent for ``START_TIMEOUT_SECONDS``.
+    """
 
     def __init__(self, argvs: Sequence[Sequence[str]]) -> None:
-        self.procs = [
-            subprocess.Popen(
-                [sys.executable, "-m", "bench.child", *argv],
-                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                text=True, env=_env(), cwd=str(ROOT),
-            )
-            for argv in argvs
-        ]
-        for proc in self.procs:
-            line = proc.stdout.readline() if proc.stdout else ""
-            if line.strip() != "ready":
-                err = proc.stderr.read() if proc.stderr else ""
-                self.stop()
-                raise RuntimeError(f"benchmark child did not start: {line!r} {err[-800:]}")
+        self._sup = Supervisor(cwd=ROOT, stop_timeout_seconds=30.0)
+        try:
+            self.procs = [self._sup.start(f"child-{i}", argv, _env(), module="bench.child",
+                                          stdin=True)
+                          for i, argv in enumerate(argvs)]
+            for proc in self.procs:
+                proc.wait_for_output("ready\n", timeout_seconds=START_TIMEOUT_SECONDS)
+        except ChildError as exc:
+            self._sup.close()
+            raise RuntimeError(f"benchmark child did not start: {exc}") from exc
 
     def go(self) -> float:
         """Release every child at once; returns the monotonic start time."""
         start = time.monotonic()
         for proc in self.procs:
-            assert proc.stdin is not None
-            proc.stdin.write("go\n")
-            proc.stdin.flush()
+            proc.send_input("go\n")
         return start
 
     def cpu_seconds(self, tails: list[str]) -> float:
@@ -66,59 +63,43 @@ class Children:
                     break
         return total
 
-    def stop(self, timeout_seconds: float = 30.0) -> list[str]:
-        """SIGTERM every child and wait; returns their stderr tails."""
-        for proc in self.procs:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        tails = []
-        for proc in self.procs:
-            try:
-                _, err = proc.communicate(timeout=timeout_seconds)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                _, err = proc.communicate()
-            tails.append((err or "")[-2000:])
-        return tails
+    def stop(self) -> list[str]:
+        """SIGTERM every child, wait (≤ 30 s, then SIGKILL); returns their stderr tails."""
+        self._sup.close()
+        return [proc.stderr_text[-2000:] for proc in self.procs]
 
     def alive(self) -> bool:
-        return all(p.poll() is None for p in self.procs)
+        """True while every child runs."""
+        return all(proc.running for proc in self.procs)
 
 
 class Provider:
-    """``receipts provider`` on a free port (the reference HTTP provider)."""
+    """``receipts provider`` on a free port (the reference HTTP provider).
+
+    Raises :class:`~receipts.supervisor.ChildError` when it does not answer
+    within 20 s.
+    """
 
     def __init__(self, latency_ms: float) -> None:
-        from receipts.embedded import free_port
-
         self.port = free_port()
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "receipts", "provider", "--port", str(self.port),
-             "--latency-ms", str(latency_ms)],
-            stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=_env(), cwd=str(ROOT),
-        )
-        deadline = time.monotonic() + 20
-        while time.monotonic() < deadline:
-            try:
-                with socket.create_connection(("127.0.0.1", self.port), timeout=0.2):
-                    return
-            except OSError:
-                time.sleep(0.05)
-        self.stop()
-        raise RuntimeError("the reference provider did not start")
+        self._sup = Supervisor(cwd=ROOT, stop_timeout_seconds=10.0)
+        self._sup.start("provider", ["provider", "--port", str(self.port),
+                                     "--latency-ms", str(latency_ms)], _env(),
+                        port=self.port, health_path="/stats")
+        try:
+            self._sup["provider"].wait_healthy(timeout_seconds=20)
+        except ChildError:
+            self._sup.close()
+            raise
 
     @property
     def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}/receipts"
+        """Where the workers POST receipts."""
+        return self._sup["provider"].url("/receipts")
 
     def stop(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        """SIGTERM, wait ≤ 10 s, then SIGKILL."""
+        self._sup.close()
 
 
 class ConnectionSampler:

@@ -9,11 +9,11 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import statistics
 import tempfile
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from functools import partial
 from typing import Any
 
 import psycopg
@@ -48,6 +48,16 @@ def _receipts_argv(dsn: str, **opts: Any) -> list[str]:
         elif value not in (None, False):
             argv += [flag, str(value)]
     return argv
+
+
+def _sessions(probe: psycopg.Connection[Any], *, listening: bool = False) -> int:
+    """Sessions of this database other than the benchmark's own (``bench-*``); with
+    *listening*, only those whose last statement was a LISTEN."""
+    row = probe.execute(
+        "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+        " AND pid <> pg_backend_pid() AND application_name NOT LIKE 'bench-%%'"
+        " AND (NOT %s OR query ILIKE 'LISTEN%%')", (listening,)).fetchone()
+    return int(row[0]) if row else 0
 
 
 def _drain(dsn: str, argvs: list[list[str]], jobs: int,
@@ -141,8 +151,14 @@ def receipts_pickup(bench: Bench, *, jobs: int, rate: float, listen: bool,
         committed: dict[str, float] = {}
         try:
             children.go()
-            time.sleep(0.5)  # the worker connects and LISTENs
-            with psycopg.connect(dsn, application_name="bench-enqueue") as conn:
+            with psycopg.connect(dsn, application_name="bench-enqueue") as conn, \
+                    psycopg.connect(dsn, **PROBE) as probe:
+                # Measure from a running worker: a warm-up job done (and its LISTEN up).
+                with conn.transaction():
+                    enqueue(conn, "warm-up", notify=listen)
+                wait_until(lambda: remaining_jobs(probe) == 0
+                           and (not listen or _sessions(probe, listening=True) > 0),
+                           timeout_seconds=30)
                 t0 = time.monotonic()
                 for i, at in enumerate(_schedule(jobs, rate)):
                     delay = t0 + at - time.monotonic()
@@ -173,11 +189,16 @@ def peer_pickup(bench: Bench, peer: str, *, jobs: int, rate: float) -> dict[str,
         committed: dict[str, float] = {}
         try:
             children.go()
-            time.sleep(1.0)
 
             async def produce() -> None:
                 handle, close = await peers.open_enqueuer(peer, dsn)
                 try:
+                    # Measure from a running consumer: a warm-up job done first.
+                    await peers.enqueue_one(peer, handle, "warm-up")
+                    with psycopg.connect(dsn, **PROBE) as probe:
+                        await asyncio.to_thread(
+                            wait_until, lambda: peers.remaining(peer, probe) == 0,
+                            timeout_seconds=30)
                     t0 = time.monotonic()
                     for i, at in enumerate(_schedule(jobs, rate)):
                         delay = t0 + at - time.monotonic()
@@ -191,7 +212,6 @@ def peer_pickup(bench: Bench, peer: str, *, jobs: int, rate: float) -> dict[str,
             asyncio.run(produce())
             with psycopg.connect(dsn, **PROBE) as probe:
                 wait_until(lambda: peers.remaining(peer, probe) == 0, timeout_seconds=60)
-            time.sleep(0.2)
         finally:
             children.stop()
         with open(record) as fh:
@@ -318,6 +338,12 @@ def _checkout(dsn: str, seconds: float, rate: float) -> list[float]:
     return out
 
 
+def _workers_started(probe: psycopg.Connection[Any], processes: int,
+                     jobs: int | None) -> bool:
+    """Every worker process connected and, given the *jobs* they drain, claiming."""
+    return _sessions(probe) >= processes and (jobs is None or remaining_jobs(probe) < jobs)
+
+
 def checkout_impact(bench: Bench, *, drain_jobs: int, seconds: float, rate: float,
                     processes: int = 1, concurrency: int = 200, batch: int = 100,
                     ) -> dict[str, Any]:
@@ -333,7 +359,10 @@ def checkout_impact(bench: Bench, *, drain_jobs: int, seconds: float, rate: floa
             children = Children([argv] * processes)
             try:
                 children.go()
-                time.sleep(0.5)
+                with psycopg.connect(dsn, **PROBE) as probe:
+                    wait_until(partial(_workers_started, probe, processes,
+                                       drain_jobs if phase == "drain" else None),
+                               timeout_seconds=30)
                 lat = _checkout(dsn, seconds, rate)
                 with psycopg.connect(dsn, **PROBE) as probe:
                     left = remaining_jobs(probe)
@@ -342,10 +371,6 @@ def checkout_impact(bench: Bench, *, drain_jobs: int, seconds: float, rate: floa
         out[phase] = {"p50_ms": percentile(lat, 50), "p99_ms": percentile(lat, 99),
                       "samples": len(lat), "jobs_left_at_end": left}
     return out
-
-
-def median(values: Sequence[float]) -> float:
-    return statistics.median(values) if values else 0.0
 
 
 # ------------------------------------------------------- dead tuples, vacuum

@@ -22,26 +22,24 @@ every done job has a receipt at the provider), 1 otherwise.
 from __future__ import annotations
 
 import contextlib
-import json
-import os
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psycopg
+from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from receipts.embedded import EmbeddedPostgres, free_port
 from receipts.enqueue import enqueue
 from receipts.migrate import apply_migrations
 from receipts.settings import redact_dsn
+from receipts.supervisor import Child, MetricSamples, Supervisor
 
 LEASE_SECONDS = 6.0
 DRAIN_TIMEOUT_SECONDS = 240.0
@@ -63,81 +61,27 @@ class DemoOptions:
     workers: int = 3
     concurrency: int = 32
     seed: int = 7
-    quiet: bool = False
-
-
-@dataclass(slots=True)
-class _Proc:
-    name: str
-    popen: subprocess.Popen[bytes]
-    port: int | None = None
-    log: Path | None = None
 
 
 @dataclass(slots=True)
 class _Run:
     opts: DemoOptions
     dsn: str
-    workdir: Path
+    sup: Supervisor
     run_id: str
-    provider_port: int = 0
-    procs: list[_Proc] = field(default_factory=list)
-    events: list[str] = field(default_factory=list)
+    provider: Child | None = None
     max_lag_seconds: float = 0.0
 
 
-def _say(run: _Run, text: str) -> None:
-    run.events.append(text)
-    if not run.opts.quiet:
-        print(f"  · {text}", flush=True)
-
-
-def _spawn(run: _Run, name: str, args: list[str], env: dict[str, str],
-           port: int | None = None) -> _Proc:
-    log = run.workdir / f"{name}.log"
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("RECEIPTS_")}
-    full_env |= env
-    with log.open("wb") as fh:
-        popen = subprocess.Popen([sys.executable, "-m", "receipts", *args], env=full_env,
-                                 stdout=fh, stderr=subprocess.STDOUT)
-    proc = _Proc(name, popen, port, log)
-    run.procs.append(proc)
-    return proc
-
-
-def _http_json(url: str, timeout: float = 2.0) -> Any:
-    with urllib.request.urlopen(url, timeout=timeout) as resp:
-        return json.loads(resp.read())
-
-
-def _scrape(port: int) -> dict[str, float]:
-    """Prometheus text → {series: value} for this project's metrics."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
-        text = resp.read().decode()
-    values = {}
-    for line in text.splitlines():
-        if line.startswith("receipts_"):
-            key, _, value = line.rpartition(" ")
-            values[key] = float(value)
-    return values
-
-
-def _wait_http(url: str, timeout: float = 15.0) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=1):
-                return
-        except OSError:
-            if time.monotonic() > deadline:
-                raise
-            time.sleep(0.05)
+def _say(text: str) -> None:
+    print(f"  · {text}", flush=True)
 
 
 def _worker_env(run: _Run, port: int) -> dict[str, str]:
+    assert run.provider is not None
     return {
         "RECEIPTS_DATABASE_URL": run.dsn,
-        "RECEIPTS_PROVIDER_URL": f"http://127.0.0.1:{run.provider_port}/receipts",
+        "RECEIPTS_PROVIDER_URL": run.provider.url("/receipts"),
         "RECEIPTS_CONCURRENCY": str(run.opts.concurrency),
         "RECEIPTS_LEASE_SECONDS": str(LEASE_SECONDS),
         "RECEIPTS_LEASE_MARGIN_SECONDS": "2",
@@ -155,11 +99,10 @@ def _worker_env(run: _Run, port: int) -> dict[str, str]:
     }
 
 
-def _start_worker(run: _Run, index: int) -> _Proc:
+def _start_worker(run: _Run, index: int) -> Child:
     port = free_port()
-    proc = _spawn(run, f"worker-{index}", ["worker"], _worker_env(run, port), port)
-    _wait_http(f"http://127.0.0.1:{port}/healthz")
-    return proc
+    child = run.sup.start(f"worker-{index}", ["worker"], _worker_env(run, port), port=port)
+    return child.wait_healthy(timeout_seconds=15)
 
 
 def _place_orders(run: _Run, start: int, count: int, errors: list[BaseException]) -> None:
@@ -189,42 +132,25 @@ def _counts(run: _Run) -> dict[str, int]:
     return {state: int(n) for state, n in rows}
 
 
-def _kill_mid_delivery(run: _Run, victim: _Proc) -> None:
-    assert victim.port is not None
+def _kill_mid_delivery(victim: Child) -> None:
+    """SIGKILL *victim* once its metrics show deliveries in flight (or after 20 s)."""
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
-        with contextlib.suppress(OSError):
-            if _scrape(victim.port).get("receipts_inflight_deliveries", 0) > 0:
+        with contextlib.suppress(httpx.HTTPError, ValueError):
+            if victim.scrape().total("receipts_inflight_deliveries") > 0:
                 break
         time.sleep(0.02)
-    victim.popen.send_signal(signal.SIGKILL)
-    victim.popen.wait()
-    _say(run, f"SIGKILLed {victim.name} (pid {victim.popen.pid}) in the middle of its deliveries")
+    victim.kill()
+    _say(f"SIGKILLed {victim.name} (pid {victim.pid}) in the middle of its deliveries")
 
 
-def _pause_past_lease(run: _Run, victim: _Proc) -> None:
-    victim.popen.send_signal(signal.SIGSTOP)
-    _say(run, f"SIGSTOPped {victim.name} for {LEASE_SECONDS + 3:g}s (longer than its "
-              f"{LEASE_SECONDS:g}s leases)")
-    time.sleep(LEASE_SECONDS + 3)
-    victim.popen.send_signal(signal.SIGCONT)
-    _say(run, f"SIGCONTed {victim.name}: its late acks must be refused as stale")
-
-
-def _stop_all(run: _Run) -> dict[str, int | None]:
-    """SIGTERM every child still running (a stopped one is continued first); idempotent."""
-    codes: dict[str, int | None] = {}
-    for proc in run.procs:
-        if proc.popen.poll() is None:
-            proc.popen.send_signal(signal.SIGCONT)
-            proc.popen.send_signal(signal.SIGTERM)
-    for proc in run.procs:
-        try:
-            codes[proc.name] = proc.popen.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.popen.kill()
-            codes[proc.name] = proc.popen.wait()
-    return codes
+def _pause_past_lease(victim: Child) -> None:
+    victim.pause()
+    _say(f"SIGSTOPped {victim.name} for {LEASE_SECONDS + 3:g}s (longer than its "
+         f"{LEASE_SECONDS:g}s leases)")
+    time.sleep(LEASE_SECONDS + 3)  # the fault itself: paused past every lease it holds
+    victim.resume()
+    _say(f"SIGCONTed {victim.name}: its late acks must be refused as stale")
 
 
 def run_demo(opts: DemoOptions) -> int:
@@ -249,11 +175,8 @@ def run_demo(opts: DemoOptions) -> int:
             print("receipts demo: starting an embedded PostgreSQL 18 …", flush=True)
             pg = EmbeddedPostgres().start()
             dsn = pg.create_database("receipts_demo")
-        run = _Run(opts, dsn, workdir, run_id=run_id)
-        try:
-            ok = _demo(run)
-        finally:
-            _stop_all(run)
+        with Supervisor(workdir, stop_timeout_seconds=30) as sup:
+            ok = _demo(_Run(opts, dsn, sup, run_id=run_id))
     finally:
         if schema is not None and opts.dsn:
             with contextlib.suppress(psycopg.Error), psycopg.connect(
@@ -271,8 +194,6 @@ def run_demo(opts: DemoOptions) -> int:
 
 def _scratch_schema(dsn: str, schema: str) -> str:
     """Create *schema* in *dsn*'s database; return a DSN whose search_path is it."""
-    from psycopg.conninfo import conninfo_to_dict, make_conninfo
-
     with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as conn:
         conn.execute(f'CREATE SCHEMA "{schema}"')
     theirs = conninfo_to_dict(dsn).get("options")
@@ -283,25 +204,24 @@ def _scratch_schema(dsn: str, schema: str) -> str:
 def _demo(run: _Run) -> bool:
     opts = run.opts
     applied = apply_migrations(run.dsn)
-    _say(run, f"migrated ({len(applied)} migration(s) applied)")
+    _say(f"migrated ({len(applied)} migration(s) applied)")
     with psycopg.connect(run.dsn, autocommit=True) as conn:
         conn.execute("CREATE TABLE IF NOT EXISTS demo_orders ("
                      " id TEXT PRIMARY KEY, placed_at TIMESTAMPTZ NOT NULL DEFAULT now())")
 
-    run.provider_port = free_port()
-    _spawn(run, "provider", [
-        "provider", "--port", str(run.provider_port), "--latency-ms", "15", "--jitter-ms", "35",
+    port = free_port()
+    run.provider = run.sup.start("provider", [
+        "provider", "--port", str(port), "--latency-ms", "15", "--jitter-ms", "35",
         "--error-rate", "0.04", "--rate-limit-rate", "0.02", "--retry-after", "1",
         "--reject-rate", "0.005", "--timeout-rate", "0.01", "--reset-rate", "0.01",
         "--hang-seconds", "4", "--seed", str(opts.seed),
-    ], {})
-    _wait_http(f"http://127.0.0.1:{run.provider_port}/stats")
-    _say(run, f"reference provider on :{run.provider_port} (latency 15–50 ms, 4% 503, 2% 429, "
-              "0.5% of orders rejected 422, 1% hang and 1% reset after recording)")
+    ], port=port, health_path="/stats").wait_healthy(timeout_seconds=15)
+    _say(f"reference provider on :{port} (latency 15–50 ms, 4% 503, 2% 429, "
+         "0.5% of orders rejected 422, 1% hang and 1% reset after recording)")
 
     workers = [_start_worker(run, i) for i in range(opts.workers)]
-    _spawn(run, "recover", ["recover", "--loop", "1"], _worker_env(run, 0))
-    _say(run, f"{opts.workers} workers × {opts.concurrency} slots, recovery sweeping every 1s")
+    run.sup.start("recover", ["recover", "--loop", "1"], _worker_env(run, 0))
+    _say(f"{opts.workers} workers × {opts.concurrency} slots, recovery sweeping every 1s")
 
     started = time.monotonic()
     errors: list[BaseException] = []
@@ -317,16 +237,16 @@ def _demo(run: _Run) -> bool:
     # Faults: kill one worker mid-delivery once work flows; pause another past its lease.
     while sum(_counts(run).values()) < max(1, opts.orders // 5) and not errors:
         time.sleep(0.05)
-    _kill_mid_delivery(run, workers[0])
+    _kill_mid_delivery(workers[0])
     workers.append(_start_worker(run, opts.workers))
-    _say(run, f"started replacement worker-{opts.workers}")
+    _say(f"started replacement worker-{opts.workers}")
     if len(workers) > 2:
-        _pause_past_lease(run, workers[1])
+        _pause_past_lease(workers[1])
     for t in placers:
         t.join()
     if errors:
         raise errors[0]
-    _say(run, f"placed {opts.orders} orders, each with its receipt job in one transaction")
+    _say(f"placed {opts.orders} orders, each with its receipt job in one transaction")
 
     deadline = time.monotonic() + DRAIN_TIMEOUT_SECONDS
     while time.monotonic() < deadline:
@@ -336,28 +256,26 @@ def _demo(run: _Run) -> bool:
         time.sleep(0.25)
     elapsed = time.monotonic() - started
 
-    live = [w for w in workers if w.popen.poll() is None]
-    scraped = [_scrape(w.port) for w in live if w.port]
+    live = [w for w in workers if w.running]
+    scraped = [w.scrape() for w in live]
     metrics_port = live[-1].port if live else None
-    excerpt = _metrics_excerpt(metrics_port) if metrics_port else ""
-    base = f"http://127.0.0.1:{run.provider_port}"
-    provider_stats = _http_json(f"{base}/stats")
-    provider_receipts = _http_json(f"{base}/receipts", timeout=10)
-    codes = _stop_all(run)
+    excerpt = _metrics_excerpt(live[-1]) if live else ""
+    provider_stats = run.provider.get_json("/stats")
+    provider_receipts = run.provider.get_json("/receipts", timeout_seconds=10)
+    codes = run.sup.stop_all(timeout_seconds=30)
     return _summary(run, elapsed, scraped, codes, provider_stats, provider_receipts,
                     metrics_port, excerpt)
 
 
-def _metrics_excerpt(port: int) -> str:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
-        text = resp.read().decode()
+def _metrics_excerpt(worker: Child) -> str:
+    text = worker.request("GET", "/metrics").raise_for_status().text
     keep = [ln for ln in text.splitlines()
             if ln.startswith(SUMMARY_METRICS) and "_created" not in ln]
     return "\n".join(keep)
 
 
-def _summary(run: _Run, elapsed: float, scraped: list[dict[str, float]],
-             codes: dict[str, int | None], provider_stats: dict[str, Any],
+def _summary(run: _Run, elapsed: float, scraped: list[MetricSamples],
+             codes: dict[str, int], provider_stats: dict[str, Any],
              provider_receipts: dict[str, Any], metrics_port: int | None,
              excerpt: str) -> bool:
     prefix = run.run_id + "-%"
@@ -379,8 +297,7 @@ def _summary(run: _Run, elapsed: float, scraped: list[dict[str, float]],
     redeliveries = sum(max(0, attempts - 1) for _, _, attempts in rows if attempts)
 
     def total(name: str) -> int:
-        return int(sum(v for m in scraped for k, v in m.items()
-                       if k == name or k.startswith(name + "{")))
+        return int(sum(m.total(name) for m in scraped))
 
     duplicates = int(provider_stats.get("duplicates_suppressed", 0))
     worker_codes = {k: v for k, v in codes.items() if k.startswith("worker")}

@@ -3,83 +3,53 @@
 from __future__ import annotations
 
 import json
-import os
-import signal
-import subprocess
-import sys
 import time
-import urllib.request
-from pathlib import Path
+from collections.abc import Callable, Iterator
 
 import pytest
 
 from receipts.embedded import free_port
+from receipts.supervisor import Child, Supervisor, run_command
 from tests.conftest import enqueue_many, fetch_rows
 
 SECRET = "s3cr3t-pa55"
 
 
-def receipts(*args: str, env: dict[str, str] | None = None, timeout: float = 60,
-             ) -> subprocess.CompletedProcess[str]:
-    full = {k: v for k, v in os.environ.items() if not k.startswith("RECEIPTS_")}
-    full |= env or {}
-    return subprocess.run([sys.executable, "-m", "receipts", *args], env=full, text=True,
-                          capture_output=True, timeout=timeout)
+def receipts(*args: str, env: dict[str, str] | None = None, timeout: float = 60):
+    """``receipts ARGS`` to its end, with only *env*'s settings."""
+    return run_command(args, env, timeout_seconds=timeout)
 
 
-def spawn(args: list[str], env: dict[str, str], log: Path) -> subprocess.Popen[bytes]:
-    full = {k: v for k, v in os.environ.items() if not k.startswith("RECEIPTS_")}
-    full |= env
-    with log.open("wb") as fh:
-        return subprocess.Popen([sys.executable, "-m", "receipts", *args], env=full,
-                                stdout=fh, stderr=subprocess.STDOUT)
-
-
-def wait_http(url: str, timeout: float = 20) -> None:
-    deadline = time.monotonic() + timeout
-    while True:
-        try:
-            with urllib.request.urlopen(url, timeout=1):
-                return
-        except OSError:
-            assert time.monotonic() < deadline, f"{url} did not answer"
-            time.sleep(0.05)
-
-
-def get_json(url: str) -> dict:
-    with urllib.request.urlopen(url, timeout=5) as resp:
-        return json.loads(resp.read())
-
-
-def scrape(port: int) -> dict[str, float]:
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=5) as resp:
-        lines = resp.read().decode().splitlines()
-    return {k: float(v) for k, _, v in (ln.rpartition(" ") for ln in lines)
-            if k.startswith("receipts_")}
+def until(predicate: Callable[[], bool], what: str, timeout_seconds: float = 20) -> None:
+    deadline = time.monotonic() + timeout_seconds
+    while not predicate():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.05)
 
 
 @pytest.fixture
-def provider_proc(tmp_path):
-    """`receipts provider` as a process; yields its base URL. Faults via PUT /faults."""
+def sup(tmp_path) -> Iterator[Supervisor]:
+    """The test's child processes, logging to tmp_path/<name>.log; all stopped at the end."""
+    with Supervisor(tmp_path) as supervisor:
+        yield supervisor
+
+
+@pytest.fixture
+def provider_proc(sup) -> Child:
+    """`receipts provider` as a process. Faults via :func:`set_faults`."""
     port = free_port()
-    proc = spawn(["provider", "--port", str(port)], {}, tmp_path / "provider.log")
-    base = f"http://127.0.0.1:{port}"
-    wait_http(f"{base}/stats")
-    yield base
-    proc.terminate()
-    proc.wait(10)
+    return sup.start("provider", ["provider", "--port", str(port)], port=port,
+                     health_path="/stats").wait_healthy()
 
 
-def set_faults(base: str, **faults: object) -> None:
-    req = urllib.request.Request(f"{base}/faults", data=json.dumps(faults).encode(),
-                                 method="PUT", headers={"Content-Type": "application/json"})
-    urllib.request.urlopen(req, timeout=5).close()
+def set_faults(provider: Child, **faults: object) -> None:
+    provider.request("PUT", "/faults", json=faults).raise_for_status()
 
 
-def worker_env(dsn: str, provider: str, **extra: str) -> dict[str, str]:
+def worker_env(dsn: str, provider: Child, **extra: str) -> dict[str, str]:
     env = {
         "RECEIPTS_DATABASE_URL": dsn,
-        "RECEIPTS_PROVIDER_URL": f"{provider}/receipts",
+        "RECEIPTS_PROVIDER_URL": provider.url("/receipts"),
         "RECEIPTS_LEASE_SECONDS": "4",
         "RECEIPTS_LEASE_MARGIN_SECONDS": "1",
         "RECEIPTS_DELIVERY_TIMEOUT_SECONDS": "3",
@@ -154,34 +124,28 @@ def test_migrate_enqueue_and_stats_from_the_command_line(server):
 
 
 def test_a_worker_killed_mid_delivery_is_recovered_and_redelivered_with_the_same_key(
-        dsn, provider_proc, tmp_path):
+        dsn, provider_proc, sup):
     set_faults(provider_proc, latency_seconds=2.0)
     enqueue_many(dsn, ["order-crash"])
     env = worker_env(dsn, provider_proc)
-    victim = spawn(["worker"], env, tmp_path / "victim.log")
-    deadline = time.monotonic() + 20
-    while get_json(f"{provider_proc}/stats").get("requests", 0) < 1:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    victim.send_signal(signal.SIGKILL)
-    victim.wait(5)
+    victim = sup.start("victim", ["worker"], env)
+    until(lambda: provider_proc.get_json("/stats").get("requests", 0) >= 1,
+          "the victim's delivery to reach the provider")
+    assert victim.kill() == -9
     assert fetch_rows(dsn, "SELECT state, attempts FROM receipt_jobs") == [("running", 1)]
 
     set_faults(provider_proc, latency_seconds=0.0)
-    rescuer = spawn(["worker"], worker_env(dsn, provider_proc), tmp_path / "rescuer.log")
-    try:
-        deadline = time.monotonic() + 30
-        while fetch_rows(dsn, "SELECT state FROM receipt_jobs") != [("done",)]:
-            assert time.monotonic() < deadline, "job was not redelivered"
-            result = receipts("recover", env=env)
-            assert result.returncode == 0
-            time.sleep(0.3)
-    finally:
-        rescuer.send_signal(signal.SIGTERM)
-        assert rescuer.wait(20) == 0
+    rescuer = sup.start("rescuer", ["worker"], worker_env(dsn, provider_proc))
+
+    def recovered_and_done() -> bool:
+        assert receipts("recover", env=env).returncode == 0
+        return fetch_rows(dsn, "SELECT state FROM receipt_jobs") == [("done",)]
+
+    until(recovered_and_done, "the job to be recovered and redelivered", timeout_seconds=30)
+    assert rescuer.stop() == 0
     assert fetch_rows(dsn, "SELECT attempts, last_error FROM receipt_jobs") == [
         (2, "lease expired")]
-    receipts_seen = get_json(f"{provider_proc}/receipts")
+    receipts_seen = provider_proc.get_json("/receipts")
     assert list(receipts_seen) == ["receipt:order-crash"]
     # The killed worker's request finished at the provider: the second attempt
     # with the same key was a replay, not a second receipt.
@@ -189,39 +153,29 @@ def test_a_worker_killed_mid_delivery_is_recovered_and_redelivered_with_the_same
 
 
 def test_sigterm_finishes_inflight_deliveries_acks_them_claims_nothing_more_exits_0(
-        dsn, provider_proc, tmp_path):
+        dsn, provider_proc, sup):
     set_faults(provider_proc, latency_seconds=1.5)
     enqueue_many(dsn, [f"order-{i}" for i in range(20)])
     env = worker_env(dsn, provider_proc, RECEIPTS_CONCURRENCY="4",
                      RECEIPTS_LEASE_SECONDS="20", RECEIPTS_LEASE_MARGIN_SECONDS="5",
                      RECEIPTS_DELIVERY_TIMEOUT_SECONDS="10",
                      RECEIPTS_SHUTDOWN_GRACE_SECONDS="10")
-    proc = spawn(["worker"], env, tmp_path / "worker.log")
-    port = int(env["RECEIPTS_METRICS_PORT"])
-    wait_http(f"http://127.0.0.1:{port}/healthz")
-    deadline = time.monotonic() + 20
-    while scrape(port).get("receipts_inflight_deliveries", 0) < 4:
-        assert time.monotonic() < deadline
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(30) == 0
+    worker = sup.start("worker", ["worker"], env,
+                       port=int(env["RECEIPTS_METRICS_PORT"])).wait_healthy()
+    until(lambda: worker.scrape().total("receipts_inflight_deliveries") >= 4,
+          "4 deliveries in flight")
+    assert worker.stop(timeout_seconds=30) == 0
     counts = dict(fetch_rows(dsn, "SELECT state, count(*) FROM receipt_jobs GROUP BY state"))
     assert counts == {"done": 4, "ready": 16}
-    log_lines = [json.loads(ln) for ln in (tmp_path / "worker.log").read_text().splitlines()
-                 if ln.startswith("{")]
+    log_lines = [json.loads(ln) for ln in worker.output().splitlines() if ln.startswith("{")]
     assert any(rec["event"] == "stopped" for rec in log_lines)
 
 
-def test_recover_loop_runs_until_sigterm(dsn, tmp_path):
-    proc = spawn(["recover", "--loop", "0.2"], {"RECEIPTS_DATABASE_URL": dsn},
-                 tmp_path / "recover.log")
-    time.sleep(1.0)
-    assert proc.poll() is None
-    proc.send_signal(signal.SIGTERM)
-    assert proc.wait(10) == 0
-    sweeps = [ln for ln in (tmp_path / "recover.log").read_text().splitlines()
-              if "recovery_sweep" in ln]
-    assert len(sweeps) >= 2
+def test_recover_loop_runs_until_sigterm(dsn, sup):
+    recover = sup.start("recover", ["recover", "--loop", "0.2"], {"RECEIPTS_DATABASE_URL": dsn})
+    recover.wait_for_output("recovery_sweep", count=2)
+    assert recover.running
+    assert recover.stop(timeout_seconds=10) == 0
 
 
 def test_the_demo_runs_end_to_end_and_loses_nothing(server):

@@ -36,6 +36,11 @@ The database keeps an audit trail (a trigger on ``receipt_jobs`` that records
 every state or token change with the session's ``application_name``), so the
 end checks compare the workers' counters, logs and the provider's request log
 with what the database actually did. See docs/chaos.md.
+
+This module orchestrates (start, enqueue, drain, gather); the faults are in
+``tests/chaos/faults.py``, the end checks, pure functions of what was
+gathered, in ``tests/chaos/checks.py``, and every child process runs under
+one :class:`receipts.supervisor.Supervisor`.
 """
 
 from __future__ import annotations
@@ -44,28 +49,35 @@ import argparse
 import asyncio
 import contextlib
 import json
-import math
-import os
 import random
 import shutil
-import signal
-import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
-from collections import Counter, defaultdict
-from dataclasses import dataclass, field
+from collections import Counter
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import httpx
 import psycopg
 
 from receipts.embedded import EmbeddedPostgres, free_port
 from receipts.enqueue import enqueue
 from receipts.migrate import apply_migrations
+from receipts.supervisor import Child, ChildError, Supervisor
+from tests.chaos.checks import (
+    AuditRow,
+    Evidence,
+    WorkerView,
+    counter_mismatches,
+    evaluate,
+    read_trail,
+)
+from tests.chaos.faults import PROVIDER_BASELINE, FaultInjector
 from tests.chaos.pgproxy import PgProxy
+from tests.chaos.report import ChaosReport
 
 AUDIT_SQL = """
 CREATE TABLE chaos_audit (
@@ -98,15 +110,11 @@ CREATE TRIGGER chaos_audit AFTER UPDATE ON receipt_jobs
   FOR EACH ROW EXECUTE FUNCTION chaos_audit_row();
 """
 
-FAULT_KINDS = (
-    "sigkill", "sigstop", "pg_restart", "terminate", "claim_cut", "db_stall",
-    "latency_spike", "burst_5xx", "burst_429", "hang_after_headers", "reset", "hang",
+AUDIT_QUERY = (
+    "SELECT job_id::text, old_state, new_state, old_token::text, new_token::text,"
+    " coalesce(old_lease_until > stmt_at, false), attempts, app FROM chaos_audit ORDER BY seq"
 )
-PROVIDER_BASELINE: dict[str, Any] = {
-    "latency_seconds": 0.005, "latency_jitter_seconds": 0.02, "error_rate": 0.0,
-    "rate_limit_rate": 0.0, "retry_after_seconds": 1.0, "timeout_rate": 0.0,
-    "reset_rate": 0.0, "hang_after_headers_rate": 0.0,
-}
+STALE_EVENTS = {"stale_ack", "stale_reschedule"}
 
 
 @dataclass(slots=True)
@@ -129,132 +137,22 @@ class ChaosConfig:
     quiet: bool = False
 
 
-@dataclass(slots=True)
-class _Proc:
-    name: str
-    popen: subprocess.Popen[bytes]
-    log: Path
-    port: int | None = None
-    app: str | None = None
-    killed: bool = False
-    stopped: bool = False
-    proxied: bool = False
-    last_metrics: dict[str, float] = field(default_factory=dict)
+@dataclass(slots=True, kw_only=True)
+class WorkerProc(WorkerView):
+    """One worker process of the run: its child, and what the checks see of it."""
+
+    child: Child
+
+    def read_stale(self) -> None:
+        """Read its refused acks and reschedules from its log (killed ones keep theirs)."""
+        self.stale = tuple(read_events(self.child.log_path, STALE_EVENTS))
 
 
-@dataclass(slots=True)
-class ChaosReport:
-    """What a run did and whether its checks passed."""
-
-    config: ChaosConfig
-    wall_seconds: float = 0.0
-    drain_seconds: float = 0.0
-    states: dict[str, int] = field(default_factory=dict)
-    faults: Counter[str] = field(default_factory=Counter)
-    effects: dict[str, int] = field(default_factory=dict)
-    figures: dict[str, float] = field(default_factory=dict)
-    checks: list[tuple[str, bool, str]] = field(default_factory=list)
-    workdir: Path | None = None
-
-    @property
-    def ok(self) -> bool:
-        """True when every check passed."""
-        return all(passed for _, passed, _ in self.checks)
-
-    @property
-    def failures(self) -> list[str]:
-        """The failed checks as ``name: detail`` lines."""
-        return [f"{name}: {detail}" for name, passed, detail in self.checks if not passed]
-
-    def check(self, name: str, passed: bool, detail: str = "") -> None:
-        """Record one named check."""
-        self.checks.append((name, bool(passed), detail))
-
-    def table(self) -> str:
-        """The run's figures as a plain-text table."""
-        f, e = self.figures, self.effects
-        rows: list[tuple[str, str]] = [
-            ("jobs enqueued", f"{self.config.jobs}"),
-            ("done / failed", f"{self.states.get('done', 0)} / {self.states.get('failed', 0)}"),
-            ("lost (not done or failed)", f"{int(f.get('lost', 0))}"),
-            ("worker processes (incl. replacements)", f"{int(f.get('worker_processes', 0))}"),
-        ]
-        labels = {
-            "sigkill": ("SIGKILL mid-delivery (+ replacement)", "jobs_abandoned"),
-            "sigstop": ("SIGSTOP past the lease, then SIGCONT", "stale_from_sigstop"),
-            "pg_restart": ("PostgreSQL restart (fast)", ""),
-            "terminate": ("pg_terminate_backend bursts", ""),
-            "claim_cut": ("claim committed, answer cut (proxy)", "cut_jobs"),
-            "db_stall": ("DB link stalled past the lease (proxy)", "stale_from_stall"),
-            "latency_spike": ("provider latency > delivery timeout", "timeouts"),
-            # timeouts: every worker's retries{reason="timeout"} (hangs included)
-            "burst_5xx": ("provider 503 bursts", "status_503"),
-            "burst_429": ("provider 429 + Retry-After bursts", "status_429"),
-            "hang_after_headers": ("provider hang after headers", "fault_hang_after_headers"),
-            "reset": ("provider reset after recording", "fault_reset"),
-            "hang": ("provider hang after recording", "fault_timeout"),
-        }
-        rows.append(("faults injected", "windows/events   effect"))
-        for kind in FAULT_KINDS:
-            label, effect = labels[kind]
-            extra = f"{e.get(effect, 0)} {effect.replace('_', ' ')}" if effect else ""
-            rows.append((f"  {label}", f"{self.faults.get(kind, 0):<16} {extra}".rstrip()))
-        rows.append(("  backends terminated mid-claim / mid-ack",
-                     f"{e.get('terminated_claim', 0)} / {e.get('terminated_ack', 0)}"))
-        rows += [
-            ("provider requests", f"{int(f.get('provider_requests', 0))}"),
-            ("receipts recorded by the provider", f"{int(f.get('receipts', 0))}"),
-            ("redeliveries (repeat requests for a key)", f"{int(f.get('redeliveries', 0))}"),
-            ("duplicates suppressed by the provider",
-             f"{int(f.get('duplicates_suppressed', 0))}"),
-            ("stale acks/reschedules refused (logs, all workers)",
-             f"{int(f.get('stale_refused_logged', 0))}"),
-            ("  of which delivered, then ack refused", f"{int(f.get('stale_acks_logged', 0))}"),
-            ("stale acks (metric, surviving workers)", f"{int(f.get('stale_metric', 0))}"),
-            ("leases expired and recovered", f"{int(f.get('recovered', 0))}"),
-            ("acks accepted from a non-current token", f"{int(f.get('foreign_acks', 0))}"),
-            ("wall time", f"{self.wall_seconds:.1f} s (drain {self.drain_seconds:.1f} s)"),
-            ("throughput", f"{f.get('throughput', 0):.0f} jobs/s"),
-        ]
-        width = max(len(k) for k, _ in rows)
-        lines = [f"{k.ljust(width)}  {v}" for k, v in rows]
-        lines.append("")
-        lines += [f"[{'ok' if p else 'FAIL'}] {n}" + (f" — {d}" if d else "")
-                  for n, p, d in self.checks]
-        return "\n".join(lines)
-
-
-# --------------------------------------------------------------------- helpers
-
-
-def _http_json(url: str, *, method: str = "GET", body: Any = None, timeout: float = 10) -> Any:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, method=method,
-                                 headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return json.loads(resp.read())
-
-
-def scrape(port: int) -> dict[str, float]:
-    """One worker's ``/metrics`` as {series: value} (``receipts_*`` series only)."""
-    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=2) as resp:
-        text = resp.read().decode()
-    values: dict[str, float] = {}
-    for line in text.splitlines():
-        if line.startswith("receipts_"):
-            key, _, value = line.rpartition(" ")
-            values[key] = float(value)
-    return values
-
-
-def metric_sum(values: dict[str, float], name: str) -> float:
-    """Sum of every series of *name* (all label values)."""
-    return sum(v for k, v in values.items() if k == name or k.startswith(name + "{"))
-
-
-def read_events(path: Path, names: set[str]) -> list[dict[str, Any]]:
+def read_events(path: Path | None, names: set[str]) -> list[dict[str, Any]]:
     """JSON log lines of *path* whose ``event`` is in *names*."""
     found = []
+    if path is None:
+        return found
     with contextlib.suppress(FileNotFoundError), path.open("rb") as fh:
         for raw in fh:
             if not raw.startswith(b"{"):
@@ -273,51 +171,52 @@ class ChaosRun:
 
     def __init__(self, config: ChaosConfig) -> None:
         self.cfg = config
-        self.rng = random.Random(config.seed)
         self.report = ChaosReport(config)
-        self.procs: list[_Proc] = []
-        self.workers: list[_Proc] = []
-        self.pg: EmbeddedPostgres | None = None
-        self.proxy: PgProxy | None = None
+        self.injector = FaultInjector(self, random.Random(config.seed))
+        self.workers: list[WorkerProc] = []
+        self.sup = Supervisor()
+        self._pg: EmbeddedPostgres | None = None
+        self._proxy: PgProxy | None = None
+        self._provider: Child | None = None
         self.dsn = ""
-        self.provider_url = ""
         self.workdir = Path(".")
         self.enqueued = 0
         self.enqueue_done = threading.Event()
         self.enqueue_error: list[BaseException] = []
         self.violations: list[str] = []
-        self.effects: Counter[str] = Counter()
-        self.stopped_names: set[str] = set()
-        self.provider_windows = 0  # provider fault windows open now
-        self.stalling = False  # a db_stall is in progress (provider windows wait)
-        self.provider_quiet_at = 0.0  # monotonic time the last window's requests are over
         self.order_prefix = f"chaos{config.seed}-"
         self._worker_seq = 0
 
+    @property
+    def pg(self) -> EmbeddedPostgres:
+        """The run's own PostgreSQL server (started by :meth:`run`)."""
+        assert self._pg is not None
+        return self._pg
+
+    @property
+    def proxy(self) -> PgProxy:
+        """The wire-protocol proxy in front of worker-0's database link."""
+        assert self._proxy is not None
+        return self._proxy
+
+    @property
+    def provider(self) -> Child:
+        """The reference provider process."""
+        assert self._provider is not None
+        return self._provider
+
     def say(self, text: str) -> None:
+        """A progress line (not when quiet)."""
         if not self.cfg.quiet:
             print(f"  [{time.strftime('%H:%M:%S')}] {text}", flush=True)
 
     # ------------------------------------------------------------ processes
 
-    def _spawn(self, name: str, args: list[str], env: dict[str, str],
-               port: int | None = None) -> _Proc:
-        log = self.workdir / f"{name}.log"
-        full_env = {k: v for k, v in os.environ.items() if not k.startswith("RECEIPTS_")}
-        full_env |= env
-        with log.open("wb") as fh:
-            popen = subprocess.Popen([sys.executable, "-m", "receipts", *args], env=full_env,
-                                     stdout=fh, stderr=subprocess.STDOUT,
-                                     start_new_session=True)
-        proc = _Proc(name, popen, log, port)
-        self.procs.append(proc)
-        return proc
-
     def _worker_env(self, dsn: str, port: int, app: str) -> dict[str, str]:
         c = self.cfg
         return {
             "RECEIPTS_DATABASE_URL": dsn,
-            "RECEIPTS_PROVIDER_URL": self.provider_url,
+            "RECEIPTS_PROVIDER_URL": self.provider.url("/receipts"),
             "RECEIPTS_CONCURRENCY": str(c.concurrency),
             "RECEIPTS_LEASE_SECONDS": str(c.lease_seconds),
             "RECEIPTS_LEASE_MARGIN_SECONDS": "1",
@@ -335,46 +234,33 @@ class ChaosRun:
             "RECEIPTS_LOG_LEVEL": "INFO",
         }
 
-    async def _start_worker(self, *, proxied: bool = False) -> _Proc:
+    async def start_worker(self, *, proxied: bool = False) -> WorkerProc:
+        """Start the next ``worker-N`` (through the proxy when *proxied*); wait for /healthz."""
         index = self._worker_seq
         self._worker_seq += 1
         port = free_port()
         app = f"chaos-w{index}"
         dsn = self.dsn
         if proxied:
-            assert self.proxy is not None and self.pg is not None
             dsn = (f"postgresql://postgres@127.0.0.1:{self.proxy.port}/chaos"
                    "?sslmode=disable&gssencmode=disable")
-        proc = self._spawn(f"worker-{index}", ["worker"], self._worker_env(dsn, port, app), port)
-        proc.app, proc.proxied = f"{app}-worker", proxied
+        child = self.sup.start(f"worker-{index}", ["worker"],
+                               self._worker_env(dsn, port, app), port=port)
+        proc = WorkerProc(name=child.name, app=f"{app}-worker", proxied=proxied, child=child)
         self.workers.append(proc)
-        await self._wait_http(f"http://127.0.0.1:{port}/healthz")
+        await asyncio.to_thread(child.wait_healthy)
         return proc
 
-    async def _wait_http(self, url: str, timeout: float = 20.0) -> None:
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                await asyncio.to_thread(_http_json, url, timeout=1)
-                return
-            except (OSError, ValueError):
-                if time.monotonic() > deadline:
-                    raise
-                await asyncio.sleep(0.05)
-
-    def _live_workers(self) -> list[_Proc]:
-        return [w for w in self.workers if not w.killed and w.popen.poll() is None]
+    def live_workers(self) -> list[WorkerProc]:
+        """Workers neither killed nor exited (paused ones included)."""
+        return [w for w in self.workers if not w.killed and w.child.running]
 
     async def _scrape_all(self) -> None:
-        for w in self._live_workers():
-            if w.stopped or w.port is None:
+        for w in self.live_workers():
+            if w.child.paused:
                 continue
-            with contextlib.suppress(OSError, ValueError):
-                w.last_metrics = await asyncio.to_thread(scrape, w.port)
-
-    async def _provider_faults(self, **changes: Any) -> None:
-        await asyncio.to_thread(_http_json, f"{self.provider_url.rsplit('/', 1)[0]}/faults",
-                                method="PUT", body=changes)
+            with contextlib.suppress(httpx.HTTPError, ChildError, ValueError):
+                w.metrics = await asyncio.to_thread(w.child.scrape)
 
     # -------------------------------------------------------------- database
 
@@ -430,6 +316,9 @@ class ChaosRun:
         rows = await self._sql("SELECT state, count(*) FROM receipt_jobs GROUP BY state")
         return {str(s): int(n) for s, n in rows}
 
+    async def _audit(self) -> list[AuditRow]:
+        return [AuditRow(*row) for row in await self._sql(AUDIT_QUERY)]
+
     async def _monitor(self, stop: asyncio.Event) -> None:
         """Check the at-any-moment invariants and scrape metrics until *stop*."""
         while not stop.is_set():
@@ -450,186 +339,36 @@ class ChaosRun:
             with contextlib.suppress(asyncio.TimeoutError):
                 await asyncio.wait_for(stop.wait(), 0.5)
 
-    # ---------------------------------------------------------------- faults
+    async def _settle_counters(self, timeout_seconds: float = 5.0) -> None:
+        """Scrape until the workers' counters agree with the audit trail (or time is up).
 
-    def _schedule(self, duration: float) -> list[tuple[float, str]]:
-        cycles = max(1, math.ceil(duration / self.cfg.cycle_seconds))
-        span = duration / cycles
-        events = []
-        for c in range(cycles):
-            lo = c * span + (1.0 if c == 0 else 0.0)
-            for kind in FAULT_KINDS:
-                # The stall needs jobs still flowing to the proxied worker: early in the cycle.
-                hi = lo + 0.4 * span if kind == "db_stall" else (c + 1) * span - 0.5
-                events.append((self.rng.uniform(lo, max(lo + 0.1, hi)), kind))
-        return sorted(events)
-
-    async def _faults(self, duration: float) -> None:
-        started = time.monotonic()
-        tasks = []
-        for at, kind in self._schedule(duration):
-            pause = started + at - time.monotonic()
-            if pause > 0:
-                await asyncio.sleep(pause)
-            tasks.append(asyncio.create_task(self._fault(kind), name=kind))
-        results = await asyncio.gather(*tasks, return_exceptions=True)
-        for task, result in zip(tasks, results, strict=True):
-            if isinstance(result, BaseException):
-                self.violations.append(f"fault {task.get_name()} crashed: {result!r}")
-
-    async def _fault(self, kind: str) -> None:
-        handler = getattr(self, f"_fault_{kind}", None)
-        if handler is not None:
-            await handler()
-            return
-        windows: dict[str, tuple[dict[str, Any], float]] = {
-            "latency_spike": ({"latency_seconds": self.cfg.delivery_timeout_seconds + 0.5}, 1.5),
-            "burst_5xx": ({"error_rate": 0.6}, 1.0),
-            "burst_429": ({"rate_limit_rate": 0.5, "retry_after_seconds": 1.0}, 1.0),
-            "hang_after_headers": ({"hang_after_headers_rate": 0.15}, 1.5),
-            "reset": ({"reset_rate": 0.15}, 1.5),
-            "hang": ({"timeout_rate": 0.15}, 1.5),
-        }
-        changes, seconds = windows[kind]
-        self.report.faults[kind] += 1
-        deadline = time.monotonic() + 15
-        while self.stalling and time.monotonic() < deadline:
-            await asyncio.sleep(0.05)  # keep the stall's deliveries successful
-        self.say(f"provider: {kind} for {seconds:g}s")
-        self.provider_windows += 1
-        try:
-            await self._provider_faults(**changes)
-            await asyncio.sleep(seconds)
-            await self._provider_faults(**{k: PROVIDER_BASELINE[k] for k in changes})
-        finally:
-            self.provider_windows -= 1
-            self.provider_quiet_at = max(
-                self.provider_quiet_at,
-                time.monotonic() + self.cfg.delivery_timeout_seconds + 0.3)
-
-    async def _victim(self, exclude_stopped: bool = True) -> _Proc | None:
-        """A direct (unproxied) live worker with deliveries in flight, if one shows up."""
-        deadline = time.monotonic() + 3.0
-        candidates = [w for w in self._live_workers()
-                      if not w.proxied and not (exclude_stopped and w.stopped)]
-        if not candidates:
-            return None
-        self.rng.shuffle(candidates)
-        while time.monotonic() < deadline:
-            for w in candidates:
-                assert w.port is not None
-                with contextlib.suppress(OSError, ValueError):
-                    m = await asyncio.to_thread(scrape, w.port)
-                    if m.get("receipts_inflight_deliveries", 0) > 0:
-                        w.last_metrics = m
-                        return w
-            await asyncio.sleep(0.02)
-        return candidates[0]
-
-    async def _fault_sigkill(self) -> None:
-        victim = await self._victim()
-        if victim is None:
-            return
-        inflight = int(victim.last_metrics.get("receipts_inflight_deliveries", 0))
-        victim.popen.send_signal(signal.SIGKILL)
-        victim.killed = True
-        await asyncio.to_thread(victim.popen.wait)
-        self.report.faults["sigkill"] += 1
-        self.effects["jobs_abandoned"] += inflight
-        replacement = await self._start_worker()
-        self.say(f"SIGKILL {victim.name} ({inflight} in flight); replacement {replacement.name}")
-
-    async def _fault_sigstop(self) -> None:
-        victim = await self._victim()
-        if victim is None:
-            return
-        hold = self.cfg.lease_seconds + 2.0
-        victim.stopped = True
-        self.stopped_names.add(victim.name)
-        victim.popen.send_signal(signal.SIGSTOP)
-        self.report.faults["sigstop"] += 1
-        self.say(f"SIGSTOP {victim.name} for {hold:g}s (lease {self.cfg.lease_seconds:g}s)")
-        await asyncio.sleep(hold)
-        victim.popen.send_signal(signal.SIGCONT)
-        victim.stopped = False
-        self.say(f"SIGCONT {victim.name}")
-
-    async def _fault_pg_restart(self) -> None:
-        assert self.pg is not None
-        self.report.faults["pg_restart"] += 1
-        started = time.monotonic()
-        await asyncio.to_thread(self.pg.restart, "fast")
-        self.say(f"PostgreSQL restarted (fast) in {time.monotonic() - started:.1f}s")
-
-    async def _fault_terminate(self) -> None:
-        """Terminate worker backends caught mid-claim and mid-ack (≤ 2 each, ≤ 3 s)."""
-        self.report.faults["terminate"] += 1
-        wanted = {"claim": 2, "ack": 2}
-        patterns = {"claim": "WITH candidate AS%", "ack": "UPDATE receipt_jobs AS j%"}
-        deadline = time.monotonic() + 3.0
-        try:
-            async with await psycopg.AsyncConnection.connect(
-                self.dsn, autocommit=True, application_name="chaos-harness", connect_timeout=3
-            ) as conn:
-                while time.monotonic() < deadline and any(wanted.values()):
-                    for what, pattern in patterns.items():
-                        if not wanted[what]:
-                            continue
-                        cur = await conn.execute(
-                            "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
-                            " WHERE state = 'active' AND application_name LIKE 'chaos-w%%'"
-                            " AND query LIKE %s LIMIT 1", (pattern,))
-                        if await cur.fetchone():
-                            wanted[what] -= 1
-                            self.effects[f"terminated_{what}"] += 1
-                    await asyncio.sleep(0.002)
-        except psycopg.Error:
-            pass
-        self.say(f"terminated backends: {self.effects['terminated_claim']} mid-claim,"
-                 f" {self.effects['terminated_ack']} mid-ack so far")
-
-    async def _fault_claim_cut(self) -> None:
-        assert self.proxy is not None
-        self.report.faults["claim_cut"] += 1
-        before = len(self.proxy.cuts)
-        self.proxy.arm_cut(1)
-        deadline = time.monotonic() + 5
-        while len(self.proxy.cuts) == before and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        if len(self.proxy.cuts) > before:
-            rows = self.proxy.cuts[-1].rows
-            self.say(f"proxy cut a committed claim of {len(rows)} job(s)")
-
-    async def _fault_db_stall(self) -> None:
-        """Stall the proxied worker's link right after a claim, while the provider is sane."""
-        assert self.proxy is not None
-        hold = self.cfg.lease_seconds + 1.5
-        deadline = time.monotonic() + 10
-        while ((self.provider_windows or time.monotonic() < self.provider_quiet_at)
-               and time.monotonic() < deadline):
-            await asyncio.sleep(0.05)  # deliveries must succeed, so that acks are late
-        self.stalling = True
-        try:
-            self.proxy.arm_stall(hold)
-            while self.proxy.stall_armed and time.monotonic() < deadline + 5:
-                await asyncio.sleep(0.02)
-            if self.proxy.stall_armed:  # no claim with rows came: nothing injected
-                self.proxy.arm_stall(0.0)
-                self.say("proxy stall not triggered (no claim with rows)")
+        A worker bumps its counters just after its write commits, so the
+        last acks of a drained queue may not be counted yet at the first
+        scrape; the end check judges the final scrape either way.
+        """
+        deadline = time.monotonic() + timeout_seconds
+        while True:
+            await self._scrape_all()
+            trail = read_trail(await self._audit())
+            for w in self.workers:
+                w.read_stale()
+            if (not counter_mismatches(self.workers, trail, len(self._cut_rows()))
+                    or time.monotonic() > deadline):
                 return
-            self.report.faults["db_stall"] += 1
-            self.say(f"proxy stalls the proxied worker's database link for {hold:g}s"
-                     " right after a claim")
-            await asyncio.sleep(hold)
-        finally:
-            self.stalling = False
+            await asyncio.sleep(0.1)
+
+    def _cut_rows(self) -> list[Any]:
+        return [row for cut in self.proxy.cuts for row in cut.rows]
 
     # ------------------------------------------------------------------ run
 
     async def run(self) -> ChaosReport:
+        """Start everything, inject the faults, drain, stop and check; never raises on a
+        failed check (see :attr:`ChaosReport.ok`)."""
         c = self.cfg
         self.workdir = Path(c.workdir or tempfile.mkdtemp(prefix="receipts-chaos-"))
         self.workdir.mkdir(parents=True, exist_ok=True)
+        self.sup = Supervisor(self.workdir, stop_timeout_seconds=20.0)
         self.report.workdir = self.workdir
         wall = time.monotonic()
         try:
@@ -641,7 +380,7 @@ class ChaosRun:
 
     async def _run(self) -> None:
         c = self.cfg
-        self.pg = EmbeddedPostgres(fast=True, settings={"max_connections": "300"})
+        self._pg = EmbeddedPostgres(fast=True, settings={"max_connections": "300"})
         await asyncio.to_thread(self.pg.start)
         self.dsn = await asyncio.to_thread(self.pg.create_database, "chaos")
         await asyncio.to_thread(apply_migrations, self.dsn)
@@ -649,19 +388,20 @@ class ChaosRun:
         self.say(f"PostgreSQL 18 on :{self.pg.port}; logs in {self.workdir}")
 
         provider_port = free_port()
-        self.provider_url = f"http://127.0.0.1:{provider_port}/receipts"
-        self._spawn("provider", ["provider", "--port", str(provider_port), "--seed", str(c.seed),
-                                 "--reject-rate", str(c.reject_rate), "--hang-seconds", "3"], {})
-        await self._wait_http(f"http://127.0.0.1:{provider_port}/stats")
-        await self._provider_faults(**PROVIDER_BASELINE)
+        self._provider = self.sup.start(
+            "provider", ["provider", "--port", str(provider_port), "--seed", str(c.seed),
+                         "--reject-rate", str(c.reject_rate), "--hang-seconds", "3"],
+            port=provider_port, health_path="/stats")
+        await asyncio.to_thread(self.provider.wait_healthy)
+        await self.injector.set_provider(**PROVIDER_BASELINE)
 
-        self.proxy = PgProxy(self.pg.port, free_port())
+        self._proxy = PgProxy(self.pg.port, free_port())
         await self.proxy.start()
-        await self._start_worker(proxied=True)
+        await self.start_worker(proxied=True)
         for _ in range(c.workers - 1):
-            await self._start_worker()
-        self._spawn("recover", ["recover", "--loop", "0.5"],
-                    self._worker_env(self.dsn, 0, "chaos-recover"))
+            await self.start_worker()
+        self.sup.start("recover", ["recover", "--loop", "0.5"],
+                       self._worker_env(self.dsn, 0, "chaos-recover"))
         self.say(f"{c.workers} workers × {c.concurrency} slots (worker-0 through the proxy),"
                  f" recovery every 0.5s; enqueueing {c.jobs} jobs at {c.enqueue_rate:g}/s")
 
@@ -669,14 +409,12 @@ class ChaosRun:
         threading.Thread(target=self._enqueue_thread, daemon=True).start()
         stop_monitor = asyncio.Event()
         monitor = asyncio.create_task(self._monitor(stop_monitor))
-        await self._faults(c.jobs / c.enqueue_rate)
-        while not self.enqueue_done.is_set():
-            await asyncio.sleep(0.1)
+        await self.injector.inject(c.jobs / c.enqueue_rate)
+        await asyncio.to_thread(self.enqueue_done.wait)
         if self.enqueue_error:
             raise self.enqueue_error[0]
         self.say(f"all {c.jobs} jobs enqueued; draining")
         drain_start = time.monotonic()
-        counts: dict[str, int] = {}
         while time.monotonic() - drain_start < c.drain_timeout_seconds:
             with contextlib.suppress(psycopg.Error):
                 counts = await self._counts()
@@ -687,217 +425,46 @@ class ChaosRun:
         elapsed = time.monotonic() - started
         stop_monitor.set()
         await monitor
-        await asyncio.sleep(0.3)  # let the last acks' counters land
-        await self._scrape_all()
-        base = self.provider_url.rsplit("/", 1)[0]
-        provider_stats = await asyncio.to_thread(_http_json, f"{base}/stats")
-        receipts = await asyncio.to_thread(_http_json, f"{base}/receipts", timeout=60)
-        requests = await asyncio.to_thread(_http_json, f"{base}/requests", timeout=60)
-        exit_codes = await self._stop_processes()
+        await self._settle_counters()
+        provider_stats = await asyncio.to_thread(self.provider.get_json, "/stats")
+        receipts = await asyncio.to_thread(self.provider.get_json, "/receipts",
+                                           timeout_seconds=60)
+        requests = await asyncio.to_thread(self.provider.get_json, "/requests",
+                                           timeout_seconds=60)
+        exit_codes = await asyncio.to_thread(self.sup.stop_all, timeout_seconds=20)
         self.say(f"drained in {self.report.drain_seconds:.1f}s; checking")
-        await self._checks(elapsed, provider_stats, receipts, requests, exit_codes)
 
-    async def _stop_processes(self) -> dict[str, int | None]:
-        codes: dict[str, int | None] = {}
-        for p in self.procs:
-            if p.popen.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    p.popen.send_signal(signal.SIGCONT)
-                    p.popen.send_signal(signal.SIGTERM)
-        for p in self.procs:
-            try:
-                codes[p.name] = await asyncio.to_thread(p.popen.wait, 20)
-            except subprocess.TimeoutExpired:
-                p.popen.kill()
-                codes[p.name] = None
-        return codes
+        for w in self.workers:
+            w.read_stale()
+        rows = await self._sql("SELECT order_id, state FROM receipt_jobs")
+        states = {str(o): str(s) for o, s in rows}
+        evidence = Evidence(
+            expected={f"{self.order_prefix}{i:07d}" for i in range(c.jobs)},
+            states=states, audit=await self._audit(),
+            workers=list(self.workers),
+            provider_stats=provider_stats, receipts=receipts, requests=requests,
+            violations=self.violations + self.injector.crashes,
+            cut_rows=self._cut_rows(), cuts=len(self.proxy.cuts),
+            faults=self.injector.faults, exit_codes=dict(exit_codes),
+        )
+        verdict = evaluate(evidence)
+        r = self.report
+        r.states = dict(Counter(states.values()))
+        r.faults = self.injector.faults
+        r.checks = verdict.findings
+        r.figures = verdict.figures | {"throughput": c.jobs / elapsed if elapsed else 0.0}
+        r.effects = dict(self.injector.effects) | verdict.effects
 
     async def _teardown(self) -> None:
-        for p in self.procs:
-            if p.popen.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    p.popen.kill()
-                    p.popen.wait(5)
-        if self.proxy is not None:
-            await self.proxy.close()
-        if self.pg is not None:
-            await asyncio.to_thread(self.pg.cleanup)
+        # Off the event loop: the proxied worker's last statements go through the
+        # proxy, which runs in this loop.
+        await asyncio.to_thread(self.sup.close)
+        if self._proxy is not None:
+            await self._proxy.close()
+        if self._pg is not None:
+            await asyncio.to_thread(self._pg.cleanup)
         if self.report.ok and not self.cfg.keep_logs and self.cfg.workdir is None:
             shutil.rmtree(self.workdir, ignore_errors=True)
-
-    # ---------------------------------------------------------------- checks
-
-    async def _checks(self, elapsed: float, provider_stats: dict[str, Any],
-                      receipts: dict[str, Any], requests: list[list[str]],
-                      exit_codes: dict[str, int | None]) -> None:
-        r, c = self.report, self.cfg
-        rows = await self._sql("SELECT order_id, state, attempts FROM receipt_jobs")
-        state_of = {str(o): str(s) for o, s, _ in rows}
-        r.states = dict(Counter(state_of.values()))
-        expected = {f"{self.order_prefix}{i:07d}" for i in range(c.jobs)}
-        missing = expected - set(state_of)
-        unfinished = [o for o, s in state_of.items() if s not in ("done", "failed")]
-        r.figures["lost"] = len(missing) + len(unfinished)
-        r.check("no job lost or stuck: every job is done or failed",
-                not missing and not unfinished,
-                f"{len(missing)} missing, {len(unfinished)} not finished")
-        r.check("invariants held at every sample (no ready job with attempts >= max, "
-                "no running job without token and deadline)", not self.violations,
-                "; ".join(self.violations[:5]))
-
-        # --- the provider's view
-        done = {o for o, s in state_of.items() if s == "done"}
-        keys = {f"receipt:{o}" for o in done}
-        requested: dict[str, list[str]] = defaultdict(list)
-        for key, attempt in requests:
-            requested[key].append(attempt)
-        no_receipt = [k for k in keys if k not in receipts]
-        never_requested = [k for k in keys if k not in requested]
-        r.check("every done job was delivered with key receipt:<order_id>",
-                not no_receipt and not never_requested,
-                f"{len(no_receipt)} done without a receipt, {len(never_requested)} never requested")
-        orders = [v["order_id"] for v in receipts.values()]
-        strangers = [k for k in receipts if k.removeprefix("receipt:") not in expected]
-        r.check("the provider's deduplicated view holds exactly one receipt per delivered order",
-                len(orders) == len(set(orders)) == len(receipts) == provider_stats["receipts"]
-                and all(receipts[k]["order_id"] == k.removeprefix("receipt:") for k in receipts)
-                and not strangers,
-                f"{len(receipts)} receipts, {len(set(orders))} orders, {len(strangers)} unknown")
-        failed_with_receipt = [k for k in receipts if state_of.get(k[8:]) == "failed"]
-        r.figures.update(
-            provider_requests=provider_stats["requests"], receipts=len(receipts),
-            duplicates_suppressed=provider_stats["duplicates_suppressed"],
-            redeliveries=sum(len(v) - 1 for v in requested.values()),
-            failed_with_receipt=len(failed_with_receipt),
-        )
-        for stat in ("status_503", "status_429", "fault_hang_after_headers", "fault_reset",
-                     "fault_timeout"):
-            self.effects[stat] = int(provider_stats.get(stat, 0))
-
-        # --- the audit trail
-        audit = await self._sql(
-            "SELECT seq, job_id::text, order_id, old_state, new_state, old_token::text,"
-            " new_token::text, old_lease_until > stmt_at, attempts, app, last_error"
-            " FROM chaos_audit ORDER BY seq")
-        claim_app: dict[str, str] = {}
-        claim_attempt: dict[str, int] = {}
-        done_by: Counter[str] = Counter()
-        claimed_by: Counter[str] = Counter()
-        retried_by: Counter[str] = Counter()
-        failed_by: Counter[str] = Counter()
-        completed_tokens: set[str] = set()
-        recovered_tokens: set[str] = set()
-        foreign, expired_acks = [], []
-        for (_, _job, _order, old, new, old_tok, new_tok, lease_ok, attempts, app,
-             _err) in audit:
-            if old != "running" and new == "running":
-                claim_app[new_tok] = app
-                claim_attempt[new_tok] = attempts
-                claimed_by[app] += 1
-                continue
-            if old == "running":
-                if app.endswith("-recover"):
-                    recovered_tokens.add(old_tok)
-                    continue
-                if claim_app.get(old_tok) != app:
-                    foreign.append((old_tok, claim_app.get(old_tok), app))
-                if not lease_ok:
-                    expired_acks.append(old_tok)
-                if new == "done":
-                    completed_tokens.add(old_tok)
-                    done_by[app] += 1
-                elif new == "ready":
-                    retried_by[app] += 1
-                elif new == "failed":
-                    failed_by[app] += 1
-        r.figures["foreign_acks"] = len(foreign)
-        r.figures["recovered"] = len(recovered_tokens)
-        r.check("every ack or reschedule the database accepted came from the attempt that "
-                "held the current token, under an unexpired lease",
-                not foreign and not expired_acks,
-                f"{len(foreign)} from another process, {len(expired_acks)} after expiry")
-
-        # --- cut claims: committed, never confirmed, never delivered by that attempt
-        assert self.proxy is not None
-        cut_rows = [row for cut in self.proxy.cuts for row in cut.rows]
-        self.effects["cut_jobs"] = len(cut_rows)
-        delivered_cut = [row for row in cut_rows
-                         if str(row.attempt) in requested.get(f"receipt:{row.order_id}", [])]
-        unrecovered_cut = [row for row in cut_rows if row.token not in recovered_tokens]
-        r.check("no attempt whose claim answer was cut reached the provider; recovery took "
-                "each one back",
-                bool(cut_rows) and not delivered_cut and not unrecovered_cut,
-                f"{len(cut_rows)} cut job(s) in {len(self.proxy.cuts)} cut(s), "
-                f"{len(delivered_cut)} delivered by the cut attempt, "
-                f"{len(unrecovered_cut)} not recovered")
-
-        # --- stale attempts, from every worker's log (killed ones included)
-        stale: list[dict[str, Any]] = []
-        for w in self.workers:
-            for rec in read_events(w.log, {"stale_ack", "stale_reschedule"}):
-                rec["_worker"] = w.name
-                stale.append(rec)
-        completed_prefixes = {t.replace("-", "")[:8] for t in completed_tokens}
-        completed_stale = [s for s in stale if s.get("token") in completed_prefixes]
-        stale_acks = [s for s in stale if s["event"] == "stale_ack"]
-        # A refused ack's attempt reached the provider (it was delivered), and the job
-        # was finished by another attempt.
-        acked_elsewhere = [s for s in stale_acks
-                           if state_of.get(s["order_id"]) in ("done", "failed")]
-        r.figures["stale_refused_logged"] = len(stale)
-        r.figures["stale_acks_logged"] = len(stale_acks)
-        self.effects["stale_from_sigstop"] = sum(1 for s in stale
-                                                 if s["_worker"] in self.stopped_names)
-        self.effects["stale_from_stall"] = sum(
-            1 for s in stale if s["_worker"] == self.workers[0].name)
-        delivered_stale = [s for s in stale_acks
-                           if str(s.get("attempt")) in requested.get(
-                               f"receipt:{s['order_id']}", [])]
-        r.check("stale acks are refused: late acks of delivered receipts and late reschedules "
-                "were issued, none completed its job, each of those receipts reached the "
-                "provider, and each job was finished by a newer attempt",
-                bool(stale_acks) and not completed_stale
-                and len(acked_elsewhere) == len(delivered_stale) == len(stale_acks),
-                f"{len(stale)} refused ({len(stale_acks)} acks of delivered receipts, "
-                f"{len(delivered_stale)} of them seen by the provider), "
-                f"{len(completed_stale)} completed anyway")
-
-        # --- counters of the surviving workers against the audit trail
-        survivors = [w for w in self.workers if not w.killed]
-        mismatches = []
-        stale_metric = 0.0
-        for w in survivors:
-            m, app = w.last_metrics, w.app or ""
-            stale_metric += m.get("receipts_stale_acks_total", 0)
-            logged = sum(1 for s in stale if s["_worker"] == w.name)
-            pairs = {
-                "acks_total": (m.get("receipts_acks_total", 0), done_by[app]),
-                "failures_total": (metric_sum(m, "receipts_failures_total"), failed_by[app]),
-                "retries_total": (metric_sum(m, "receipts_retries_total"), retried_by[app]),
-                "jobs_claimed_total": (
-                    m.get("receipts_jobs_claimed_total", 0)
-                    + (len(cut_rows) if w.proxied else 0), claimed_by[app]),
-                "stale_acks_total": (m.get("receipts_stale_acks_total", 0), logged),
-            }
-            for name, (metric, truth) in pairs.items():
-                if int(metric) != truth:
-                    mismatches.append(f"{w.name} {name}={int(metric)} vs {truth}")
-        r.figures["stale_metric"] = stale_metric
-        self.effects["timeouts"] = int(sum(
-            w.last_metrics.get('receipts_retries_total{reason="timeout"}', 0)
-            for w in self.workers))
-        r.check("counters of surviving workers equal the database's audit trail "
-                "(acks, retries, failures, claims) and their own logs (stale acks)",
-                not mismatches and bool(survivors), "; ".join(mismatches[:8]))
-        killed = {w.name for w in self.workers if w.killed}
-        bad_exits = {n: code for n, code in exit_codes.items() if code != 0 and n not in killed}
-        r.check("every surviving process exited 0 on SIGTERM", not bad_exits, str(bad_exits))
-        r.check("every fault kind was injected",
-                all(r.faults.get(k, 0) > 0 for k in FAULT_KINDS),
-                ", ".join(k for k in FAULT_KINDS if not r.faults.get(k)))
-        r.figures["worker_processes"] = len(self.workers)
-        r.figures["throughput"] = c.jobs / elapsed if elapsed else 0.0
-        r.effects = dict(self.effects)
 
 
 async def run_chaos(config: ChaosConfig) -> ChaosReport:

@@ -9,46 +9,31 @@ and still drive the in-loop reference provider.
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 
 import httpx
-from prometheus_client.parser import text_string_to_metric_families
 
 from receipts.embedded import free_port
 from receipts.settings import Settings
-
-Samples = dict[tuple[str, tuple[tuple[str, str], ...]], float]
-
-
-def parse_scrape(text: str) -> Samples:
-    """Prometheus text format → {(sample name, sorted labels): value}."""
-    samples: Samples = {}
-    for family in text_string_to_metric_families(text):
-        for s in family.samples:
-            samples[(s.name, tuple(sorted(s.labels.items())))] = s.value
-    return samples
+from receipts.supervisor import MetricSamples, parse_metrics
 
 
-def value(samples: Samples, name: str, **labels: str) -> float:
+def value(samples: MetricSamples, name: str, **labels: str) -> float:
     """One sample's value; KeyError when the series is absent."""
-    return samples[(name, tuple(sorted(labels.items())))]
+    return samples.value(name, **labels)
 
 
-def total(samples: Samples, name: str) -> float:
+def total(samples: MetricSamples, name: str) -> float:
     """Sum of a metric's samples over every label set (0 when absent)."""
-    return sum(v for (n, _), v in samples.items() if n == name)
+    return samples.total(name)
 
 
-def by_label(samples: Samples, name: str, label: str) -> dict[str, float]:
+def by_label(samples: MetricSamples, name: str, label: str) -> dict[str, float]:
     """{label value: sample value} for one metric."""
-    return {dict(lbls)[label]: v for (n, lbls), v in samples.items()
-            if n == name and label in dict(lbls)}
+    return samples.by_label(name, label)
 
 
 async def wait_for(predicate: Callable[[], Awaitable[bool]], *, timeout_seconds: float,
@@ -75,10 +60,10 @@ class ServedWorker:
     async def get(self, path: str) -> httpx.Response:
         return await self.client.get(self.url(path))
 
-    async def scrape(self) -> Samples:
+    async def scrape(self) -> MetricSamples:
         response = await self.get("/metrics")
         response.raise_for_status()
-        return parse_scrape(response.text)
+        return parse_metrics(response.text)
 
 
 @asynccontextmanager
@@ -102,12 +87,3 @@ async def serving_worker(settings: Settings, *, wait_ready: bool = True
         finally:
             worker.stop()
             await asyncio.wait_for(task, 30)
-
-
-def receipts_cli(args: list[str], env: Mapping[str, str], *, timeout_seconds: float = 60
-                 ) -> subprocess.CompletedProcess[str]:
-    """Run ``python -m receipts ARGS`` with only *env*'s ``RECEIPTS_*`` settings."""
-    full = {k: v for k, v in os.environ.items() if not k.startswith("RECEIPTS_")}
-    full.update(env)
-    return subprocess.run([sys.executable, "-m", "receipts", *args], env=full, text=True,
-                          capture_output=True, timeout=timeout_seconds, check=False)

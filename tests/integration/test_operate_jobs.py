@@ -6,14 +6,14 @@ import json
 import uuid
 
 from receipts.jobqueue import JobQueue
+from receipts.supervisor import run_command
 from tests.conftest import claim_jobs, enqueue_many, fetch_rows, reschedule_one
-from tests.integration._operate import receipts_cli
 
 SNAPSHOT = "SELECT * FROM receipt_jobs ORDER BY order_id"
 
 
 def _jobs(dsn: str, *args: str) -> tuple[int, str, str]:
-    result = receipts_cli(["jobs", *args], {"RECEIPTS_DATABASE_URL": dsn})
+    result = run_command(["jobs", *args], {"RECEIPTS_DATABASE_URL": dsn})
     return result.returncode, result.stdout, result.stderr
 
 

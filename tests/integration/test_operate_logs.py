@@ -4,15 +4,14 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
-import signal
-import sys
+from collections.abc import Awaitable, Callable
 
 import psycopg
 import pytest
 
+from receipts.supervisor import Child, Supervisor, run_command
 from tests.conftest import RunningProvider, enqueue_many, fetch_rows
-from tests.integration._operate import receipts_cli, wait_for
+from tests.integration._operate import wait_for
 
 PASSWORD = "Sup3r-Secret-Pw"
 JOB_FIELDS = {"job_id", "order_id", "attempt", "token", "outcome"}
@@ -26,8 +25,7 @@ def _with_password(dsn: str) -> str:
 
 
 def _worker_env(dsn: str, provider_url: str, **extra: str) -> dict[str, str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RECEIPTS_")}
-    env |= {
+    env = {
         "RECEIPTS_DATABASE_URL": dsn,
         "RECEIPTS_PROVIDER_URL": provider_url,
         "RECEIPTS_CONCURRENCY": "8",
@@ -42,17 +40,18 @@ def _worker_env(dsn: str, provider_url: str, **extra: str) -> dict[str, str]:
     return env | extra
 
 
-async def _run_worker_until(env: dict[str, str], done: object, *, timeout_seconds: float
-                            ) -> tuple[int, str, str]:
-    proc = await asyncio.create_subprocess_exec(
-        sys.executable, "-m", "receipts", "worker", env=env,
-        stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+async def _run_worker_until(env: dict[str, str], done: Callable[[Child], Awaitable[bool]], *,
+                            timeout_seconds: float) -> tuple[int | None, str, str]:
+    """Run ``receipts worker`` until *done(worker)*, then SIGTERM it: (exit, stdout, stderr)."""
+    sup = Supervisor(stop_timeout_seconds=30)
+    worker = sup.start("worker", ["worker"], env)
     try:
-        await wait_for(done, timeout_seconds=timeout_seconds, what="the worker's work")  # type: ignore[arg-type]
+        await wait_for(lambda: done(worker), timeout_seconds=timeout_seconds,
+                       what="the worker's work")
     finally:
-        proc.send_signal(signal.SIGTERM)
-        out, err = await asyncio.wait_for(proc.communicate(), 30)
-    return proc.returncode or 0, out.decode(), err.decode()
+        # Off the loop: the worker's last deliveries go to the provider in this loop.
+        await asyncio.to_thread(sup.close)
+    return worker.returncode, worker.stdout_text, worker.stderr_text
 
 
 def _json_lines(text: str) -> list[dict[str, object]]:
@@ -66,7 +65,7 @@ async def test_worker_logs_are_json_lines_with_the_job_fields_and_no_password(
     provider.set_faults(error_rate=0.3, reject_rate=0.2)
     enqueue_many(dsn, [f"log-{i:02d}" for i in range(20)])
 
-    async def drained() -> bool:
+    async def drained(_: Child) -> bool:
         rows = await asyncio.to_thread(fetch_rows, dsn, "SELECT count(*) FROM receipt_jobs"
                                                         " WHERE state IN ('ready', 'running')")
         return rows[0][0] == 0
@@ -98,14 +97,12 @@ async def test_a_worker_without_its_database_logs_json_without_the_password() ->
     from receipts.embedded import free_port
 
     bad = f"postgresql://receipts:{PASSWORD}@127.0.0.1:{free_port()}/receipts"
-    seen: list[float] = []
 
-    async def a_while() -> bool:
-        seen.append(0)
-        return len(seen) > 30  # ~1.5 s of failed claims
+    async def claims_failed(worker: Child) -> bool:
+        return '"event": "claim_failed"' in worker.stdout_text
 
     code, out, err = await _run_worker_until(_worker_env(bad, "http://127.0.0.1:9/r"),
-                                             a_while, timeout_seconds=10)
+                                             claims_failed, timeout_seconds=10)
     assert code == 0, err
     assert PASSWORD not in out + err
     records = _json_lines(out)
@@ -124,7 +121,7 @@ def test_cli_errors_for_an_unreachable_database_never_show_the_password(
     port = free_port()
     dsn = (f"postgresql://receipts:{PASSWORD}@127.0.0.1:{port}/receipts" if form == "uri"
            else f"host=127.0.0.1 port={port} user=receipts password={PASSWORD} dbname=receipts")
-    result = receipts_cli(command, {"RECEIPTS_DATABASE_URL": dsn}, timeout_seconds=30)
+    result = run_command(command, {"RECEIPTS_DATABASE_URL": dsn}, timeout_seconds=30)
     assert result.returncode == 1, result.stderr
     assert PASSWORD not in result.stdout + result.stderr
     assert "receipts: error:" in result.stderr
@@ -138,7 +135,7 @@ def test_cli_errors_for_an_unreachable_database_never_show_the_password(
     f"host=127.0.0.1 password='{PASSWORD} x",
 ])
 def test_cli_settings_errors_for_a_bad_dsn_never_show_the_password(dsn: str) -> None:
-    result = receipts_cli(["jobs", "stats"], {"RECEIPTS_DATABASE_URL": dsn})
+    result = run_command(["jobs", "stats"], {"RECEIPTS_DATABASE_URL": dsn})
     assert result.returncode == 2, result.stderr
     assert PASSWORD not in result.stdout + result.stderr
     assert "RECEIPTS_DATABASE_URL" in result.stderr

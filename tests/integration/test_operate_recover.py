@@ -12,8 +12,8 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 import pytest
 
 from receipts.embedded import free_port
+from receipts.supervisor import parse_metrics, run_command
 from tests.conftest import enqueue_many, fetch_rows
-from tests.integration._operate import parse_scrape, receipts_cli, value
 
 
 @dataclass
@@ -79,7 +79,7 @@ def _env(dsn: str, **extra: str) -> dict[str, str]:
 def test_recover_pushes_its_counts_to_the_pushgateway(dsn: str, gateway: FakeGateway) -> None:
     _seed(dsn)
     started = time.time()
-    result = receipts_cli(["recover"], _env(dsn, RECEIPTS_PUSHGATEWAY_URL=gateway.url))
+    result = run_command(["recover"], _env(dsn, RECEIPTS_PUSHGATEWAY_URL=gateway.url))
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("recovered 2 expired lease(s) to ready, 1 to failed;")
     assert "pruned 3 finished row(s)" in result.stdout
@@ -87,12 +87,12 @@ def test_recover_pushes_its_counts_to_the_pushgateway(dsn: str, gateway: FakeGat
     (method, path, content_type, body), = gateway.requests
     assert (method, path) == ("PUT", "/metrics/job/receipts-recover")
     assert content_type.startswith("text/plain")
-    pushed = parse_scrape(body)
-    assert value(pushed, "receipts_recovery_expired_total", result="ready") == 2
-    assert value(pushed, "receipts_recovery_expired_total", result="failed") == 1
-    assert value(pushed, "receipts_recovery_exhausted_total") == 0
-    assert value(pushed, "receipts_recovery_pruned_total") == 3
-    assert value(pushed, "receipts_recovery_last_success_timestamp_seconds") >= started - 1
+    pushed = parse_metrics(body)
+    assert pushed.value("receipts_recovery_expired_total", result="ready") == 2
+    assert pushed.value("receipts_recovery_expired_total", result="failed") == 1
+    assert pushed.value("receipts_recovery_exhausted_total") == 0
+    assert pushed.value("receipts_recovery_pruned_total") == 3
+    assert pushed.value("receipts_recovery_last_success_timestamp_seconds") >= started - 1
 
     states = dict(fetch_rows(dsn, "SELECT order_id, state FROM receipt_jobs"))
     assert states == {"exp-1": "ready", "exp-2": "ready", "exp-max": "failed", "fresh": "ready"}
@@ -100,7 +100,7 @@ def test_recover_pushes_its_counts_to_the_pushgateway(dsn: str, gateway: FakeGat
 
 def test_recover_without_a_pushgateway_just_prints(dsn: str) -> None:
     _seed(dsn)
-    result = receipts_cli(["recover", "--json"], _env(dsn))
+    result = run_command(["recover", "--json"], _env(dsn))
     assert result.returncode == 0, result.stderr
     report = json.loads(result.stdout)  # stdout is the report alone; logs go to stderr
     assert (report["expired_to_ready"], report["expired_to_failed"], report["pruned"]) == (2, 1, 3)
@@ -109,7 +109,7 @@ def test_recover_without_a_pushgateway_just_prints(dsn: str) -> None:
 def test_an_unreachable_pushgateway_fails_the_run_but_keeps_the_sweep(dsn: str) -> None:
     _seed(dsn)
     url = f"http://127.0.0.1:{free_port()}"
-    result = receipts_cli(["recover"], _env(dsn, RECEIPTS_PUSHGATEWAY_URL=url))
+    result = run_command(["recover"], _env(dsn, RECEIPTS_PUSHGATEWAY_URL=url))
     assert result.returncode == 1
     assert "push to Pushgateway failed" in result.stderr
     assert fetch_rows(dsn, "SELECT count(*) FROM receipt_jobs WHERE state = 'running'") == [(0,)]
