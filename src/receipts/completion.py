@@ -32,6 +32,7 @@ an ack that landed counts in ``receipts_acks_total``; a reschedule in
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 import time
 import uuid
@@ -253,6 +254,8 @@ class Completer:
         if isinstance(item, Attempt):
             if result:
                 self.metrics.acks.inc()
+                if log.isEnabledFor(logging.DEBUG):  # skip building the fields at INFO
+                    log.debug("delivered", extra=job_fields(job, Reason.DELIVERED))
                 if item.enqueued_age_seconds is not None:
                     age = item.enqueued_age_seconds + time.monotonic() - item.claimed_at
                     self.metrics.time_to_receipt.observe(age)

@@ -71,11 +71,14 @@ def check_dsn(dsn: str) -> None:
         if authority.count("@") > 1:  # libpq would read the rest as a host name
             raise ValueError("has an unencoded '@' in its user or password (write it as %40)")
     try:
-        conninfo_to_dict(dsn)
+        info = conninfo_to_dict(dsn)
     except Exception:  # psycopg.ProgrammingError; its message may quote the DSN
         raise ValueError(
             "is not a valid libpq connection string (postgresql://… URI or key=value pairs)"
         ) from None
+    for port in str(info.get("port") or "").split(","):
+        if port and not (port.isascii() and port.isdigit() and 0 < int(port) < 65_536):
+            raise ValueError("has an invalid port (a number from 1 to 65535 for each host)")
 
 
 def safe_dsn(dsn: str) -> str:
