@@ -17,7 +17,10 @@ can misbehave on purpose for the demo, the tests and staging.
 
 ``GET /stats`` returns counters as JSON, ``GET /receipts`` every recorded key
 with its request count, ``GET /requests`` every keyed POST as ``[key, attempt]``
-(attempt from ``X-Receipts-Attempt``) in arrival order, ``PUT /faults``
+(attempt from ``X-Receipts-Attempt``) in arrival order, ``GET /answers``
+every answer with a status as ``[monotonic seconds, status]`` (the machine's
+monotonic clock, comparable across its processes), ``GET /healthz`` says it
+is up, ``PUT /faults``
 changes faults at run time (JSON with any :class:`Faults` field), ``POST
 /reset`` forgets everything.
 """
@@ -227,6 +230,12 @@ class ReferenceProvider:
         async def requests_log(_: web.Request) -> web.Response:
             return web.json_response(self.request_log)
 
+        async def answers(_: web.Request) -> web.Response:
+            return web.json_response(self.answers)
+
+        async def healthz(_: web.Request) -> web.Response:
+            return web.json_response({"status": "ok"})
+
         async def put_faults(request: web.Request) -> web.Response:
             try:
                 data = await request.json()
@@ -247,6 +256,8 @@ class ReferenceProvider:
         app.router.add_get("/receipts", receipts)
         app.router.add_get("/stats", stats)
         app.router.add_get("/requests", requests_log)
+        app.router.add_get("/answers", answers)
+        app.router.add_get("/healthz", healthz)
         app.router.add_put("/faults", put_faults)
         app.router.add_post("/reset", reset)
         return app
