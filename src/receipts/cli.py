@@ -219,7 +219,7 @@ def cmd_jobs(settings: Settings, args: argparse.Namespace) -> int:
                 "queue_lag_seconds": round(stats.lag_seconds, 3),
                 "expired_leases": stats.expired,
                 "oldest_failed_at": _jsonable(oldest),
-                "oldest_transaction_age_seconds": round(stats.oldest_transaction_seconds, 3),
+                "oldest_transaction_age_seconds": round(stats.oldest_transaction_age_seconds, 3),
             }
             if args.json:
                 print(json.dumps(data))

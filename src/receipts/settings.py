@@ -54,6 +54,22 @@ def redact_dsn(text: str) -> str:
     return _DSN_PASSWORD_KV.sub(lambda m: m.group("head") + "***", text)
 
 
+def package_version() -> str:
+    """The installed ``receipts`` distribution's version (``importlib.metadata``).
+
+    Falls back to ``receipts.__version__`` when the package runs from a source
+    tree that was never installed. Never raises.
+    """
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("receipts")
+    except PackageNotFoundError:
+        from receipts import __version__
+
+        return __version__
+
+
 def check_dsn(dsn: str) -> None:
     """Raise ``ValueError`` when *dsn* is not a usable libpq URI or key/value string.
 
