@@ -192,9 +192,9 @@ def test_every_option_and_argument_has_help_and_shows_its_default() -> None:
             default = action.default
             shown = not (default is None or isinstance(default, bool)
                          or default is argparse.SUPPRESS)
-            if action.option_strings and shown:
-                if f"(default: {default})" not in " ".join(text.split()):
-                    no_default.append(f"{path} {name}")
+            flat = " ".join(text.split())
+            if action.option_strings and shown and f"(default: {default})" not in flat:
+                no_default.append(f"{path} {name}")
     assert not missing, f"options without help: {missing}"
     assert not no_default, f"options whose default is not shown: {no_default}"
 
