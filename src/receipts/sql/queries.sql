@@ -151,8 +151,8 @@ RETURNING id;
 -- oldest transaction is this database's: only its sessions hold back the
 -- cleanup of receipt_jobs (docs/design.md §10). The oldest undelivered job is
 -- counted from created_at, which no retry moves (run_at does): reading it costs
--- a heap visit per ready row, ≈11 ms more with 100,000 ready rows, nothing when
--- the queue is drained.
+-- a heap visit per ready row (100,000 due ready rows: 48 ms instead of 36,
+-- 2,700 buffers instead of 500), nothing when the queue is drained.
 WITH ready AS MATERIALIZED (
   SELECT count(*) AS ready,
          count(*) FILTER (WHERE run_at <= statement_timestamp()) AS ready_due,
