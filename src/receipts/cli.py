@@ -23,7 +23,7 @@ import sys
 import uuid
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from receipts.settings import (
     ENV_PREFIX,
@@ -34,6 +34,9 @@ from receipts.settings import (
     package_version,
     redact_dsn,
 )
+
+if TYPE_CHECKING:
+    from receipts.review import RetryResult
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 
@@ -375,8 +378,8 @@ def cmd_jobs(settings: Settings, args: argparse.Namespace) -> int:
     return _run(_with_queue(settings, "cli", body))
 
 
-def _print_retry(args: argparse.Namespace, result: Any) -> None:
-    """Print a :class:`receipts.review.RetryResult`: JSON or lines; refusals on stderr."""
+def _print_retry(args: argparse.Namespace, result: RetryResult) -> None:
+    """Print what ``jobs retry`` did: JSON or lines on stdout; refusals on stderr."""
     if args.json:
         print(json.dumps(result.as_dict()))
     elif not result.refused:
