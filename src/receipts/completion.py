@@ -260,14 +260,16 @@ class Completer:
                     age = item.enqueued_age_seconds + time.monotonic() - item.claimed_at
                     self.metrics.time_to_receipt.observe(age)
                 return
-            self._stale(job, "ack", Reason.DELIVERED)
+            self._stale()
+            log.warning("stale_ack", extra=job_fields(job, "stale"))
             return
         assert isinstance(item, Reschedule)
         outcome = item.outcome
         fields = {**job_fields(job, outcome.reason), "status": outcome.status,
                   "error": outcome.detail or str(outcome.reason)}
         if result is None:
-            self._stale(job, "reschedule", outcome.reason, fields)
+            self._stale()
+            log.warning("stale_reschedule", extra=fields)
         elif result is JobState.FAILED:
             permanent = outcome.verdict is Verdict.PERMANENT
             reason = outcome.reason if permanent else Reason.MAX_ATTEMPTS
@@ -278,12 +280,9 @@ class Completer:
             log.info("job_retry", extra={**fields, "delay_seconds": round(item.delay_seconds, 3),
                                          "refund": item.refund})
 
-    def _stale(self, job: Any, statement: str, reason: Reason,
-               fields: dict[str, Any] | None = None) -> None:
+    def _stale(self) -> None:
         # The guard refused the write: our lease expired (and maybe a newer
         # attempt holds the row). The row was left untouched; the lease was lost.
         self.metrics.stale_acks.inc()
         self.metrics.leases_lost.inc()
-        log.warning("stale_ack" if statement == "ack" else "stale_reschedule",
-                    extra=fields or job_fields(job, "stale"))
 

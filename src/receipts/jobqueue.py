@@ -68,9 +68,14 @@ class QueueStats:
     """A snapshot of the queue read by :meth:`JobQueue.queue_stats`.
 
     Counts are rows; ``done_estimate`` comes from table statistics, not a
-    count. ``lag_seconds`` is the age of the oldest due ready job (0 when none);
-    ``oldest_transaction_seconds`` the age of the oldest open transaction in
-    the whole database (the xmin horizon that slows claims, docs/design.md §10).
+    count. Ages are seconds, 0 when there is nothing to measure:
+    ``lag_seconds`` is the age of the oldest *due* ready job (since its
+    ``run_at``, so every retry restarts it); ``oldest_undelivered_age_seconds``
+    the time since the oldest ready or running job was enqueued (its
+    ``created_at``: retries do not restart it, so a provider outage that keeps
+    rescheduling shows here and not in the lag);
+    ``oldest_transaction_age_seconds`` the age of the oldest open transaction in
+    the database (the xmin horizon that slows claims, docs/design.md §10).
     """
 
     ready_due: int
@@ -81,7 +86,8 @@ class QueueStats:
     lag_seconds: float
     done_estimate: int
     dead_tuples: int
-    oldest_transaction_seconds: float
+    oldest_transaction_age_seconds: float
+    oldest_undelivered_age_seconds: float
 
 
 @dataclass(frozen=True, slots=True)
@@ -363,7 +369,8 @@ class JobQueue:
             lag_seconds=float(r[5]),
             done_estimate=int(r[6]),
             dead_tuples=int(r[7]),
-            oldest_transaction_seconds=float(r[8]),
+            oldest_transaction_age_seconds=float(r[8]),
+            oldest_undelivered_age_seconds=float(r[9]),
         )
 
     # ----------------------------------------------------------- review

@@ -1,9 +1,15 @@
 """JSON logs: one object per line (python-json-logger).
 
-Each record carries ``time``, ``level``, ``logger`` and a stable ``event``
-name (the log message), plus structured fields passed through ``extra=``:
-job events use ``job_id``, ``order_id``, ``attempt``, ``token`` (first 8
-characters only) and ``outcome``.
+Each record carries ``time`` (RFC 3339, UTC, milliseconds:
+``2026-12-01T04:53:13.683Z``), ``level``, ``logger`` and ``event``, plus
+structured fields passed through ``extra=``: job events use ``job_id``,
+``order_id``, ``attempt``, ``token`` (first 8 characters only) and ``outcome``.
+
+``event`` is a stable snake_case name for lines of the ``receipts`` loggers
+(the catalogue is in README.md, "Log events"). Lines of other loggers
+(psycopg.pool, asyncio, aiohttp, …) get ``event: "library_message"`` and their
+prose, whitespace folded onto one line, in ``message``: a library's wording
+never becomes an event name.
 
 Secrets never leave the process: before a record is serialised, every string
 in it (the event, each field, a formatted exception) goes through
@@ -30,6 +36,8 @@ if TYPE_CHECKING:
 
 LOGGER_NAME = "receipts"
 MASK = "***"
+# The event of every line a foreign (library) logger writes; its text goes to "message".
+LIBRARY_EVENT = "library_message"
 _PLAIN = (int, float, bool, type(None), datetime.date, datetime.time)
 
 
@@ -61,9 +69,27 @@ class RedactingJsonFormatter(JsonFormatter):
             return [self.redact(v) for v in value]
         return self.redact(str(value))
 
+    def formatTime(self, record: logging.LogRecord, datefmt: str | None = None) -> str:
+        """RFC 3339 in UTC with milliseconds, e.g. ``2026-12-01T04:53:13.683Z``."""
+        when = datetime.datetime.fromtimestamp(record.created, datetime.UTC)
+        return when.isoformat(timespec="milliseconds").replace("+00:00", "Z")
+
+    def add_fields(self, log_data: dict[str, Any], record: logging.LogRecord,
+                   message_dict: dict[str, Any]) -> None:
+        """Standard fields; a foreign logger's text moves from ``event`` to ``message``."""
+        super().add_fields(log_data, record, message_dict)
+        if not _is_ours(record.name):
+            prose = log_data.get("event")
+            log_data["event"] = LIBRARY_EVENT
+            log_data["message"] = " ".join(str(prose or "").split())
+
     def process_log_record(self, log_data: dict[str, Any]) -> dict[str, Any]:
         """Mask secrets in every field before serialisation."""
         return {k: self.redact(v) for k, v in log_data.items()}
+
+
+def _is_ours(name: str) -> bool:
+    return name == LOGGER_NAME or name.startswith(LOGGER_NAME + ".")
 
 
 def configure_logging(level: str = "INFO", stream: Any = None, *,

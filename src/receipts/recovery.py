@@ -90,24 +90,38 @@ async def run_once(queue: JobQueue, settings: Settings) -> RecoveryReport:
 
 
 def push_report(report: RecoveryReport, gateway_url: str, *, job: str = "receipts-recover") -> None:
-    """Push *report*'s counts to a Prometheus Pushgateway under ``job``.
+    """Push *report* to a Prometheus Pushgateway, replacing the group ``job``.
 
-    Pushes ``receipts_recovery_expired_total{result}``,
-    ``receipts_recovery_exhausted_total``, ``receipts_recovery_pruned_total``
-    (this sweep's counts) and ``receipts_recovery_last_success_timestamp_seconds``.
-    Raises ``OSError``/``urllib.error.URLError`` when the gateway is unreachable.
+    Every figure is this sweep's alone and the next push replaces it, so all are
+    gauges named for the last sweep (``max``/``last_over_time`` read them;
+    ``rate()`` would be meaningless):
+
+    * ``receipts_recovery_last_sweep_expired_leases{result="ready"|"failed"}``
+      (rows), ``receipts_recovery_last_sweep_exhausted_jobs`` (rows),
+      ``receipts_recovery_last_sweep_pruned_rows`` (rows),
+      ``receipts_recovery_last_sweep_duration_seconds``;
+    * ``receipts_recovery_last_success_timestamp_seconds``: Unix time of the push.
+
+    Raises ``OSError`` (``urllib.error.URLError`` included) when the gateway
+    cannot be reached or refuses the push.
     """
-    from prometheus_client import CollectorRegistry, Counter, Gauge, push_to_gateway
+    from prometheus_client import CollectorRegistry, Gauge, push_to_gateway
 
     registry = CollectorRegistry()
-    expired = Counter("receipts_recovery_expired", "Expired leases recovered in the last sweep.",
-                      ["result"], registry=registry)
-    expired.labels("ready").inc(report.expired_to_ready)
-    expired.labels("failed").inc(report.expired_to_failed)
-    Counter("receipts_recovery_exhausted", "Exhausted ready jobs failed in the last sweep.",
-            registry=registry).inc(report.exhausted_to_failed)
-    Counter("receipts_recovery_pruned", "Finished rows pruned in the last sweep.",
-            registry=registry).inc(report.pruned)
+    expired = Gauge("receipts_recovery_last_sweep_expired_leases",
+                    "Expired leases the last sweep returned to ready, or failed at max attempts.",
+                    ["result"], registry=registry)
+    expired.labels("ready").set(report.expired_to_ready)
+    expired.labels("failed").set(report.expired_to_failed)
+    Gauge("receipts_recovery_last_sweep_exhausted_jobs",
+          "Ready jobs the last sweep failed because their attempts were used up.",
+          registry=registry).set(report.exhausted_to_failed)
+    Gauge("receipts_recovery_last_sweep_pruned_rows",
+          "Finished rows the last sweep deleted (retention).",
+          registry=registry).set(report.pruned)
+    Gauge("receipts_recovery_last_sweep_duration_seconds",
+          "Wall time of the last sweep, seconds.",
+          registry=registry).set(report.duration_seconds)
     Gauge("receipts_recovery_last_success_timestamp_seconds",
           "Unix time the last recovery sweep finished.", registry=registry).set_to_current_time()
     push_to_gateway(gateway_url, job=job, registry=registry, timeout=10)

@@ -11,6 +11,7 @@ down; nothing in the package reads the environment on its own.
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from typing import Literal
 from urllib.parse import urlsplit
 
@@ -53,6 +54,22 @@ def redact_dsn(text: str) -> str:
     """
     text = _DSN_PASSWORD_URI.sub(lambda m: m.group("head") + "***@", text)
     return _DSN_PASSWORD_KV.sub(lambda m: m.group("head") + "***", text)
+
+
+def package_version() -> str:
+    """The installed ``receipts`` distribution's version (``importlib.metadata``).
+
+    Falls back to ``receipts.__version__`` when the package runs from a source
+    tree that was never installed. Never raises.
+    """
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("receipts")
+    except PackageNotFoundError:
+        from receipts import __version__
+
+        return __version__
 
 
 def check_dsn(dsn: str) -> None:
@@ -126,8 +143,9 @@ class Settings(BaseSettings):
         description="libpq DSN of the database that holds receipt_jobs (required).",
     )
     provider_url: str = Field(
-        default="http://127.0.0.1:8080/receipts",
-        description="URL the receipt is POSTed to.",
+        default="",
+        description="URL the receipt is POSTed to; required by the worker (see "
+                    ":func:`check_worker_settings`), empty means not set.",
     )
     provider_token: SecretStr | None = Field(
         default=None, description="Bearer token sent to the provider, if any."
@@ -228,6 +246,8 @@ class Settings(BaseSettings):
     @field_validator("provider_url")
     @classmethod
     def _valid_url(cls, value: str) -> str:
+        if not value.strip():
+            return ""
         parts = urlsplit(value)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError("must be an http:// or https:// URL with a host")
@@ -335,6 +355,81 @@ class Settings(BaseSettings):
     def retention_seconds(self) -> float:
         """Retention of done/failed rows in seconds; 0 disables pruning."""
         return self.retention_days * 86_400.0
+
+    def secrets(self) -> list[str]:
+        """The literal secrets logs must mask: the DSN password, the provider token.
+
+        The password is returned as libpq decodes it and, for a URI, as written
+        (percent-encoded), since either spelling may reach a message. Empty
+        values are left out; never log the result.
+        """
+        from psycopg.conninfo import conninfo_to_dict
+
+        found: list[str] = []
+        try:
+            found.append(str(conninfo_to_dict(self.dsn).get("password") or ""))
+            if "://" in self.dsn:
+                found.append(urlsplit(self.dsn).password or "")
+        except Exception:  # the validator already refused unparsable DSNs
+            pass
+        if self.provider_token is not None:
+            found.append(self.provider_token.get_secret_value())
+        return [s for s in found if s]
+
+
+def check_worker_settings(settings: Settings) -> None:
+    """Raise :class:`SettingsError` unless *settings* can run a worker.
+
+    A worker needs ``RECEIPTS_PROVIDER_URL``: without it there is nowhere to
+    deliver, and guessing (a localhost default) would retry every job into
+    failure. Other commands (migrate, recover, jobs) do not need it.
+    """
+    if not settings.provider_url:
+        raise SettingsError(
+            f"{ENV_PREFIX}PROVIDER_URL: is required by the worker and not set "
+            "(the receipt provider's http:// or https:// endpoint)"
+        )
+
+
+# Variables Kubernetes injects for a Service named "receipts…" (service links),
+# e.g. RECEIPTS_SERVICE_HOST, RECEIPTS_SERVICE_PORT_METRICS,
+# RECEIPTS_PORT_9464_TCP_ADDR, and RECEIPTS_PORT=tcp://10.0.0.7:9464 (a bare
+# *_PORT only with such a URL as its value, so RECEIPTS_METRIC_PORT=9464, a
+# typo, is still reported): not settings, never warned about.
+_SERVICE_LINK = re.compile(
+    r"^[A-Z0-9_]*_(SERVICE_HOST|SERVICE_PORT(_[A-Z0-9_]+)?"
+    r"|PORT_[0-9]+_(TCP|UDP|SCTP)(_(PROTO|PORT|ADDR))?)$"
+)
+_SERVICE_LINK_PORT = re.compile(r"^[A-Z0-9_]*_PORT$")
+_SERVICE_URL = re.compile(r"^(tcp|udp|sctp)://", re.I)
+
+
+def _is_service_link(name: str, value: str) -> bool:
+    return bool(_SERVICE_LINK.match(name)) or bool(
+        _SERVICE_LINK_PORT.match(name) and _SERVICE_URL.match(value)
+    )
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[tuple[str, str | None]]:
+    """``RECEIPTS_*`` names in *environ* that are no setting, each with a close match.
+
+    Returns ``(name, suggestion)`` pairs sorted by name; *suggestion* is the
+    nearest setting's variable (``difflib``) or None. Kubernetes service-link
+    variables (``RECEIPTS_SERVICE_HOST``, ``RECEIPTS_PORT_9464_TCP…``) are
+    skipped. Matching is case-insensitive, like the settings themselves.
+    """
+    import difflib
+
+    known = {f"{ENV_PREFIX}{name.upper()}" for name in Settings.model_fields}
+    found: list[tuple[str, str | None]] = []
+    for name in sorted(environ):
+        upper = name.upper()
+        if (not upper.startswith(ENV_PREFIX) or upper in known
+                or _is_service_link(upper, environ[name])):
+            continue
+        close = difflib.get_close_matches(upper, sorted(known), n=1, cutoff=0.75)
+        found.append((name, close[0] if close else None))
+    return found
 
 
 def _describe(error: ValidationError) -> str:

@@ -88,11 +88,15 @@ def test_recover_pushes_its_counts_to_the_pushgateway(dsn: str, gateway: FakeGat
     assert (method, path) == ("PUT", "/metrics/job/receipts-recover")
     assert content_type.startswith("text/plain")
     pushed = parse_metrics(body)
-    assert pushed.value("receipts_recovery_expired_total", result="ready") == 2
-    assert pushed.value("receipts_recovery_expired_total", result="failed") == 1
-    assert pushed.value("receipts_recovery_exhausted_total") == 0
-    assert pushed.value("receipts_recovery_pruned_total") == 3
+    # This sweep's figures, as gauges the next push replaces (never `_total` counters).
+    assert pushed.value("receipts_recovery_last_sweep_expired_leases", result="ready") == 2
+    assert pushed.value("receipts_recovery_last_sweep_expired_leases", result="failed") == 1
+    assert pushed.value("receipts_recovery_last_sweep_exhausted_jobs") == 0
+    assert pushed.value("receipts_recovery_last_sweep_pruned_rows") == 3
+    assert 0 < pushed.value("receipts_recovery_last_sweep_duration_seconds") < 60
     assert pushed.value("receipts_recovery_last_success_timestamp_seconds") >= started - 1
+    assert "# TYPE receipts_recovery_last_sweep_pruned_rows gauge" in body
+    assert not [name for name, _ in pushed if name.endswith(("_total", "_created"))]
 
     states = dict(fetch_rows(dsn, "SELECT order_id, state FROM receipt_jobs"))
     assert states == {"exp-1": "ready", "exp-2": "ready", "exp-max": "failed", "fresh": "ready"}

@@ -182,7 +182,7 @@ class FakeQueue:
                           running=self.count(JobState.RUNNING), expired=0,
                           failed=self.count(JobState.FAILED), lag_seconds=0.0,
                           done_estimate=self.count(JobState.DONE), dead_tuples=0,
-                          oldest_transaction_seconds=0.0)
+                          oldest_transaction_age_seconds=0.0, oldest_undelivered_age_seconds=0.0)
 
 
 class ScriptedDeliverer:

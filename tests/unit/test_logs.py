@@ -1,12 +1,14 @@
-"""JSON log lines: always valid JSON, job fields present, secrets masked in every field."""
+"""JSON log lines: always valid JSON, RFC 3339 UTC time, stable events, secrets masked."""
 
 from __future__ import annotations
 
 import io
 import json
 import logging
+import re
 import uuid
 from collections.abc import Iterator
+from datetime import UTC, datetime, timedelta
 
 import pytest
 
@@ -75,3 +77,38 @@ def test_short_or_empty_secrets_are_not_masked(lines: io.StringIO) -> None:
     get_logger("test").info("abc def")
     (record,) = _records(lines)
     assert record["event"] == "abc def"
+
+
+def test_time_is_rfc3339_utc_with_milliseconds(lines: io.StringIO) -> None:
+    before = datetime.now(UTC)
+    get_logger("test").info("tick")
+    (record,) = _records(lines)
+    stamp = str(record["time"])
+    assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", stamp), stamp
+    parsed = datetime.fromisoformat(stamp)  # Python 3.11 reads the Z
+    assert parsed.utcoffset() == timedelta(0)
+    assert before - timedelta(seconds=1) <= parsed <= datetime.now(UTC) + timedelta(seconds=1)
+
+
+def test_a_library_s_multi_line_prose_goes_to_message_not_event(lines: io.StringIO) -> None:
+    # What psycopg.pool writes about once a second while the database is away.
+    prose = ("error connecting in 'pool-1': connection failed: connection to server at\n"
+             f"  \"10.0.0.5\", port 5432 failed: password={SECRET}\n\tConnection refused")
+    logging.getLogger("psycopg.pool").warning(prose)
+    logging.getLogger("asyncio").error("Task exception was never retrieved")
+    pool_line, asyncio_line = _records(lines)
+    assert pool_line["event"] == "library_message" and pool_line["logger"] == "psycopg.pool"
+    message = str(pool_line["message"])
+    assert "\n" not in message and "\t" not in message and "  " not in message
+    assert message.startswith("error connecting in 'pool-1': connection failed:")
+    assert SECRET not in lines.getvalue() and "***" in message
+    assert asyncio_line["event"] == "library_message"
+    assert asyncio_line["message"] == "Task exception was never retrieved"
+
+
+def test_our_own_lines_keep_their_event_name_and_have_no_message(lines: io.StringIO) -> None:
+    get_logger("worker").warning("claim_failed", extra={"error": "boom"})
+    logging.getLogger("receipts").info("worker_started")
+    first, second = _records(lines)
+    assert first["event"] == "claim_failed" and "message" not in first
+    assert second["event"] == "worker_started"

@@ -2,12 +2,21 @@
 Alert rules of the service, as the `groups` list of a Prometheus rule file.
 deploy/prometheus/receipts.rules.yaml is this list rendered with the default values
 (release "receipts"); tests/chart keeps the two equal and runs promtool on both.
+Nothing here may depend on a replica count: compare with what kube-state-metrics
+reports about the autoscaler instead, so the plain file fits any deployment.
+Queue gauges are identical on every worker (max over pods); counters are summed.
 */}}
 {{- define "receipts.alertGroups" -}}
 {{- $s := include "receipts.alertSelector" . -}}
 {{- $a := .Values.alerts -}}
 {{- $labels := $a.additionalLabels -}}
 {{- $runbook := $a.runbookUrl -}}
+{{- $fullname := include "receipts.fullname" . -}}
+{{- $w := $a.ratioWindow -}}
+{{- $recoveryLast := "The recovery CronJob {{ $labels.cronjob }} in {{ $labels.namespace }} last succeeded" -}}
+{{- if eq $a.recoveryLastSuccessFrom "pushgateway" -}}
+{{- $recoveryLast = "The last successful `receipts recover` pushed to the Pushgateway" -}}
+{{- end -}}
 - name: receipts
   rules:
     - alert: ReceiptsQueueLagHigh
@@ -21,19 +30,43 @@ deploy/prometheus/receipts.rules.yaml is this list rendered with the default val
         description: >-
           The oldest due ready receipt job in {{`{{ $labels.namespace }}`}} has waited
           {{`{{ $value | humanizeDuration }}`}}. Workers are not keeping up, not claiming
-          (provider circuit breaker, database trouble), or not running.
+          (provider paused, database trouble), or not running.
         runbook_url: {{ printf "%sreceiptsqueuelaghigh" $runbook }}
+    - alert: ReceiptsOldestUndeliveredTooOld
+      expr: max by (namespace, job) (receipts_oldest_undelivered_age_seconds{ {{- $s -}} }) > {{ $a.undeliveredAgeSeconds }}
+      for: 5m
+      labels:
+        severity: warning
+        {{- with $labels }}{{ toYaml . | nindent 8 }}{{ end }}
+      annotations:
+        summary: A receipt has been undelivered for more than {{ $a.undeliveredAgeSeconds }}s since its order.
+        description: >-
+          The oldest ready or running receipt job in {{`{{ $labels.namespace }}`}} was
+          enqueued {{`{{ $value | humanizeDuration }}`}} ago and is still not delivered.
+          Retries keep the queue lag low while this grows: the provider keeps failing,
+          or its answers are rate limits or timeouts.
+        runbook_url: {{ printf "%sreceiptsoldestundeliveredtooold" $runbook }}
     - alert: ReceiptsReadyJobsGrowingAtMaxReplicas
+      {{- if .Values.autoscaling.enabled }}
+      # At max replicas as the autoscaler's own status says (kube-state-metrics): the HPA
+      # the chart renders, or the one KEDA makes for the ScaledObject.
       expr: >-
-        count by (namespace, job) (up{ {{- $s -}} } == 1) >= {{ include "receipts.maxReplicas" . }}
-        and on (namespace, job)
         delta(max by (namespace, job) (receipts_ready_jobs{ {{- $s -}} })[15m:1m]) > 0
+        and on (namespace)
+        (
+          max by (namespace) (kube_horizontalpodautoscaler_status_current_replicas{horizontalpodautoscaler=~"{{ $fullname }}|keda-hpa-{{ $fullname }}"})
+          >= max by (namespace) (kube_horizontalpodautoscaler_spec_max_replicas{horizontalpodautoscaler=~"{{ $fullname }}|keda-hpa-{{ $fullname }}"})
+        )
+      {{- else }}
+      # A fixed replica count is always the maximum.
+      expr: delta(max by (namespace, job) (receipts_ready_jobs{ {{- $s -}} })[15m:1m]) > 0
+      {{- end }}
       for: 15m
       labels:
         severity: warning
         {{- with $labels }}{{ toYaml . | nindent 8 }}{{ end }}
       annotations:
-        summary: Due receipt jobs keep growing while all {{ include "receipts.maxReplicas" . }} worker replicas run.
+        summary: Due receipt jobs keep growing while the workers run at their maximum replica count.
         description: >-
           Due ready jobs in {{`{{ $labels.namespace }}`}} have grown for 15 minutes with the
           workers at their maximum replica count. More pods will not come; raise the
@@ -42,32 +75,105 @@ deploy/prometheus/receipts.rules.yaml is this list rendered with the default val
         runbook_url: {{ printf "%sreceiptsreadyjobsgrowingatmaxreplicas" $runbook }}
     - alert: ReceiptsJobsFailed
       expr: >-
-        sum by (namespace, job) (increase(receipts_failures_total{ {{- $s -}} }[15m])) > 0
-        or
-        max by (namespace, job) (delta(receipts_jobs{ {{- $s -}} ,state="failed"}[15m])) > 0
+        sum by (namespace, job) (increase(receipts_failures_total{ {{- $s -}} }[{{ $w }}]))
+        /
+        (
+          sum by (namespace, job) (increase(receipts_failures_total{ {{- $s -}} }[{{ $w }}]))
+          + sum by (namespace, job) (increase(receipts_acks_total{ {{- $s -}} }[{{ $w }}]))
+        )
+        > {{ $a.failureRatio }}
+        and on (namespace, job)
+        sum by (namespace, job) (increase(receipts_failures_total{ {{- $s -}} }[{{ $w }}])) >= {{ $a.failureMinCount }}
+      for: 5m
       labels:
         severity: warning
         {{- with $labels }}{{ toYaml . | nindent 8 }}{{ end }}
       annotations:
-        summary: Receipt jobs were moved to failed.
+        summary: More than {{ mulf $a.failureRatio 100 }}% of the receipt jobs finished in {{ $w }} failed.
         description: >-
-          About {{`{{ $value | humanize }}`}} receipt jobs in {{`{{ $labels.namespace }}`}}
-          reached a permanent failure or their last attempt in the last 15 minutes. Their
-          customers have no receipt; review them with `receipts jobs list` and retry.
+          {{`{{ $value | humanizePercentage }}`}} of the receipt jobs that finished in
+          {{`{{ $labels.namespace }}`}} in the last {{ $w }} failed (a permanent provider
+          answer or their last attempt). Their customers have no receipt; review them with
+          `receipts jobs list` and retry.
         runbook_url: {{ printf "%sreceiptsjobsfailed" $runbook }}
     - alert: ReceiptsStaleAcks
-      expr: sum by (namespace, job) (increase(receipts_stale_acks_total{ {{- $s -}} }[15m])) > 0
+      expr: >-
+        sum by (namespace, job) (increase(receipts_stale_acks_total{ {{- $s -}} }[{{ $w }}]))
+        /
+        sum by (namespace, job) (increase(receipts_acks_total{ {{- $s -}} }[{{ $w }}]))
+        > {{ $a.staleAckRatio }}
+        and on (namespace, job)
+        sum by (namespace, job) (increase(receipts_stale_acks_total{ {{- $s -}} }[{{ $w }}])) >= {{ $a.staleAckMinCount }}
+      for: 5m
       labels:
         severity: warning
         {{- with $labels }}{{ toYaml . | nindent 8 }}{{ end }}
       annotations:
-        summary: Workers finished deliveries after their lease had expired.
+        summary: Workers finish deliveries after their lease has expired (more than {{ mulf $a.staleAckRatio 100 }}% of acks).
         description: >-
-          {{`{{ $value | humanize }}`}} acks in {{`{{ $labels.namespace }}`}} were refused
-          by the lease/token guard in the last 15 minutes. The job may have been delivered
-          twice (the provider's idempotency key should absorb it). Leases are too short for
-          the observed delivery and ack times, or workers stall.
+          Stale acks and reschedules in {{`{{ $labels.namespace }}`}} were
+          {{`{{ $value | humanizePercentage }}`}} of the acks in the last {{ $w }}: the
+          lease/token guard refused them. Those jobs may be delivered twice (the provider's
+          idempotency key should absorb it). Leases are too short for the observed delivery
+          and ack times, or workers stall.
         runbook_url: {{ printf "%sreceiptsstaleacks" $runbook }}
+    - alert: ReceiptsProviderPaused
+      expr: >-
+        max by (namespace, job, reason) (
+          avg_over_time(receipts_provider_paused{ {{- $s -}} }[{{ $a.providerPausedFor }}])
+        ) >= 0.9
+      labels:
+        severity: warning
+        {{- with $labels }}{{ toYaml . | nindent 8 }}{{ end }}
+      annotations:
+        summary: Deliveries have been paused ({{`{{ $labels.reason }}`}}) for most of {{ $a.providerPausedFor }}.
+        description: >-
+          Workers in {{`{{ $labels.namespace }}`}} honoured a fleet-wide provider pause for
+          {{`{{ $value | humanizePercentage }}`}} of the last {{ $a.providerPausedFor }}, reason
+          {{`{{ $labels.reason }}`}} (auth: the provider refuses our credentials; outage: it
+          keeps failing; retry_after: it asks us to wait). Nothing is delivered meanwhile.
+        runbook_url: {{ printf "%sreceiptsproviderpaused" $runbook }}
+    - alert: ReceiptsRateLimitSaturated
+      expr: >-
+        max by (namespace, job) (max_over_time(receipts_provider_tokens{ {{- $s -}} }[{{ $a.rateLimitSaturatedFor }}])) < 1
+        and on (namespace, job)
+        max by (namespace, job) (min_over_time(receipts_ready_jobs{ {{- $s -}} }[{{ $a.rateLimitSaturatedFor }}])) > 0
+      labels:
+        severity: warning
+        {{- with $labels }}{{ toYaml . | nindent 8 }}{{ end }}
+      annotations:
+        summary: The provider's rate limit has capped deliveries for {{ $a.rateLimitSaturatedFor }} while jobs waited.
+        description: >-
+          The fleet's provider token bucket in {{`{{ $labels.namespace }}`}} never held a whole
+          token in the last {{ $a.rateLimitSaturatedFor }}, and due jobs waited all that time:
+          deliveries run at the provider's rate limit and the backlog drains no faster.
+        runbook_url: {{ printf "%sreceiptsratelimitsaturated" $runbook }}
+    - alert: ReceiptsDatabaseNotReady
+      expr: count by (namespace, job) (receipts_database_ready{ {{- $s -}} } == 0) > 0
+      for: {{ $a.databaseNotReadyFor }}
+      labels:
+        severity: warning
+        {{- with $labels }}{{ toYaml . | nindent 8 }}{{ end }}
+      annotations:
+        summary: Workers cannot use the queue's database.
+        description: >-
+          {{`{{ $value }}`}} worker(s) in {{`{{ $labels.namespace }}`}} have reported the
+          database unavailable for {{ $a.databaseNotReadyFor }} (/readyz 503). They claim
+          nothing; their delivered jobs' acks wait and, past the lease, go to recovery.
+        runbook_url: {{ printf "%sreceiptsdatabasenotready" $runbook }}
+    - alert: ReceiptsQueueStatsStale
+      expr: time() - max by (namespace, job) (receipts_queue_stats_timestamp_seconds{ {{- $s -}} }) > {{ $a.queueStatsMaxAgeSeconds }}
+      for: 2m
+      labels:
+        severity: warning
+        {{- with $labels }}{{ toYaml . | nindent 8 }}{{ end }}
+      annotations:
+        summary: The queue gauges have not been refreshed for over {{ $a.queueStatsMaxAgeSeconds }}s.
+        description: >-
+          No worker in {{`{{ $labels.namespace }}`}} has read the queue gauges for
+          {{`{{ $value | humanizeDuration }}`}}. Lag, backlog, expired leases and the xmin
+          horizon are frozen at old values, so their alerts cannot fire.
+        runbook_url: {{ printf "%sreceiptsqueuestatsstale" $runbook }}
     - alert: ReceiptsExpiredLeasesNotRecovered
       expr: max by (namespace, job) (receipts_expired_leases{ {{- $s -}} }) > 0
       for: {{ $a.expiredLeasesFor }}
@@ -81,8 +187,18 @@ deploy/prometheus/receipts.rules.yaml is this list rendered with the default val
           expired leases for {{ $a.expiredLeasesFor }}. The recovery CronJob is not running
           or failing; these receipts wait until it does.
         runbook_url: {{ printf "%sreceiptsexpiredleasesnotrecovered" $runbook }}
+    {{- if .Values.recovery.enabled }}
     - alert: ReceiptsRecoveryNotRunning
+      {{- if eq $a.recoveryLastSuccessFrom "pushgateway" }}
       expr: time() - max by (namespace, job) (receipts_recovery_last_success_timestamp_seconds) > {{ $a.recoveryMaxAgeSeconds }}
+      {{- else }}
+      # kube-state-metrics; a CronJob that never succeeded counts from its creation.
+      expr: >-
+        time() - max by (namespace, cronjob) (
+          kube_cronjob_status_last_successful_time{cronjob="{{ $fullname }}-recovery"}
+          or kube_cronjob_created{cronjob="{{ $fullname }}-recovery"}
+        ) > {{ $a.recoveryMaxAgeSeconds }}
+      {{- end }}
       for: 5m
       labels:
         severity: warning
@@ -90,10 +206,11 @@ deploy/prometheus/receipts.rules.yaml is this list rendered with the default val
       annotations:
         summary: The receipts recovery job has not succeeded for {{ $a.recoveryMaxAgeSeconds }}s.
         description: >-
-          The last successful `receipts recover` pushed to the Pushgateway
-          {{`{{ $value | humanizeDuration }}`}} ago. Expired leases are not recovered and
-          old rows are not pruned.
+          {{ $recoveryLast }}
+          {{`{{ $value | humanizeDuration }}`}} ago. Expired leases are not recovered and old
+          rows are not pruned.
         runbook_url: {{ printf "%sreceiptsrecoverynotrunning" $runbook }}
+    {{- end }}
     - alert: ReceiptsLongTransaction
       expr: max by (namespace, job) (receipts_oldest_transaction_age_seconds{ {{- $s -}} }) > {{ $a.longTransactionSeconds }}
       for: 2m
@@ -101,7 +218,7 @@ deploy/prometheus/receipts.rules.yaml is this list rendered with the default val
         severity: warning
         {{- with $labels }}{{ toYaml . | nindent 8 }}{{ end }}
       annotations:
-        summary: A transaction in the queue's database has been open for too long.
+        summary: A transaction in the queue's database holds back the xmin horizon.
         description: >-
           The oldest open transaction in the receipts database is
           {{`{{ $value | humanizeDuration }}`}} old. An old snapshot keeps dead index entries
@@ -113,7 +230,7 @@ deploy/prometheus/receipts.rules.yaml is this list rendered with the default val
       expr: >-
         (sum by (namespace, job) (up{ {{- $s -}} }) == 0 or absent(up{ {{- $s -}} }))
         and on ()
-        sum(kube_deployment_spec_replicas{namespace="{{ .Release.Namespace }}",deployment="{{ include "receipts.fullname" . }}"}) > 0
+        sum(kube_deployment_spec_replicas{namespace="{{ .Release.Namespace }}",deployment="{{ $fullname }}"}) > 0
       {{- else }}
       expr: sum by (namespace, job) (up{ {{- $s -}} }) == 0 or absent(up{ {{- $s -}} })
       {{- end }}

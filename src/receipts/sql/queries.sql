@@ -294,15 +294,20 @@ RETURNING id;
 -- it stays cheap with millions of done rows; done is an estimate from the
 -- table statistics (live rows minus the other states), never a count. The
 -- oldest transaction is this database's: only its sessions hold back the
--- cleanup of receipt_jobs (docs/design.md §10).
+-- cleanup of receipt_jobs (docs/design.md §10). The oldest undelivered job is
+-- counted from created_at, which no retry moves (run_at does): reading it costs
+-- a heap visit per ready row (100,000 due ready rows: 48 ms instead of 36,
+-- 2,700 buffers instead of 500), nothing when the queue is drained.
 WITH ready AS MATERIALIZED (
   SELECT count(*) AS ready,
          count(*) FILTER (WHERE run_at <= statement_timestamp()) AS ready_due,
-         min(run_at) FILTER (WHERE run_at <= statement_timestamp()) AS oldest_due
+         min(run_at) FILTER (WHERE run_at <= statement_timestamp()) AS oldest_due,
+         min(created_at) AS oldest_created
   FROM receipt_jobs WHERE state = 'ready'
 ), running AS MATERIALIZED (
   SELECT count(*) AS running,
-         count(*) FILTER (WHERE lease_until <= statement_timestamp()) AS expired
+         count(*) FILTER (WHERE lease_until <= statement_timestamp()) AS expired,
+         min(created_at) AS oldest_created
   FROM receipt_jobs WHERE state = 'running'
 ), failed AS MATERIALIZED (
   SELECT count(*) AS failed FROM receipt_jobs WHERE state = 'failed'
@@ -316,7 +321,9 @@ SELECT
   (SELECT coalesce(extract(epoch FROM statement_timestamp() - min(xact_start)), 0)
      FROM pg_stat_activity
      WHERE xact_start IS NOT NULL AND backend_type = 'client backend'
-       AND datname = current_database() AND pid <> pg_backend_pid()) AS oldest_xact_seconds
+       AND datname = current_database() AND pid <> pg_backend_pid()) AS oldest_transaction_age_seconds,
+  coalesce(extract(epoch FROM statement_timestamp()
+                   - least(r.oldest_created, n.oldest_created)), 0) AS oldest_undelivered_seconds
 FROM ready AS r, running AS n, failed AS f;
 
 -- name: state_counts
