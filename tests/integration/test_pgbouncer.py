@@ -16,7 +16,6 @@ import os
 import shutil
 import signal
 import subprocess
-import sys
 import tempfile
 import time
 from collections.abc import Iterator
@@ -27,7 +26,8 @@ import pytest
 
 from receipts.embedded import SERVER_USER, free_port
 from receipts.enqueue import enqueue
-from tests.chaos.run import read_events, scrape
+from receipts.supervisor import Supervisor, run_command
+from tests.chaos.run import read_events
 from tests.conftest import Server, fetch_rows
 
 PGBOUNCER = shutil.which("pgbouncer") or ("/usr/sbin/pgbouncer"
@@ -99,9 +99,8 @@ def pgbouncer(pg18: Server) -> Iterator[int]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
-def _spawn_worker(dsn: str, provider_url: str, metrics_port: int, log: Path,
-                  name: str) -> subprocess.Popen[bytes]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RECEIPTS_")} | {
+def _worker_env(dsn: str, provider_url: str, metrics_port: int, name: str) -> dict[str, str]:
+    return {
         "RECEIPTS_DATABASE_URL": dsn,
         "RECEIPTS_PGBOUNCER": "true",
         "RECEIPTS_PROVIDER_URL": provider_url,
@@ -116,9 +115,6 @@ def _spawn_worker(dsn: str, provider_url: str, metrics_port: int, log: Path,
         "RECEIPTS_METRICS_PORT": str(metrics_port),
         "RECEIPTS_APPLICATION_NAME": name,
     }
-    with log.open("wb") as fh:
-        return subprocess.Popen([sys.executable, "-m", "receipts", "worker"], env=env,
-                                stdout=fh, stderr=subprocess.STDOUT)
 
 
 async def test_workers_deliver_every_job_through_pgbouncer_transaction_pooling(
@@ -135,44 +131,45 @@ async def test_workers_deliver_every_job_through_pgbouncer_transaction_pooling(
             with conn.transaction():
                 for order_id in orders[start:start + 50]:
                     enqueue(conn, order_id)
-    ports = [free_port(), free_port()]
-    logs = [tmp_path / "worker-a.log", tmp_path / "worker-b.log"]
-    workers = [_spawn_worker(pooled, provider.url, port, log, f"bouncer-{i}")
-               for i, (port, log) in enumerate(zip(ports, logs, strict=True))]
     try:
-        deadline = time.monotonic() + 60
-        done = 0
-        while time.monotonic() < deadline:
-            done = fetch_rows(
-                direct, "SELECT count(*) FROM receipt_jobs WHERE state = 'done'")[0][0]
-            if done == len(orders) or any(w.poll() is not None for w in workers):
-                break
-            await asyncio.sleep(0.2)
-        metrics = [await asyncio.to_thread(scrape, port) for port in ports]
-        server_listeners = fetch_rows(
-            direct, "SELECT count(*) FROM pg_stat_activity WHERE query ILIKE 'LISTEN%%'")
-        prepared = fetch_rows(
-            direct, "SELECT count(*) FROM pg_stat_activity WHERE query ILIKE 'EXECUTE%%'")
-    finally:
-        for w in workers:
-            w.send_signal(signal.SIGTERM)
-        codes = [await asyncio.to_thread(w.wait, 20) for w in workers]
-    try:
-        assert done == len(orders), [log.read_text()[-1500:] for log in logs]
-        assert codes == [0, 0]
+        with Supervisor(tmp_path) as sup:
+            workers = []
+            for i in range(2):
+                port = free_port()
+                workers.append(sup.start(f"worker-{i}", ["worker"],
+                                         _worker_env(pooled, provider.url, port, f"bouncer-{i}"),
+                                         port=port))
+            for worker in workers:
+                await asyncio.to_thread(worker.wait_healthy)
+            deadline = time.monotonic() + 60
+            done = 0
+            while time.monotonic() < deadline:
+                done = fetch_rows(
+                    direct, "SELECT count(*) FROM receipt_jobs WHERE state = 'done'")[0][0]
+                if done == len(orders) or any(not w.running for w in workers):
+                    break
+                await asyncio.sleep(0.2)
+            metrics = [await asyncio.to_thread(w.scrape) for w in workers]
+            server_listeners = fetch_rows(
+                direct, "SELECT count(*) FROM pg_stat_activity WHERE query ILIKE 'LISTEN%%'")
+            prepared = fetch_rows(
+                direct, "SELECT count(*) FROM pg_stat_activity WHERE query ILIKE 'EXECUTE%%'")
+            codes = await asyncio.to_thread(sup.stop_all)
+        assert done == len(orders), [w.tail() for w in workers]
+        assert list(codes.values()) == [0, 0]
         assert set(provider.provider.receipts) == {f"receipt:{o}" for o in orders}
-        assert sum(m.get("receipts_acks_total", 0) for m in metrics) == len(orders)
-        assert sum(v for m in metrics for k, v in m.items()
-                   if k.startswith("receipts_db_errors_total")) == 0
-        assert all(m.get("receipts_database_ready") == 1 for m in metrics)
+        assert sum(m.total("receipts_acks_total") for m in metrics) == len(orders)
+        assert sum(m.total("receipts_db_errors_total") for m in metrics) == 0
+        assert all(m.value("receipts_database_ready") == 1 for m in metrics)
         assert server_listeners == [(0,)] and prepared == [(0,)]
-        for log in logs:  # no LISTEN attempted, no prepared-statement errors
-            assert not read_events(log, {"listen_failed", "claim_failed", "ack_failed"})
+        for worker in workers:  # no LISTEN attempted, no prepared-statement errors
+            assert worker.log_path is not None
+            assert not read_events(worker.log_path,
+                                   {"listen_failed", "claim_failed", "write_failed"})
         # A recovery sweep through the pooler works too.
-        env = {k: v for k, v in os.environ.items() if not k.startswith("RECEIPTS_")} | {
-            "RECEIPTS_DATABASE_URL": pooled, "RECEIPTS_PGBOUNCER": "true"}
-        result = subprocess.run([sys.executable, "-m", "receipts", "recover"], env=env,
-                                capture_output=True, text=True, timeout=30)
+        result = await asyncio.to_thread(
+            run_command, ["recover"], {"RECEIPTS_DATABASE_URL": pooled,
+                                       "RECEIPTS_PGBOUNCER": "true"}, timeout_seconds=30)
         assert result.returncode == 0, result.stderr
         assert "recovered 0 expired lease(s)" in result.stdout
     finally:

@@ -168,12 +168,15 @@ async def test_recovery_leaves_live_leases_alone(dsn, queue):
     assert await queue.ack([(job.id, job.token)]) == {job.id}
 
 
-async def test_lease_arithmetic_uses_the_database_clock_in_any_session_timezone(dsn, settings):
-    pool = make_pool(settings, "test")
+async def test_lease_arithmetic_uses_the_database_clock_in_any_session_timezone(dsn):
+    # The zone is pinned on every connection the pool opens (a startup option).
+    zoned = psycopg.conninfo.make_conninfo(dsn, options="-c TimeZone=Pacific/Kiritimati")
+    pool = make_pool(make_settings(zoned), "test")
     await pool.open()
     try:
         async with pool.connection() as conn:
-            await conn.execute("SET TimeZone = 'Pacific/Kiritimati'")  # UTC+14
+            zone = await (await conn.execute("SHOW TimeZone")).fetchone()
+        assert zone == ("Pacific/Kiritimati",)  # UTC+14
         queue = JobQueue(pool, lease_seconds=30, max_attempts=5)
         enqueue_many(dsn, ["order-tz"])
         (job,) = await claim_jobs(queue, 1)
