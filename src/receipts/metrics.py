@@ -147,6 +147,7 @@ class Metrics:
         self.jobs.labels(JobState.RUNNING).set(stats.running)
         self.jobs.labels(JobState.DONE).set(stats.done_estimate)
         self.jobs.labels(JobState.FAILED).set(stats.failed)
+        self.jobs.labels(JobState.DISCARDED).set(stats.discarded)
         self.oldest_transaction.set(stats.oldest_transaction_seconds)
         self.dead_tuples.set(stats.dead_tuples)
         self.queue_stats_timestamp.set(time.time())
