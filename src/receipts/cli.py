@@ -245,15 +245,22 @@ def cmd_jobs(settings: Settings, args: argparse.Namespace) -> int:
             if row is None:
                 print(f"receipts: no job with id or order id {args.id!r}", file=sys.stderr)
                 return EXIT_ERROR
+            attempts = await queue.job_attempts(row["id"])
             row = {k: _jsonable(v) for k, v in row.items()}
             if row.get("lease_token"):
                 row["lease_token"] = str(row["lease_token"])[:8] + "…"
             if args.json:
+                row["attempts"] = [{k: _jsonable(v) for k, v in a.items()} for a in attempts]
                 print(json.dumps(row))
             else:
                 for key, value in row.items():
                     print(f"{key:<12} {'' if value is None else value}")
+                for a in attempts:
+                    print(f"attempt {a['attempt']:<4} {_jsonable(a['at'])}  {a['reason']}"
+                          f"  {a['status'] or '-'}  {(a['error'] or '')[:60]}")
             return EXIT_OK
+        if args.jobs_command == "discard":
+            return await _discard(queue, args)
         # retry
         return await _retry(queue, args)
 
@@ -321,6 +328,70 @@ def _print_retry(args: argparse.Namespace, ids: list[str], refused: list[dict[st
             print(f"  {job_id}")
         if len(ids) > 20:
             print(f"  … and {len(ids) - 20} more")
+
+
+async def _discard(queue: Any, args: argparse.Namespace) -> int:
+    """``jobs discard``: ready/failed → discarded (terminal, row kept), all or nothing.
+
+    Named ids, or every job in ``--ready``/``--failed`` matching the filter
+    options. Exit 0 when every target was (or, with ``--dry-run``, would be)
+    discarded; 1 when a named job is unknown or not ready/failed, or the set
+    changed meanwhile (then nothing changes); 2 for bad usage.
+    """
+    from receipts.jobqueue import ReviewFilter
+    from receipts.model import JobState
+
+    state = JobState.FAILED if args.failed else JobState.READY if args.ready else None
+    if (state is None) == (not args.ids) or (args.ids and (args.failed or args.ready)):
+        raise UsageError("give job ids, or one of --failed/--ready with optional filters")
+    target: Any
+    if args.ids:
+        try:
+            target = list(dict.fromkeys(uuid.UUID(i) for i in args.ids))
+        except ValueError:
+            raise UsageError("job ids must be UUIDs (see `receipts jobs list`)") from None
+        states = await queue.job_states(target)
+        refused = [{"id": str(i), "state": str(states.get(i, "unknown"))} for i in target
+                   if states.get(i) not in (JobState.READY, JobState.FAILED)]
+        found = [str(i) for i in target]
+    else:
+        target = ReviewFilter(state=state or JobState.FAILED, reason=args.reason,
+                              status=args.status, since=_parse_since(args.since))
+        refused = []
+        found = [str(r["id"]) for r in await queue.review_jobs(target, limit=500)]
+    if refused:
+        for item in refused:
+            what = "no such job" if item["state"] == "unknown" else f"is {item['state']}"
+            print(f"receipts: error: job {item['id']} {what}; only ready or failed jobs can be "
+                  "discarded", file=sys.stderr)
+        print("receipts: error: nothing was discarded", file=sys.stderr)
+        return EXIT_ERROR
+    expected = len(found) if args.ids else await queue.review_count(target)
+    if args.dry_run:
+        ids = found
+    else:
+        ids = [str(i) for i in await queue.discard_jobs(target, expected=expected)]
+        if len(ids) != expected:
+            print("receipts: error: the jobs changed meanwhile; nothing was discarded",
+                  file=sys.stderr)
+            return EXIT_ERROR
+    if args.json:
+        print(json.dumps({"dry_run": bool(args.dry_run), "discarded": [] if args.dry_run
+                          else ids, "would_discard": ids if args.dry_run else []}))
+    else:
+        verb = "would discard" if args.dry_run else "discarded"
+        print(f"{verb} {expected} job(s)")
+        for job_id in ids[:20]:
+            print(f"  {job_id}")
+    return EXIT_OK
+
+
+def cmd_ui(settings: Settings, args: argparse.Namespace) -> int:
+    """``receipts ui``: serve the review page until SIGTERM/SIGINT."""
+    from receipts.ui import run_ui
+
+    asyncio.run(run_ui(settings))
+    return EXIT_OK
 
 
 def cmd_provider(settings: Settings | None, args: argparse.Namespace) -> int:
@@ -401,7 +472,8 @@ def build_parser() -> argparse.ArgumentParser:
     j = jsub.add_parser("stats", help="counts by state, lag, oldest failed")
     j.add_argument("--json", action="store_true")
     j = jsub.add_parser("list", help="list jobs in a state, newest first")
-    j.add_argument("--state", choices=["ready", "running", "done", "failed"], default="failed")
+    j.add_argument("--state", choices=["ready", "running", "done", "failed", "discarded"],
+                   default="failed")
     j.add_argument("--limit", type=_positive_int, default=50)
     j.add_argument("--since", help="only jobs finished (or created) at/after this ISO time")
     j.add_argument("--json", action="store_true")
@@ -418,6 +490,21 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--all-failed", action="store_true", help="every failed job")
     j.add_argument("--dry-run", action="store_true", help="show what would change; change nothing")
     j.add_argument("--json", action="store_true")
+    j = jsub.add_parser(
+        "discard", help="ready/failed → discarded (terminal; the order stays deduplicated)",
+        description="Give up on jobs: state discarded, kept until retention prunes it, so the "
+                    "order cannot be enqueued again meanwhile. Running jobs are never touched. "
+                    "All or nothing. Exit 0 done, 1 refused (nothing changed), 2 bad usage.")
+    j.add_argument("ids", nargs="*", metavar="ID", help="job UUIDs")
+    j.add_argument("--failed", action="store_true", help="every failed job matching the filters")
+    j.add_argument("--ready", action="store_true", help="every ready job matching the filters")
+    j.add_argument("--reason", help="latest attempt's reason, e.g. rejected")
+    j.add_argument("--status", type=int, help="latest attempt's HTTP status, e.g. 422")
+    j.add_argument("--since", help="finished (ready: due) at/after this ISO time")
+    j.add_argument("--dry-run", action="store_true", help="show what would change; change nothing")
+    j.add_argument("--json", action="store_true")
+
+    add("ui", "Serve the review web page (read-only unless RECEIPTS_UI_ADMIN_TOKEN is set).")
 
     p = add("provider", "Run the reference receipt provider (idempotent, with fault injection).")
     p.add_argument("--host", default="127.0.0.1")
@@ -449,9 +536,10 @@ def build_parser() -> argparse.ArgumentParser:
 COMMANDS: dict[str, Callable[..., int]] = {
     "migrate": cmd_migrate, "worker": cmd_worker, "recover": cmd_recover,
     "enqueue": cmd_enqueue, "jobs": cmd_jobs, "provider": cmd_provider, "demo": cmd_demo,
+    "ui": cmd_ui,
 }
-NEEDS_SETTINGS = {"migrate", "worker", "recover", "enqueue", "jobs"}
-LOGS_ON_STDOUT = {"worker", "provider"}
+NEEDS_SETTINGS = {"migrate", "worker", "recover", "enqueue", "jobs", "ui"}
+LOGS_ON_STDOUT = {"worker", "provider", "ui"}
 
 
 def _secrets(settings: Settings) -> list[str]:
@@ -469,6 +557,8 @@ def _secrets(settings: Settings) -> list[str]:
         pass
     if settings.provider_token is not None:
         found.append(settings.provider_token.get_secret_value())
+    if settings.ui_admin_token is not None:
+        found.append(settings.ui_admin_token.get_secret_value())
     return [s for s in found if s]
 
 
