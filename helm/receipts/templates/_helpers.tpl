@@ -150,8 +150,9 @@ Connection budget arithmetic (docs/design.md §7), as a dict of ints (JSON).
 {{- $recovery := ternary 1 0 .Values.recovery.enabled -}}
 {{- $migration := ternary 1 0 .Values.migration.enabled -}}
 {{- $reserved := .Values.connectionBudget.reserved | int -}}
-{{- $total := add (mul $replicas $perPod) $recovery $migration $reserved -}}
-{{- dict "replicas" $replicas "pool" ($c.poolMaxSize | int) "listener" $listener "perPod" $perPod "recovery" $recovery "migration" $migration "reserved" $reserved "total" $total "budget" (.Values.connectionBudget.maxConnections | int) | toJson }}
+{{- $ui := ternary (mul 2 (.Values.ui.replicas | int)) 0 .Values.ui.enabled -}}
+{{- $total := add (mul $replicas $perPod) $recovery $migration $reserved $ui -}}
+{{- dict "replicas" $replicas "pool" ($c.poolMaxSize | int) "listener" $listener "perPod" $perPod "recovery" $recovery "migration" $migration "reserved" $reserved "ui" $ui "total" $total "budget" (.Values.connectionBudget.maxConnections | int) | toJson }}
 {{- end }}
 
 {{/*
@@ -159,7 +160,8 @@ One line of connection arithmetic for messages and NOTES.txt.
 */}}
 {{- define "receipts.connectionsLine" -}}
 {{- $n := include "receipts.connections" . | fromJson -}}
-{{- printf "%d max replicas × %d per pod (pool %d + listener %d) + recovery %d + migration %d + reserved %d = %d connections; budget %d" (int $n.replicas) (int $n.perPod) (int $n.pool) (int $n.listener) (int $n.recovery) (int $n.migration) (int $n.reserved) (int $n.total) (int $n.budget) }}
+{{- $ui := ternary (printf " + review page %d" (int $n.ui)) "" (gt (int $n.ui) 0) -}}
+{{- printf "%d max replicas × %d per pod (pool %d + listener %d) + recovery %d + migration %d + reserved %d%s = %d connections; budget %d" (int $n.replicas) (int $n.perPod) (int $n.pool) (int $n.listener) (int $n.recovery) (int $n.migration) (int $n.reserved) $ui (int $n.total) (int $n.budget) }}
 {{- end }}
 
 {{/*
