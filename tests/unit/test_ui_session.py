@@ -13,9 +13,9 @@ def test_a_session_cookie_verifies_only_unaltered_and_unexpired() -> None:
     session, cookie = sessions.issue("admin", now=1_000)
     assert sessions.verify(cookie, now=1_030) == session and session.admin
     assert sessions.verify(cookie, now=1_061) is None  # expired
-    sid, expires, role, mac = cookie.split(".")
+    sid, expires, _, mac = cookie.split(".")
     assert sessions.verify(f"{sid}.{expires}.admin.{'0' * len(mac)}", now=1_030) is None
-    guest, guest_cookie = sessions.issue("guest", now=1_000)
+    _, guest_cookie = sessions.issue("guest", now=1_000)
     g_sid, g_exp, _, g_mac = guest_cookie.split(".")
     assert sessions.verify(f"{g_sid}.{g_exp}.admin.{g_mac}", now=1_030) is None  # no promotion
     assert sessions.verify(f"{sid}.{int(expires) + 999}.admin.{mac}", now=1_030) is None
