@@ -1,4 +1,4 @@
-"""``receipts ui`` as a real process: binds to localhost, read-only without a token, stops on SIGTERM."""
+"""``receipts ui`` as a process: binds to localhost, read-only without a token, stops on SIGTERM."""
 
 from __future__ import annotations
 
