@@ -345,7 +345,7 @@ class JobQueue:
             params = target.params()
         else:
             statement = _action_query(name, None)
-            params = {"ids": list(dict.fromkeys(target))}
+            params = {"ids": list(dict.fromkeys(target)), "reason": None, "status": None}
         rows = await self._rows(statement, params | {"expected": int(expected)})
         return [r[0] for r in rows]
 

@@ -316,11 +316,13 @@ ORDER BY j.{key} DESC, j.id DESC
 LIMIT %(limit)s;
 
 -- name: review_count
+-- The latest attempt is only read when the filter asks for its reason or status.
 SELECT count(*)
 FROM receipt_jobs AS j
 LEFT JOIN LATERAL (
   SELECT h.reason, h.status FROM receipt_attempts AS h
-  WHERE h.job_id = j.id ORDER BY h.seq DESC LIMIT 1
+  WHERE h.job_id = j.id AND (%(reason)s::text IS NOT NULL OR %(status)s::int IS NOT NULL)
+  ORDER BY h.seq DESC LIMIT 1
 ) AS la ON true
 WHERE {matching};
 
@@ -335,7 +337,8 @@ WITH target AS MATERIALIZED (
   FROM receipt_jobs AS j
   LEFT JOIN LATERAL (
     SELECT h.reason, h.status FROM receipt_attempts AS h
-    WHERE h.job_id = j.id ORDER BY h.seq DESC LIMIT 1
+    WHERE h.job_id = j.id AND (%(reason)s::text IS NOT NULL OR %(status)s::int IS NOT NULL)
+    ORDER BY h.seq DESC LIMIT 1
   ) AS la ON true
   WHERE j.state = 'failed' AND {target}
   FOR UPDATE OF j
@@ -361,7 +364,8 @@ WITH target AS MATERIALIZED (
   FROM receipt_jobs AS j
   LEFT JOIN LATERAL (
     SELECT h.reason, h.status FROM receipt_attempts AS h
-    WHERE h.job_id = j.id ORDER BY h.seq DESC LIMIT 1
+    WHERE h.job_id = j.id AND (%(reason)s::text IS NOT NULL OR %(status)s::int IS NOT NULL)
+    ORDER BY h.seq DESC LIMIT 1
   ) AS la ON true
   WHERE j.state IN ('ready', 'failed') AND {target}
   FOR UPDATE OF j
