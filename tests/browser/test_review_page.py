@@ -333,3 +333,14 @@ async def test_the_read_only_page_offers_no_actions_and_refuses_every_post(
         response = await client.get(readonly_ui.url + "/", headers={"Host": "evil.test"})
         assert response.status_code == 421
     assert {readonly_ui.state(o) for o in readonly_ui.jobs} == {"failed"}
+
+
+async def test_a_running_job_shows_only_its_lease_token_prefix(ui: Served, page: Page) -> None:
+    (job,) = await ui.queue.claim(1)
+    await page.goto(f"{ui.url}/jobs/{job.id}")
+    assert await page.text("#job-state") == "running"
+    html = await page.eval("document.documentElement.outerHTML")
+    assert f"{job.token.hex[:8]}…" in html
+    assert str(job.token) not in html and job.token.hex not in html
+    # No action is offered on a running job.
+    assert await page.eval("document.querySelectorAll('button[name=action]').length") == 0
