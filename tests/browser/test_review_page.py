@@ -32,6 +32,7 @@ from tests.conftest import Server, enqueue_many, fetch_rows, make_settings
 TOKEN = "test-admin-token-0123456789"
 ROOT = Path(__file__).resolve().parents[2]
 SCREENSHOT = ROOT / ".tmp" / "review-page.png"
+JOB_SCREENSHOT = ROOT / ".tmp" / "review-job.png"
 HOSTILE = '<script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2">'
 LONG_LINE = "E" * 50_000
 
@@ -171,6 +172,9 @@ async def test_list_filter_and_open_a_job_with_its_attempt_history(
         ("max_attempts", "503", "receipts-worker-7f9c"),
         ("timeout", "", "receipts-worker-1a2b")]
     assert history[1][5] == "10.0 s"
+    await page.screenshot(JOB_SCREENSHOT)
+    with capsys.disabled():
+        print(f"job page screenshot: {JOB_SCREENSHOT}")
     # No secret on the page: no DSN, no admin token.
     html = await page.eval("document.documentElement.outerHTML")
     assert "postgresql://" not in html and "dbname" not in html and TOKEN not in html
