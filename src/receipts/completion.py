@@ -23,6 +23,9 @@ of the batch's attempts already carry their own token as the row's
 settled as written, the others are written again. So a lost answer is
 neither a false stale ack nor a missing ack in the counters.
 
+Attempt records for the jobs' histories (``receipt_attempts``) are queued
+here too and written, one statement per cycle, after the outcomes.
+
 Accounting, written once for both kinds: a write the token/lease guard
 refused is a stale ack (``receipts_stale_acks_total``) and a lost lease;
 an ack that landed counts in ``receipts_acks_total``; a reschedule in
@@ -44,7 +47,7 @@ from receipts.errors import DatabaseUnavailable, QueueError
 from receipts.jobqueue import WorkerQueue
 from receipts.logs import get_logger, job_fields
 from receipts.metrics import Metrics
-from receipts.model import Attempt, JobState, Reason, Reschedule, Verdict
+from receipts.model import Attempt, AttemptRecord, JobState, Reason, Reschedule, Verdict
 
 log = get_logger("completion")
 
@@ -98,6 +101,7 @@ class Completer:
         self._acks: _Lane[Attempt, bool] = _Lane("ack", self._write_acks, False)
         self._reschedules: _Lane[Reschedule, JobState | None] = _Lane(
             "reschedule", self._write_reschedules, None)
+        self._records: list[AttemptRecord] = []
         self._wake = asyncio.Event()
         self._closing = False
         self._task: asyncio.Task[None] | None = None
@@ -117,6 +121,11 @@ class Completer:
     def reschedule(self, item: Reschedule) -> asyncio.Future[JobState | None]:
         """Queue a failed attempt; resolves to the job's new state, or None (stale or lost)."""
         return self._submit(self._reschedules, item, item.attempt)
+
+    def record(self, record: AttemptRecord) -> None:
+        """Queue *record* for the job's attempt history (written after the outcomes)."""
+        self._records.append(record)
+        self._wake.set()
 
     def _submit(self, lane: _Lane[T, R], item: T, attempt: Attempt) -> asyncio.Future[R]:
         pending: _Pending[T, R] = _Pending(item, attempt)
@@ -148,7 +157,7 @@ class Completer:
 
     async def _run(self) -> None:
         while True:
-            if not any(lane.pending for lane in self._lanes):
+            if not self._records and not any(lane.pending for lane in self._lanes):
                 if self._closing:
                     return
                 self._wake.clear()
@@ -159,6 +168,27 @@ class Completer:
                     batch = lane.pending[: self.max_batch]
                     del lane.pending[: len(batch)]
                     await self._flush(lane, batch)
+            if self._records:
+                await self._write_records()
+
+    async def _write_records(self) -> None:
+        """Write the queued attempt records in one statement; best effort.
+
+        The history is for review, not for correctness: a failed write is
+        logged and counted, and its records are dropped rather than retried
+        ahead of acks.
+        """
+        records = self._records[: self.max_batch]
+        del self._records[: len(records)]
+        try:
+            start = time.perf_counter()
+            await self.queue.record_attempts(records)
+            self.metrics.statement_duration.labels("record_attempts").observe(
+                time.perf_counter() - start)
+        except QueueError as exc:
+            self.metrics.db_errors.labels("record_attempts").inc()
+            log.warning("attempts_not_recorded", extra={"count": len(records),
+                                                         "error": str(exc)})
 
     async def _flush(self, lane: _Lane[T, R], batch: list[_Pending[T, R]]) -> None:
         """Write *batch*, retrying while its leases may still hold; settle every item."""

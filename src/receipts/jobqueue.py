@@ -22,7 +22,7 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Protocol
 
@@ -34,6 +34,7 @@ from psycopg_pool import AsyncConnectionPool
 from receipts.db import borrow, storable
 from receipts.model import (
     Attempt,
+    AttemptRecord,
     ClaimResult,
     FlowState,
     Job,
@@ -43,7 +44,7 @@ from receipts.model import (
     Reschedule,
     Verdict,
 )
-from receipts.statements import claim_query, query
+from receipts.statements import claim_query, query, statements
 
 
 def _age(created_at: datetime | None) -> float | None:
@@ -88,6 +89,8 @@ class QueueStats:
     dead_tuples: int
     oldest_transaction_age_seconds: float
     oldest_undelivered_age_seconds: float
+    discarded: int = 0
+    xmin_age_by_holder: dict[str, int] = field(default_factory=dict)
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,6 +128,10 @@ class WorkerQueue(Protocol):
         self, pairs: Sequence[tuple[uuid.UUID, uuid.UUID]]
     ) -> dict[uuid.UUID, JobState]:
         """See :meth:`JobQueue.resolve_writes`."""
+        ...
+
+    async def record_attempts(self, records: Sequence[AttemptRecord]) -> None:
+        """See :meth:`JobQueue.record_attempts`."""
         ...
 
     async def extend_pause(self, reason: PauseReason, seconds: float) -> FlowState:
@@ -371,6 +378,9 @@ class JobQueue:
             dead_tuples=int(r[7]),
             oldest_transaction_age_seconds=float(r[8]),
             oldest_undelivered_age_seconds=float(r[9]),
+            discarded=int(r[10]),
+            xmin_age_by_holder={"transaction": int(r[11]), "prepared": int(r[12]),
+                                "replication_slot": int(r[13])},
         )
 
     # ----------------------------------------------------------- review
@@ -423,3 +433,176 @@ class JobQueue:
             query("retry_failed"), {"ids": None if ids is None else list(ids)}
         )
         return [r[0] for r in rows]
+
+    # ------------------------------------------ attempt history, discard, review
+
+    async def record_attempts(self, records: Sequence[AttemptRecord]) -> None:
+        """Append *records* to their jobs' attempt histories in one statement.
+
+        Each job keeps its last :data:`~receipts.model.ATTEMPT_HISTORY` records
+        (a ring: a newer record overwrites the oldest); records of jobs that no
+        longer exist are dropped. ``error`` is cut to 500 characters (empty
+        means none), ``worker`` to 100. The database stamps the time.
+        """
+        if not records:
+            return
+        await self._rows(
+            query("record_attempts"),
+            {
+                "job_ids": [r.job_id for r in records],
+                "attempts": [r.attempt for r in records],
+                "reasons": [str(r.reason) for r in records],
+                "statuses": [r.status for r in records],
+                "errors": [r.error[:500] or None for r in records],
+                "durations": [r.duration_seconds for r in records],
+                "workers": [r.worker[:100] or None for r in records],
+            },
+            texts=("errors",),
+        )
+
+    async def job_attempts(self, job_id: uuid.UUID) -> list[dict[str, Any]]:
+        """*job_id*'s kept attempt records, newest first.
+
+        Each a dict: ``seq`` (the job's record number), ``attempt``, ``at``
+        (database time the record was written), ``reason``, ``status`` (int or
+        None), ``error`` (≤ 500 characters or None), ``duration_seconds``
+        (float or None), ``worker``.
+        """
+        async with self._conn() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(query("job_attempts"), {"id": job_id})
+            return await cur.fetchall()
+
+    async def review_jobs(
+        self, view: ReviewFilter, *, limit: int = 50,
+        after: tuple[datetime, uuid.UUID] | None = None,
+    ) -> list[dict[str, Any]]:
+        """One page of jobs matching *view*, newest first (at most *limit*, ≤ 500).
+
+        *after* is the keyset cursor: the (``sort_at``, ``id``) of the last row
+        of the previous page. Rows are dicts with the job's columns plus
+        ``sort_at`` (the view's time column) and the latest attempt's
+        ``reason`` and ``status`` (None without history).
+        """
+        params = view.params() | {
+            "limit": max(1, min(int(limit), 500)),
+            "after_at": after[0] if after else None,
+            "after_id": after[1] if after else None,
+        }
+        async with self._conn() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(_review_query("review_jobs", view), params)
+            return await cur.fetchall()
+
+    async def review_count(self, view: ReviewFilter) -> int:
+        """How many jobs match *view* now."""
+        rows = await self._rows(_review_query("review_count", view), view.params())
+        return int(rows[0][0])
+
+    async def retry_jobs(
+        self, target: ReviewFilter | Sequence[uuid.UUID], *, expected: int
+    ) -> list[uuid.UUID]:
+        """Retry failed jobs (named, or matching a filter), all or nothing.
+
+        Changes nothing, and returns ``[]``, unless exactly *expected* failed
+        jobs qualify (the count the operator confirmed; for ids, pass the
+        number of distinct ids). Effect as :meth:`retry_failed`. Returns the
+        ids retried.
+        """
+        return await self._act("retry_jobs", target, expected)
+
+    async def discard_jobs(
+        self, target: ReviewFilter | Sequence[uuid.UUID], *, expected: int
+    ) -> list[uuid.UUID]:
+        """Discard ready or failed jobs (named, or matching a filter), all or nothing.
+
+        ``discarded`` is terminal (``finished_at`` set) and keeps the row, so
+        the order id stays deduplicated until retention prunes it. Running
+        jobs are never touched. Changes nothing, and returns ``[]``, unless
+        exactly *expected* jobs qualify. Returns the ids discarded.
+        """
+        return await self._act("discard_jobs", target, expected)
+
+    async def _act(
+        self, name: str, target: ReviewFilter | Sequence[uuid.UUID], expected: int
+    ) -> list[uuid.UUID]:
+        if isinstance(target, ReviewFilter):
+            statement = _action_query(name, target)
+            params = target.params()
+        else:
+            statement = _action_query(name, None)
+            params = {"ids": list(dict.fromkeys(target)), "reason": None, "status": None}
+        rows = await self._rows(statement, params | {"expected": int(expected)})
+        return [r[0] for r in rows]
+
+    async def job_states(self, ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, JobState]:
+        """The current state of each of *ids* that exists."""
+        rows = await self._rows(query("job_states"), {"ids": list(ids)})
+        return {r[0]: JobState(r[1]) for r in rows}
+
+    async def provider_pause(self) -> dict[str, Any]:
+        """The provider pause recorded by the workers' flow control (``receipt_flow``).
+
+        A dict: ``pause_reason`` (None, ``auth``, ``outage`` or ``retry_after``),
+        ``paused_until`` (datetime or None), ``pause_seconds`` and
+        ``remaining_seconds`` (seconds; 0 when not paused).
+        """
+        async with self._conn() as conn:
+            dcur = conn.cursor(row_factory=dict_row)
+            await dcur.execute(query("provider_pause"))
+            row = await dcur.fetchone()
+        return row or {"pause_reason": None, "paused_until": None, "pause_seconds": None,
+                       "remaining_seconds": 0.0}
+
+
+@dataclass(frozen=True, slots=True)
+class ReviewFilter:
+    """Which jobs a review list or a bulk action covers (``review_matching``).
+
+    Attributes:
+        state: the jobs' state (a literal in the statement, so its partial
+            index serves the list).
+        reason: the latest attempt's reason (``rejected``, ``max_attempts``…).
+        status: the latest attempt's HTTP status.
+        since, until: the time column (``finished_at``; ``run_at`` for ready
+            jobs) within [since, until).
+        order_contains: a plain substring of the order id.
+
+    None means "any" for every field but ``state``.
+    """
+
+    state: JobState = JobState.FAILED
+    reason: str | None = None
+    status: int | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+    order_contains: str | None = None
+
+    @property
+    def key(self) -> str:
+        """The time column the list is ordered and filtered by."""
+        return "run_at" if self.state in (JobState.READY, JobState.RUNNING) else "finished_at"
+
+    def params(self) -> dict[str, Any]:
+        """The statement parameters of ``review_matching``."""
+        return {"reason": self.reason, "status": self.status, "since": self.since,
+                "until": self.until, "order_contains": self.order_contains or None}
+
+
+def _matching(view: ReviewFilter) -> sql.Composed:
+    return sql.SQL(statements()["review_matching"]).format(  # type: ignore[arg-type,unused-ignore]
+        state=sql.Literal(str(view.state)), key=sql.Identifier(view.key)
+    )
+
+
+def _review_query(name: str, view: ReviewFilter) -> sql.Composed:
+    """A review statement with *view*'s fragment composed in (a handful per page)."""
+    return sql.SQL(statements()[name]).format(  # type: ignore[arg-type,unused-ignore]
+        matching=_matching(view), key=sql.Identifier(view.key)
+    )
+
+
+def _action_query(name: str, view: ReviewFilter | None) -> sql.Composed:
+    """retry_jobs/discard_jobs on ids (*view* None) or on *view*'s filter."""
+    target = sql.SQL("j.id = ANY(%(ids)s::uuid[])") if view is None else _matching(view)
+    return sql.SQL(statements()[name]).format(target=target)  # type: ignore[arg-type,unused-ignore]

@@ -161,6 +161,12 @@ class Metrics:
             "unlike the lag, a retry does not restart it.", registry=r,
         )
         self.jobs = Gauge("receipts_jobs", "Rows by state.", ["state"], registry=r)
+        self.xmin_horizon_age = Gauge(
+            "receipts_xmin_horizon_age_transactions",
+            "How far each kind of holder (transaction, prepared, replication_slot) holds back "
+            "this database's xmin horizon, in transaction IDs (cleanup of receipt_jobs waits).",
+            ["holder"], registry=r,
+        )
         self.oldest_transaction = Gauge(
             "receipts_oldest_transaction_age_seconds",
             "Age of the oldest open transaction in the database (xmin horizon threat).",
@@ -184,6 +190,8 @@ class Metrics:
             self.failures.labels(reason)
         for state in JobState:
             self.jobs.labels(str(state))
+        for holder in ("transaction", "prepared", "replication_slot"):
+            self.xmin_horizon_age.labels(holder)
         for pause in PauseReason:
             self.provider_paused.labels(pause)
             self.provider_pauses.labels(pause)
@@ -193,6 +201,8 @@ class Metrics:
 
     def observe_pause(self, reason: PauseReason | None) -> None:
         """Set ``receipts_provider_paused``: 1 for *reason*, 0 for the others."""
+        for holder in ("transaction", "prepared", "replication_slot"):
+            self.xmin_horizon_age.labels(holder)
         for pause in PauseReason:
             self.provider_paused.labels(pause).set(1 if pause is reason else 0)
 
@@ -205,8 +215,11 @@ class Metrics:
         self.jobs.labels(JobState.RUNNING).set(stats.running)
         self.jobs.labels(JobState.DONE).set(stats.done_estimate)
         self.jobs.labels(JobState.FAILED).set(stats.failed)
+        self.jobs.labels(JobState.DISCARDED).set(stats.discarded)
         self.oldest_transaction.set(stats.oldest_transaction_age_seconds)
         self.oldest_undelivered.set(stats.oldest_undelivered_age_seconds)
+        for holder, age in stats.xmin_age_by_holder.items():
+            self.xmin_horizon_age.labels(holder).set(age)
         self.dead_tuples.set(stats.dead_tuples)
         self.queue_stats_timestamp.set(time.time())
 

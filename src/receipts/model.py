@@ -13,12 +13,18 @@ from dataclasses import dataclass
 
 
 class JobState(enum.StrEnum):
-    """The four states of a receipt job, spelled as in the table's CHECK."""
+    """The states of a receipt job, spelled as in the table's CHECK.
+
+    ``ready → running → done | failed``; an operator may move a ready or
+    failed job to ``discarded`` (terminal, like done and failed: the row and
+    its order id stay until retention prunes them).
+    """
 
     READY = "ready"
     RUNNING = "running"
     DONE = "done"
     FAILED = "failed"
+    DISCARDED = "discarded"
 
 
 @dataclass(frozen=True, slots=True)
@@ -184,3 +190,40 @@ class Reschedule:
     outcome: Outcome
     delay_seconds: float
     refund: bool = False
+
+
+#: Attempt records kept per job (the ring of ``receipt_attempts``, migration 0005).
+ATTEMPT_HISTORY = 20
+
+
+@dataclass(frozen=True, slots=True)
+class AttemptRecord:
+    """One ended attempt, for the job's attempt history (``JobQueue.record_attempts``).
+
+    Attributes:
+        job_id: the job's UUID.
+        attempt: the attempt number (:attr:`Job.attempt`).
+        reason: the outcome's reason (a :class:`Reason`; ``delivered`` too).
+        status: the provider's HTTP status, or None when no answer arrived.
+        error: a short error (stored up to 500 characters; empty for none).
+        duration_seconds: how long the attempt took, seconds (None: unknown).
+        worker: who made it: the pod name or application name (up to 100 characters).
+
+    The time of the record is the database's, taken when it is written.
+    """
+
+    job_id: uuid.UUID
+    attempt: int
+    reason: Reason
+    status: int | None = None
+    error: str = ""
+    duration_seconds: float | None = None
+    worker: str = ""
+
+    @classmethod
+    def of(cls, job: Job, outcome: Outcome, *, duration_seconds: float | None,
+           worker: str) -> AttemptRecord:
+        """The record of *job*'s attempt that ended with *outcome*."""
+        return cls(job_id=job.id, attempt=job.attempt, reason=outcome.reason,
+                   status=outcome.status, error=outcome.detail,
+                   duration_seconds=duration_seconds, worker=worker)

@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
-from receipts.jobqueue import JobQueue
+from receipts.jobqueue import JobQueue, ReviewFilter
 from receipts.model import JobState
 
 # Every failed job, when retry is given no ids (a bound, never reached in practice).
@@ -96,6 +96,8 @@ async def list_jobs(queue: JobQueue, state: JobState, *, limit: int = 50,
 async def show(queue: JobQueue, key: str) -> dict[str, Any] | None:
     """One job by id or order id as a JSON-ready dict; None when there is none.
 
+    ``attempts`` lists its attempt history (oldest first, at most the last 20).
+
     The lease token is cut to its first 8 characters followed by ``…``: enough
     to match log lines (which carry the same 8), never enough to ack with.
     """
@@ -105,6 +107,8 @@ async def show(queue: JobQueue, key: str) -> dict[str, Any] | None:
     shown = {k: jsonable(v) for k, v in row.items()}
     if shown.get("lease_token"):
         shown["lease_token"] = str(shown["lease_token"])[:TOKEN_SHOWN_CHARS] + "…"
+    attempts = await queue.job_attempts(row["id"])
+    shown["attempts"] = [{k: jsonable(v) for k, v in a.items()} for a in attempts]
     return shown
 
 
@@ -120,6 +124,12 @@ class Refusal:
         """One line: why this job cannot be retried."""
         what = "no such job" if self.state == "unknown" else f"is {self.state}"
         return f"job {self.id} {what}; only failed jobs can be retried"
+
+    @property
+    def discard_reason(self) -> str:
+        """One line: why this job cannot be discarded."""
+        what = "no such job" if self.state == "unknown" else f"is {self.state}"
+        return f"job {self.id} {what}; only ready or failed jobs can be discarded"
 
 
 @dataclass(frozen=True, slots=True)
@@ -181,3 +191,61 @@ async def retry(queue: JobQueue, ids: Sequence[uuid.UUID] | None, *,
     changed = [str(i) for i in await queue.retry_failed(wanted)]
     missed = [] if wanted is None else sorted(set(targets) - set(changed))
     return RetryResult(dry_run=False, retried=changed, missed=missed)
+
+
+@dataclass(frozen=True, slots=True)
+class DiscardResult:
+    """What ``discard`` did (or, with ``dry_run``, would do).
+
+    ``discarded`` holds job ids; ``refused`` is non-empty only when nothing
+    changed because a named job was unknown or not ready/failed; ``changed``
+    is True when the set of jobs changed between the count and the update
+    (then nothing changed either).
+    """
+
+    dry_run: bool
+    expected: int = 0
+    discarded: list[str] = field(default_factory=list)
+    refused: list[Refusal] = field(default_factory=list)
+    changed: bool = False
+
+    @property
+    def ok(self) -> bool:
+        """True when every target was discarded (or would be)."""
+        return not self.refused and not self.changed
+
+    def as_dict(self) -> dict[str, Any]:
+        """JSON-ready: ``{"dry_run", "discarded", "would_discard", "refused"}``."""
+        return {
+            "dry_run": self.dry_run,
+            "discarded": [] if self.dry_run else list(self.discarded),
+            "would_discard": list(self.discarded) if self.dry_run else [],
+            "refused": [{"id": r.id, "state": r.state} for r in self.refused],
+        }
+
+
+async def discard(queue: JobQueue, target: Sequence[uuid.UUID] | ReviewFilter, *,
+                  dry_run: bool = False) -> DiscardResult:
+    """Move ready or failed jobs to ``discarded`` (terminal; the row keeps the order deduplicated).
+
+    *target* is a list of job ids (all or nothing: any unknown, running or
+    finished job refuses the lot) or a :class:`~receipts.jobqueue.ReviewFilter`
+    over ready or failed jobs. The update locks the rows and changes nothing
+    unless exactly the counted jobs still qualify. Running jobs are never touched.
+    """
+    if isinstance(target, ReviewFilter):
+        found = [str(r["id"]) for r in await queue.review_jobs(target, limit=500)]
+        expected = await queue.review_count(target)
+    else:
+        wanted = list(dict.fromkeys(target))
+        states = await queue.job_states(wanted)
+        refused = [Refusal(str(i), str(states.get(i, "unknown"))) for i in wanted
+                   if states.get(i) not in (JobState.READY, JobState.FAILED)]
+        if refused:
+            return DiscardResult(dry_run=dry_run, refused=refused)
+        found, expected, target = [str(i) for i in wanted], len(wanted), wanted
+    if dry_run:
+        return DiscardResult(dry_run=True, expected=expected, discarded=found)
+    ids = [str(i) for i in await queue.discard_jobs(target, expected=expected)]
+    return DiscardResult(dry_run=False, expected=expected, discarded=ids,
+                         changed=len(ids) != expected)

@@ -203,6 +203,11 @@ class Settings(BaseSettings):
         default=None, ge=1, le=10_000_000,
         description="Token bucket capacity (jobs); default one second's worth of the rate.",
     )
+    attempt_history: Literal["all", "retries"] = Field(
+        default="retries",
+        description="Which attempts the job history records: 'retries' skips a delivery "
+                    "on the first attempt (the job row says it all), 'all' records every one.",
+    )
     admission_control: bool = Field(
         default=True,
         description="Adapt the claim rate to the database's statement latency (AIMD).",
@@ -229,6 +234,15 @@ class Settings(BaseSettings):
         description="409 'in progress' answers per job that give their attempt back.",
     )
     application_name: str = Field(default="receipts", min_length=1, max_length=63)
+    ui_host: str = Field(
+        default="127.0.0.1", min_length=1,
+        description="Address `receipts ui` binds to (the chart sets 0.0.0.0).",
+    )
+    ui_port: int = Field(default=8090, ge=1, le=65_535, description="Port of `receipts ui`.")
+    ui_admin_token: SecretStr | None = Field(
+        default=None,
+        description="Enables the review page's actions for whoever enters it; unset: read-only.",
+    )
 
     @field_validator("database_url")
     @classmethod
@@ -236,11 +250,19 @@ class Settings(BaseSettings):
         check_dsn(value.get_secret_value())
         return value
 
-    @field_validator("provider_token", mode="before")
+    @field_validator("provider_token", "ui_admin_token", mode="before")
     @classmethod
     def _empty_token_is_none(cls, value: object) -> object:
         if isinstance(value, str) and not value.strip():
             return None
+        return value
+
+    @field_validator("ui_admin_token")
+    @classmethod
+    def _strong_ui_token(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None and len(value.get_secret_value()) < 16:
+            raise ValueError("must be at least 16 characters (a random token, e.g. "
+                             "`openssl rand -hex 24`)")
         return value
 
     @field_validator("provider_url")

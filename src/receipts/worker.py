@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import asyncio
 import random
+import socket
 import time
 from collections.abc import Iterable
 from datetime import datetime
@@ -49,6 +50,7 @@ from receipts.logs import get_logger, job_fields
 from receipts.metrics import Metrics
 from receipts.model import (
     Attempt,
+    AttemptRecord,
     ClaimResult,
     FlowState,
     Outcome,
@@ -63,6 +65,8 @@ from receipts.settings import Settings
 log = get_logger("worker")
 
 STOP_CLAIM_SECONDS = 1.0
+#: A paused pod re-reads the fleet's pause this often (one claim that claims nothing).
+PAUSE_RECHECK_SECONDS = 5.0
 WATCHDOG_SLACK_SECONDS = 10.0
 OUTAGE_BACKOFF_FIRST_SECONDS = 0.1
 OUTAGE_BACKOFF_MAX_SECONDS = 30.0
@@ -122,6 +126,11 @@ class Worker:
         self._stop = asyncio.Event()
         self._db_ok = False
         self._busy_since: float | None = None
+        self._flow_read_at = 0.0  # monotonic: when the fleet's flow state was last read
+        #: Who made an attempt, in its history: the pod (host) name.
+        self.name = socket.gethostname()[:100]
+        #: Record first-attempt deliveries too (the row itself tells them otherwise).
+        self.record_all = settings.attempt_history == "all"
         #: A statement waiting longer than this fails /healthz (seconds).
         self.watchdog_seconds = 2 * statement_deadline(settings) + WATCHDOG_SLACK_SECONDS
         #: The most jobs one claim asked for compared with the slots free then
@@ -226,12 +235,18 @@ class Worker:
         backs off). Never raises for database errors.
         """
         gate = self.gate
+        recheck = False
         if gate.paused:
             left = gate.pause_left()
-            if left > 0:
-                return left, False
+            since_read = time.monotonic() - self._flow_read_at
+            if left > 0 and since_read < PAUSE_RECHECK_SECONDS:
+                return min(left, PAUSE_RECHECK_SECONDS - since_read), False
             if gate.probe_job is not None:  # our probe is still out: wait for its answer
                 return self.settings.poll_interval_seconds, False
+            # Re-read the fleet's state now and then: another pod (or an operator)
+            # may have ended or extended the pause. The claim claims nothing while
+            # the fleet is paused; it only reports the state.
+            recheck = left > 0
         probe_until: datetime | None = None
         state = FlowState()
         limit = min(free, self.settings.claim_batch_max)
@@ -242,7 +257,7 @@ class Worker:
                 return wait, False
         self._busy_since = time.monotonic()
         try:
-            if gate.paused:
+            if gate.paused and not recheck:
                 won = await self.queue.begin_probe(self._probe_guard_seconds())
                 if won is not None:
                     probe_until, state = won
@@ -265,7 +280,7 @@ class Worker:
             self.admission.refund(limit - len(result.attempts))
         self._observe_flow(result.flow)
         if gate.paused:
-            return gate.pause_left(), False
+            return min(gate.pause_left(), PAUSE_RECHECK_SECONDS), False
         if len(result.attempts) >= limit:
             return 0.0, False
         tokens = result.flow.tokens
@@ -308,6 +323,7 @@ class Worker:
         return result
 
     def _observe_flow(self, flow: FlowState) -> None:
+        self._flow_read_at = time.monotonic()
         was = self.gate.reason
         self.gate.observe_flow(flow)
         if self.gate.reason is not was:
@@ -351,7 +367,11 @@ class Worker:
             log.exception("delivery_error", extra=job_fields(job, Reason.INTERNAL_ERROR))
             detail = f"internal error: {exc!r}"[:200]
             outcome = Outcome(Verdict.RETRY, Reason.INTERNAL_ERROR, detail=detail)
-        self.metrics.delivery_duration.labels(outcome.reason).observe(time.perf_counter() - start)
+        took = time.perf_counter() - start
+        self.metrics.delivery_duration.labels(outcome.reason).observe(took)
+        if self.record_all or outcome.verdict is not Verdict.DELIVERED or job.attempt > 1:
+            self.completer.record(AttemptRecord.of(job, outcome, duration_seconds=took,
+                                                   worker=self.name))
         decision = self.gate.judge(job.id, outcome)
         if decision.probe or decision.pause is not None:
             await self._act_on_flow(attempt, outcome, decision.pause, decision.resume,

@@ -42,18 +42,6 @@ from receipts.enqueue import enqueue_async
 from receipts.statements import statements
 from tests.conftest import Server
 
-FLOW_DDL = """
-CREATE TABLE IF NOT EXISTS receipt_flow (
-  id smallint PRIMARY KEY DEFAULT 1 CHECK (id = 1),
-  pause_reason text CHECK (pause_reason IN ('auth','outage','retry_after')),
-  paused_until timestamptz,
-  pause_seconds double precision NOT NULL DEFAULT 0,
-  tokens double precision NOT NULL DEFAULT 0,
-  tokens_at timestamptz NOT NULL DEFAULT now()
-);
-INSERT INTO receipt_flow (id) VALUES (1) ON CONFLICT (id) DO NOTHING;
-"""
-
 # The worker under test: 4 slots at 0.75 utilisation → a target of 3 per pod.
 SLOTS, MAX_ATTEMPTS, MIN_REPLICAS, MAX_REPLICAS = 4, 5, 0, 4
 TRUTH = ("SELECT count(*) FILTER (WHERE state = 'ready' AND run_at <= statement_timestamp()),"
@@ -113,11 +101,6 @@ def rendered_trigger(tmp_path: Path, max_replicas: int = MAX_REPLICAS) -> Trigge
                    spec["maxReplicaCount"], float(spec["cooldownPeriod"]))
 
 
-def add_flow_table(dsn: str) -> None:
-    with psycopg.connect(dsn, autocommit=True) as conn:
-        conn.execute(FLOW_DDL)
-
-
 def set_pause(dsn: str, reason: str | None) -> None:
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("UPDATE receipt_flow SET pause_reason = %s, paused_until ="
@@ -132,7 +115,6 @@ def set_pause(dsn: str, reason: str | None) -> None:
 def big_dsn(pg18: Server) -> Iterator[str]:
     """1,000,000 done rows, 50,000 due ready rows, 1,000 running (generate_series)."""
     dsn = pg18.new_database()
-    add_flow_table(dsn)
     with psycopg.connect(dsn, autocommit=True) as conn:
         # Bulk load without the indexes, then rebuild the migration's exact definitions.
         indexes = conn.execute(
@@ -153,7 +135,7 @@ def big_dsn(pg18: Server) -> Iterator[str]:
         for _, definition in indexes:
             conn.execute(definition)
         conn.execute(statements()["claim"].format(limit=1000),
-                     {"max_attempts": MAX_ATTEMPTS, "lease_seconds": 600.0})
+                     {"max_attempts": MAX_ATTEMPTS, "lease_seconds": 600.0, "probe": False})
         conn.execute("VACUUM (ANALYZE) receipt_jobs")
     try:
         yield dsn
@@ -323,7 +305,6 @@ async def test_keda_formula_on_the_rendered_query_under_poisson_load(
     trigger = rendered_trigger(tmp_path)
     assert (trigger.target, trigger.activation) == (3, 0)  # floor(4 × 0.75); any job wakes
     dsn = pg18.new_database()
-    add_flow_table(dsn)
     rng = random.Random(20261201)
     started = time.monotonic()
     async with worker_and_provider(dsn, tmp_path), \
@@ -349,6 +330,9 @@ async def test_keda_formula_on_the_rendered_query_under_poisson_load(
             set_pause(dsn, None)
 
             sampler.phase = "drain"
+            sampling.cancel()  # from here on this loop samples, on the same connection
+            with contextlib.suppress(asyncio.CancelledError):
+                await sampling
             deadline = time.monotonic() + 30
             while True:
                 last = await sampler.sample()

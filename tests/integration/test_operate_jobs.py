@@ -85,7 +85,8 @@ async def test_json_outputs_parse_and_describe_the_queue(dsn: str, queue: JobQue
     code, out, err = _jobs(dsn, "stats", "--json")
     assert code == 0, err
     stats = json.loads(out)
-    assert stats["jobs"] == {"ready": 1, "running": 1, "done": 1, "failed": 2}
+    assert stats["jobs"] == {"ready": 1, "running": 1, "done": 1, "failed": 2,
+                             "discarded": 0}
     assert stats["ready_due"] == 0 and stats["queue_lag_seconds"] == 0
     assert stats["oldest_failed_at"] is not None
     code, out, _ = _jobs(dsn, "list", "--state", "failed", "--json", "--limit", "1")

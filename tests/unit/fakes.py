@@ -20,6 +20,7 @@ from receipts.errors import DatabaseUnavailable
 from receipts.jobqueue import QueueStats
 from receipts.model import (
     Attempt,
+    AttemptRecord,
     ClaimResult,
     FlowState,
     Job,
@@ -65,6 +66,7 @@ class FakeQueue:
     pauses: list[tuple[PauseReason, float]] = field(default_factory=list)
     resumed: int = 0
     refunds: int = 0
+    records: list[AttemptRecord] = field(default_factory=list)
 
     def add(self, n: int) -> list[uuid.UUID]:
         ids = []
@@ -146,6 +148,9 @@ class FakeQueue:
                              ) -> dict[uuid.UUID, JobState]:
         return {job_id: self.rows[job_id].state for job_id, token in pairs
                 if job_id in self.rows and self.rows[job_id].last_token == token}
+
+    async def record_attempts(self, records: Sequence[AttemptRecord]) -> None:
+        self.records.extend(records)
 
     async def extend_pause(self, reason: PauseReason, seconds: float) -> FlowState:
         self.pauses.append((reason, seconds))

@@ -165,3 +165,16 @@ async def test_a_wedged_claim_fails_the_watchdog_and_stop_still_returns():
         assert not loop.worker.is_ready()
         started = time.monotonic()
     assert time.monotonic() - started < 3  # the hung claim was cancelled at stop
+
+
+async def test_attempt_history_records_retries_and_skips_a_first_try_delivery():
+    queue = FakeQueue()
+    first, second = queue.add(2)
+    answers = {first: iter([200]), second: iter([503, 200])}
+    deliverer = ScriptedDeliverer(lambda job: outcome(next(answers[job.id])))
+    async with Loop(queue, deliverer):
+        await until(lambda: queue.count(JobState.DONE) == 2)
+        await until(lambda: len(queue.records) == 2)
+    assert [(r.job_id, r.attempt, r.reason, r.status) for r in queue.records] == [
+        (second, 1, "provider_5xx", 503), (second, 2, "delivered", 200)]
+    assert all(r.worker and r.duration_seconds is not None for r in queue.records)

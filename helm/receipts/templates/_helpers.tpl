@@ -186,8 +186,9 @@ once. The surge is maxSurge + the larger of the two.
 {{- $migration := ternary 1 0 .Values.migration.enabled -}}
 {{- $keda := ternary 1 0 (and .Values.autoscaling.enabled .Values.autoscaling.keda.enabled) -}}
 {{- $reserved := .Values.connectionBudget.reserved | int -}}
-{{- $total := add (mul (add $replicas $surge) $perPod) $recovery $migration $keda $reserved -}}
-{{- dict "replicas" $replicas "surge" $surge "pool" ($c.poolMaxSize | int) "listener" $listener "perPod" $perPod "recovery" $recovery "migration" $migration "keda" $keda "reserved" $reserved "total" $total "budget" (.Values.connectionBudget.maxConnections | int) | toJson }}
+{{- $ui := ternary (mul 2 (.Values.ui.replicas | int)) 0 .Values.ui.enabled -}}
+{{- $total := add (mul (add $replicas $surge) $perPod) $recovery $migration $keda $reserved $ui -}}
+{{- dict "replicas" $replicas "surge" $surge "pool" ($c.poolMaxSize | int) "listener" $listener "perPod" $perPod "recovery" $recovery "migration" $migration "keda" $keda "reserved" $reserved "ui" $ui "total" $total "budget" (.Values.connectionBudget.maxConnections | int) | toJson }}
 {{- end }}
 
 {{/*
@@ -195,7 +196,8 @@ One line of connection arithmetic for messages and NOTES.txt.
 */}}
 {{- define "receipts.connectionsLine" -}}
 {{- $n := include "receipts.connections" . | fromJson -}}
-{{- printf "(%d max replicas + %d rollout surge) × %d per pod (pool %d + listener %d) + recovery %d + migration %d + KEDA %d + reserved %d = %d connections; budget %d" (int $n.replicas) (int $n.surge) (int $n.perPod) (int $n.pool) (int $n.listener) (int $n.recovery) (int $n.migration) (int $n.keda) (int $n.reserved) (int $n.total) (int $n.budget) }}
+{{- $ui := ternary (printf " + review page %d" (int $n.ui)) "" (gt (int $n.ui) 0) -}}
+{{- printf "(%d max replicas + %d rollout surge) × %d per pod (pool %d + listener %d) + recovery %d + migration %d + KEDA %d + reserved %d%s = %d connections; budget %d" (int $n.replicas) (int $n.surge) (int $n.perPod) (int $n.pool) (int $n.listener) (int $n.recovery) (int $n.migration) (int $n.keda) (int $n.reserved) $ui (int $n.total) (int $n.budget) }}
 {{- end }}
 
 {{/*

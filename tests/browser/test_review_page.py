@@ -1,0 +1,357 @@
+"""The review page in a real headless chromium, used as an operator would.
+
+The page is served in-process (``make_app`` on a real aiohttp server and a real
+PostgreSQL 18); the browser is Debian's chromium driven through the DevTools
+protocol (``tests/browser/cdp.py``): real navigation, real mouse clicks and key
+input, real cookies and the browser's own origin and SameSite rules.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import os
+import uuid
+from collections.abc import AsyncIterator, Iterator
+from contextlib import asynccontextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+from aiohttp import web
+
+from receipts.db import make_pool
+from receipts.embedded import free_port
+from receipts.jobqueue import JobQueue
+from receipts.metrics import start_server
+from receipts.model import AttemptRecord, Job, Reason
+from receipts.ui import make_app
+from tests.browser.cdp import Browser, Page, find_chromium
+from tests.conftest import (
+    Server,
+    claim_jobs,
+    enqueue_many,
+    fetch_rows,
+    make_settings,
+    reschedule_one,
+)
+
+TOKEN = "test-admin-token-0123456789"
+ROOT = Path(__file__).resolve().parents[2]
+SCREENSHOT = ROOT / ".tmp" / "review-page.png"
+JOB_SCREENSHOT = ROOT / ".tmp" / "review-job.png"
+HOSTILE = '<script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2">'
+LONG_LINE = "E" * 50_000
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Browser]:
+    binary = find_chromium()
+    if binary is None:
+        if os.environ.get("CI"):
+            pytest.fail("chromium is missing; scripts/install-tools.sh installs Debian's chromium")
+        pytest.skip("chromium is not installed and could not be (scripts/install-tools.sh "
+                    "installs Debian's chromium package)")
+    b = Browser(binary, host_rules=("evil.test",))
+    try:
+        yield b
+    finally:
+        b.close()
+
+
+@dataclass
+class Served:
+    """The review page on a free port over a fresh database."""
+
+    dsn: str
+    queue: JobQueue
+    port: int
+    jobs: dict[str, Job]
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def state(self, order_id: str) -> str:
+        return str(fetch_rows(self.dsn, "SELECT state FROM receipt_jobs WHERE order_id = %s",
+                              (order_id,))[0][0])
+
+
+async def _seed(dsn: str, queue: JobQueue) -> dict[str, Job]:
+    """Failed jobs: three 422s (one hostile, one very long), two 503s out of attempts; one ready."""
+    plan = {
+        "order-422-a": (Reason.REJECTED, 422, "422 order unknown"),
+        "order-422-b": (Reason.REJECTED, 422, "422 " + HOSTILE),
+        "order-422-long": (Reason.REJECTED, 422, "422 " + LONG_LINE),
+        "order-503-a": (Reason.MAX_ATTEMPTS, 503, "503 provider busy"),
+        "order-503-b": (Reason.MAX_ATTEMPTS, 503, "503 provider busy"),
+    }
+    enqueue_many(dsn, list(plan))
+    jobs = {j.order_id: j for j in await claim_jobs(queue, len(plan))}
+    for order_id, (_, _, error) in plan.items():
+        await reschedule_one(queue, jobs[order_id], delay_seconds=0, error=error, permanent=True)
+    history = [AttemptRecord(jobs[o].id, 1, reason, status, error, 0.125, "receipts-worker-7f9c")
+               for o, (reason, status, error) in plan.items()]
+    history.insert(0, AttemptRecord(jobs["order-503-a"].id, 1, Reason.TIMEOUT, None,
+                                    "timed out after 10 s", 10.0, "receipts-worker-1a2b"))
+    await queue.record_attempts(history)
+    enqueue_many(dsn, ["order-ready"])
+    return jobs
+
+
+@asynccontextmanager
+async def _serve(pg18: Server, admin_token: str | None) -> AsyncIterator[Served]:
+    dsn = pg18.new_database()
+    pool = make_pool(make_settings(dsn), "ui", max_size=2)
+    await pool.open(wait=True)
+    queue = JobQueue(pool, lease_seconds=30, max_attempts=5)
+    port = free_port()
+    runner = await start_server(make_app(queue, admin_token=admin_token, loopback_only=True),
+                                port, host="127.0.0.1")
+    try:
+        yield Served(dsn, queue, port, await _seed(dsn, queue))
+    finally:
+        await runner.cleanup()
+        await pool.close()
+        pg18.drop_database(dsn)
+
+
+@pytest.fixture
+async def ui(pg18: Server) -> AsyncIterator[Served]:
+    """The review page with actions (admin token set)."""
+    async with _serve(pg18, TOKEN) as served:
+        yield served
+
+
+@pytest.fixture
+async def readonly_ui(pg18: Server) -> AsyncIterator[Served]:
+    """The review page without an admin token."""
+    async with _serve(pg18, None) as served:
+        yield served
+
+
+@pytest.fixture
+async def page(browser: Browser) -> AsyncIterator[Page]:
+    async with browser.page() as tab:
+        await tab.send("Network.clearBrowserCookies")
+        yield tab
+
+
+async def _rows(page: Page) -> list[str]:
+    return list(await page.eval(
+        "[...document.querySelectorAll('table.jobs tbody td.order')].map(e => e.innerText)"))
+
+
+# ------------------------------------------------------------------ reading
+
+
+async def test_list_filter_and_open_a_job_with_its_attempt_history(
+    ui: Served, page: Page, capsys: pytest.CaptureFixture[str]
+) -> None:
+    await page.goto(ui.url + "/")
+    assert await page.text("#count-failed") == "5"
+    assert await page.text("#match-count") == "5"
+    assert sorted(await _rows(page)) == ["order-422-a", "order-422-b", "order-422-long",
+                                         "order-503-a", "order-503-b"]
+    assert "not paused" in await page.text("#provider")
+    await page.screenshot(SCREENSHOT)
+    with capsys.disabled():
+        print(f"\nreview page screenshot: {SCREENSHOT}")
+    assert SCREENSHOT.stat().st_size > 10_000
+
+    # Filter by HTTP status (typed into the form, submitted with a click).
+    await page.type("input[name=status]", "503")
+    await page.click("form.filters button")
+    assert "status=503" in await page.eval("location.search")
+    assert sorted(await _rows(page)) == ["order-503-a", "order-503-b"]
+    # Order-id search and reason filter combine.
+    await page.goto(ui.url + "/?state=failed&reason=rejected&q=long")
+    assert await _rows(page) == ["order-422-long"]
+
+    # Open a job: its attempt history, newest first, with the worker and status.
+    await page.goto(ui.url + "/?status=503&q=503-a")
+    await page.click("td.order a")
+    assert await page.text("#job-state") == "failed"
+    history = await page.eval(
+        "[...document.querySelectorAll('table.attempts tbody tr')]"
+        ".map(r => [...r.cells].map(c => c.innerText))")
+    assert [(h[3], h[4], h[6]) for h in history] == [
+        ("max_attempts", "503", "receipts-worker-7f9c"),
+        ("timeout", "", "receipts-worker-1a2b")]
+    assert history[1][5] == "10.0 s"
+    await page.screenshot(JOB_SCREENSHOT)
+    with capsys.disabled():
+        print(f"job page screenshot: {JOB_SCREENSHOT}")
+    # No secret on the page: no DSN, no admin token.
+    html = await page.eval("document.documentElement.outerHTML")
+    assert "postgresql://" not in html and "dbname" not in html and TOKEN not in html
+
+
+async def test_pages_read_without_javascript(ui: Served, page: Page) -> None:
+    await page.send("Emulation.setScriptExecutionDisabled", value=True)
+    await page.goto(ui.url + "/?status=422")
+    # Read through the DOM domain (no page script runs).
+    doc = await page.send("DOM.getDocument", depth=-1)
+    html = (await page.send("DOM.getOuterHTML", nodeId=doc["root"]["nodeId"]))["outerHTML"]
+    assert "order-422-a" in html and "order-503-a" not in html
+    assert "<script" not in html.replace("&lt;script", "")
+
+
+async def test_hostile_provider_errors_render_escaped_and_clipped(ui: Served, page: Page) -> None:
+    await page.goto(ui.url + "/")
+    assert await page.eval("window.__pwned === undefined")
+    assert await page.eval("document.querySelectorAll('main script, main img').length") == 0
+    cells = await page.eval("[...document.querySelectorAll('td.error')].map(e => e.innerText)")
+    assert any("<script>window.__pwned = 1</script>" in c for c in cells)
+    long_cell = next(c for c in cells if c.startswith("422 EEE"))
+    assert len(long_cell) < 300 and "characters)" in long_cell
+    # The very long line wraps: the page never scrolls sideways.
+    assert await page.eval("document.documentElement.scrollWidth <= window.innerWidth")
+
+    await page.goto(f"{ui.url}/jobs/{ui.jobs['order-422-b'].id}")
+    assert await page.eval("window.__pwned === undefined")
+    assert await page.eval("document.querySelectorAll('main script, main img').length") == 0
+    assert HOSTILE in await page.text("#last-error")
+    await page.goto(f"{ui.url}/jobs/order-422-long")
+    text = await page.text("#last-error")
+    assert text == ("422 " + LONG_LINE)[:500]  # the stored error is cut to 500 characters
+    assert await page.eval("document.documentElement.scrollWidth <= window.innerWidth")
+
+
+# ------------------------------------------------------------------ actions
+
+
+async def test_retry_needs_the_admin_token_and_then_happens(ui: Served, page: Page) -> None:
+    await page.goto(ui.url + "/?status=422")
+    target = ui.jobs["order-422-a"].id
+    await page.click(f"input[value='{target}']", navigates=False)
+    await page.click("button[value='retry:selected']")
+    assert "Retry 1 job?" in await page.text("h1")
+
+    # A wrong token: refused, nothing changes.
+    await page.type("input[name=token]", "not-the-token-at-all")
+    await page.click("#confirm")
+    assert await page.text("#message") == "Admin token required"
+    assert ui.state("order-422-a") == "failed"
+    assert [r["status"] for r in page.responses if r["url"].endswith("/act")][-1] == 403
+
+    # The right token: retried, and the session is now signed in (cookie, flags).
+    await page.goto(ui.url + "/?status=422")
+    await page.click(f"input[value='{target}']", navigates=False)
+    await page.click("button[value='retry:selected']")
+    await page.type("input[name=token]", TOKEN)
+    await page.click("#confirm")
+    assert await page.text("#done") == "Retried 1 job"
+    assert ui.state("order-422-a") == "ready"
+    (cookie,) = [c for c in await page.cookies() if c["name"] == "receipts_ui_session"]
+    assert cookie["httpOnly"] and cookie["secure"] and cookie["sameSite"] == "Strict"
+    assert TOKEN not in cookie["value"] and cookie["value"].split(".")[2] == "admin"
+
+    # Signed in: a filter action shows its count, then needs no token.
+    await page.goto(ui.url + "/?status=503")
+    await page.click("button[value='discard:filter']")
+    assert "Discard 2 jobs?" in await page.text("h1")
+    assert await page.eval("document.querySelector('input[name=token]') === null")
+    await page.click("#confirm")
+    assert await page.text("#done") == "Discarded 2 jobs"
+    assert {ui.state("order-503-a"), ui.state("order-503-b")} == {"discarded"}
+
+
+async def test_a_confirmation_goes_stale_when_the_jobs_change(ui: Served, page: Page) -> None:
+    await page.goto(ui.url + "/login")
+    await page.type("input[name=token]", TOKEN)
+    await page.click("form.confirm button")
+    await page.goto(ui.url + "/?status=422")
+    await page.click("button[value='retry:filter']")
+    assert "Retry 3 jobs?" in await page.text("h1")
+    # Meanwhile another operator retries one of them.
+    await ui.queue.retry_jobs([ui.jobs["order-422-a"].id], expected=1)
+    await page.click("#confirm")
+    assert await page.text("#message") == "Nothing changed"
+    assert ui.state("order-422-b") == "failed"
+
+
+async def test_a_selection_with_a_job_that_does_not_qualify_changes_nothing(
+    ui: Served, page: Page
+) -> None:
+    await page.goto(ui.url + "/?state=ready")
+    ready = await page.eval("document.querySelector('input[name=id]').value")
+    # Retry is not offered for ready jobs; discard is.
+    assert await page.eval("document.querySelector(\"button[value='retry:selected']\")") is None
+    fetch_rows(ui.dsn, "UPDATE receipt_jobs SET state = 'running', lease_token ="
+                       " gen_random_uuid(), lease_until = now() + interval '1 min'"
+                       " WHERE id = %s RETURNING 1", (uuid.UUID(ready),))
+    await page.click("input[name=id]", navigates=False)
+    await page.click("button[value='discard:selected']")
+    assert await page.text("#refused")
+    assert f"{ready} is running" in await page.text("main")
+    assert await page.eval("document.querySelector('#confirm') === null")
+    assert ui.state("order-ready") == "running"
+
+
+async def test_a_forged_cross_site_post_is_refused(ui: Served, page: Page) -> None:
+    """A page on another site auto-submits a retry form to the signed-in operator's page."""
+    await page.goto(ui.url + "/login")
+    await page.type("input[name=token]", TOKEN)
+    await page.click("form.confirm button")
+    await page.goto(ui.url + "/")
+    csrf = await page.eval("document.querySelector('input[name=csrf]').value")
+
+    evil_port = free_port()
+    forged = f"""<!doctype html><title>win a prize</title>
+<form method="post" action="{ui.url}/act">
+<input name="action" value="retry:filter"><input name="state" value="failed">
+<input name="expected" value="5"><input name="csrf" value="{csrf}">
+</form><script>document.forms[0].submit()</script>"""
+
+    async def evil(_: web.Request) -> web.Response:
+        return web.Response(text=forged, content_type="text/html")
+
+    app = web.Application()
+    app.router.add_get("/", evil)
+    runner = await start_server(app, evil_port, host="127.0.0.1")
+    try:
+        landed = page.expect("Page.loadEventFired")
+        await page.goto(f"http://evil.test:{evil_port}/")
+        await asyncio.wait_for(landed, 30)
+        for _ in range(100):  # the auto-submit navigates once more
+            if (await page.eval("location.href")).startswith(ui.url):
+                break
+            await asyncio.sleep(0.05)
+        await asyncio.sleep(0.2)
+        assert await page.eval("location.href") == f"{ui.url}/act"
+        assert await page.text("#message") == "Refused"
+        assert "came from another site" in await page.text("main")
+    finally:
+        await runner.cleanup()
+    assert {ui.state(o) for o in ui.jobs} == {"failed"}
+
+
+async def test_the_read_only_page_offers_no_actions_and_refuses_every_post(
+    readonly_ui: Served, page: Page
+) -> None:
+    await page.goto(readonly_ui.url + "/")
+    assert await page.text(".mode") == "read-only"
+    assert await page.eval("document.querySelectorAll('input[name=id], button[name=action]')"
+                           ".length") == 0
+    async with httpx.AsyncClient(trust_env=False) as client:
+        for path in ("/act", "/confirm", "/login"):
+            response = await client.post(readonly_ui.url + path, data={
+                "action": "retry:filter", "state": "failed", "expected": "5", "token": TOKEN})
+            assert response.status_code == 403, path
+            assert "read-only" in response.text
+        # A name that rebinds to 127.0.0.1 is not served.
+        response = await client.get(readonly_ui.url + "/", headers={"Host": "evil.test"})
+        assert response.status_code == 421
+    assert {readonly_ui.state(o) for o in readonly_ui.jobs} == {"failed"}
+
+
+async def test_a_running_job_shows_only_its_lease_token_prefix(ui: Served, page: Page) -> None:
+    (job,) = await claim_jobs(ui.queue, 1)
+    await page.goto(f"{ui.url}/jobs/{job.id}")
+    assert await page.text("#job-state") == "running"
+    html = await page.eval("document.documentElement.outerHTML")
+    assert f"{job.token.hex[:8]}…" in html
+    assert str(job.token) not in html and job.token.hex not in html
+    # No action is offered on a running job.
+    assert await page.eval("document.querySelectorAll('button[name=action]').length") == 0
