@@ -33,11 +33,14 @@ def pgbench_script(batch: int) -> str:
     claim = statements()["claim"].format(limit=batch)
     claim = claim.replace("%(max_attempts)s", str(MAX_ATTEMPTS))
     claim = claim.replace("%(lease_seconds)s", str(LEASE_SECONDS))
-    head, sep, update = claim.partition("\nUPDATE receipt_jobs AS j")
+    claim = claim.replace("%(probe)s", "false")
+    # The claim ends with a SELECT of the claimed rows joined to the flow state;
+    # pgbench needs them aggregated into two arrays it can \gset.
+    head, sep, _select = claim.rpartition("\nSELECT c.id, c.order_id")
     if not sep:
         raise RuntimeError("the claim statement no longer has the expected shape")
     claim_sql = (
-        f"{head},\nclaimed AS (\nUPDATE receipt_jobs AS j{update}\n)\n"
+        f"{head}\n"
         "SELECT coalesce(array_agg(id), '{}') AS ids,"
         " coalesce(array_agg(lease_token), '{}') AS tokens FROM claimed \\gset"
     )

@@ -262,7 +262,7 @@ async def _claim_latencies(dsn: str, claims: int, batch: int) -> list[float]:
         out = []
         for _ in range(claims):
             t = time.perf_counter()
-            jobs = await queue.claim(batch)
+            jobs = [a.job for a in (await queue.claim(batch)).attempts]
             out.append((time.perf_counter() - t) * 1000)
             if jobs:
                 await queue.ack([(j.id, j.token) for j in jobs])
@@ -279,7 +279,7 @@ def _explain(dsn: str, batch: int) -> str:
         with conn.transaction(force_rollback=True):
             rows = conn.execute(
                 "EXPLAIN (ANALYZE, BUFFERS) " + text,
-                {"max_attempts": 5, "lease_seconds": 60.0},
+                {"max_attempts": 5, "lease_seconds": 60.0, "probe": False},
             ).fetchall()
     return "\n".join(r[0] for r in rows)
 

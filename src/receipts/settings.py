@@ -220,9 +220,18 @@ class Settings(BaseSettings):
         default=20_000.0, gt=0, le=10_000_000,
         description="Admission control's ceiling and starting limit (jobs/s per worker).",
     )
-    outage_window_seconds: float = Field(default=30.0, gt=0, le=3_600)
-    outage_min_jobs: int = Field(default=5, ge=1, le=10_000)
-    outage_failure_ratio: float = Field(default=0.8, gt=0, le=1)
+    outage_window_seconds: float = Field(
+        default=30.0, gt=0, le=3_600,
+        description="Outage detection looks at each job's latest answer over this window.",
+    )
+    outage_min_jobs: int = Field(
+        default=5, ge=1, le=10_000,
+        description="Distinct jobs that must have failed before an outage is declared.",
+    )
+    outage_failure_ratio: float = Field(
+        default=0.8, gt=0, le=1,
+        description="Share of the distinct jobs answered in the window that must have failed.",
+    )
     outage_pause_seconds: float = Field(
         default=5.0, gt=0, le=3_600, description="First fleet-wide pause after an outage."
     )

@@ -24,7 +24,8 @@ from receipts.supervisor import MetricSamples
 from tests.chaos.pgproxy import CutRow
 
 FAULT_KINDS = (
-    "sigkill", "sigstop", "pg_restart", "terminate", "claim_cut", "db_stall",
+    "sigkill", "sigstop", "pg_restart", "terminate", "claim_cut", "write_cut", "half_open",
+    "db_stall",
     "latency_spike", "burst_5xx", "burst_429", "hang_after_headers", "reset", "hang",
 )
 RECOVERY_SUFFIX = "-recover"  # application_name of the recovery process ends so

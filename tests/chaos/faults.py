@@ -35,6 +35,11 @@ PROVIDER_BASELINE: dict[str, Any] = {
 }
 
 
+#: How long the proxy holds connections half-open: past the chaos workers' statement
+#: deadline (statement timeout 2 s + 5 s), short of the watchdog (2 × 7 + 10 s).
+HALF_OPEN_SECONDS = 9.0
+
+
 class FaultInjector:
     """Inject the faults of one run; see the module doc."""
 
@@ -212,6 +217,29 @@ class FaultInjector:
             await asyncio.sleep(0.02)
         if len(proxy.cuts) > before:
             self.run.say(f"proxy cut a committed claim of {len(proxy.cuts[-1].rows)} job(s)")
+
+    async def _fault_write_cut(self) -> None:
+        """Let the proxied worker's next ack or reschedule commit; drop its answer."""
+        proxy = self.run.proxy
+        self.faults["write_cut"] += 1
+        before = len(proxy.write_cuts)
+        proxy.arm_cut_write(1)
+        deadline = time.monotonic() + 5
+        while len(proxy.write_cuts) == before and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if len(proxy.write_cuts) > before:
+            self.effects["write_answers_cut"] += 1
+            self.run.say("proxy cut the answer of a committed ack/reschedule")
+        else:
+            proxy.arm_cut_write(-proxy.writes_armed)
+
+    async def _fault_half_open(self) -> None:
+        """Hold every proxied connection half-open past the worker's statement deadline."""
+        seconds = HALF_OPEN_SECONDS
+        self.faults["half_open"] += 1
+        self.run.say(f"proxy holds the proxied worker's connections half-open for {seconds:g}s")
+        self.run.proxy.hold(seconds)
+        await asyncio.sleep(seconds)
 
     async def _fault_db_stall(self) -> None:
         """Stall the proxied worker's link right after a claim, while the provider is sane."""

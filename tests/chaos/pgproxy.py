@@ -17,6 +17,14 @@ belongs to. Two faults, armed from the chaos harness:
   claimed; their acks reach the server after the lease expired and must be
   refused as stale.
 
+* **cut a write** (:meth:`PgProxy.arm_cut_write`): the next ack or reschedule
+  that returns rows is forwarded with its Sync (so it commits) and its answer
+  dropped with the connection: the worker must find out on a fresh connection
+  that its write landed (and count it as such), not call it stale.
+* **half-open** (:meth:`PgProxy.hold`): for a number of seconds nothing moves
+  in either direction on any connection, new ones included, and nothing is
+  closed: no RST, no error, as when a network path silently drops packets.
+
 Only what the harness needs is parsed: Parse / Bind / Query / Sync from the
 client, DataRow / ReadyForQuery from the server.
 """
@@ -31,6 +39,8 @@ import uuid
 from dataclasses import dataclass, field
 
 CLAIM_MARKERS = (b"FOR UPDATE SKIP LOCKED", b"lease_token = gen_random_uuid()")
+# An ack or a reschedule: both record the attempt's token as last_token.
+WRITE_MARKERS = (b"last_token = a.token", b"last_token = r.token")
 NEGOTIATION_CODES = {80877103, 80877104}  # SSLRequest, GSSENCRequest
 
 
@@ -54,6 +64,15 @@ class Cut:
 
 def _is_claim(query: bytes) -> bool:
     return all(marker in query for marker in CLAIM_MARKERS)
+
+
+def _kind(query: bytes) -> str | None:
+    """``claim``, ``write`` (ack or reschedule) or None for another statement."""
+    if _is_claim(query):
+        return "claim"
+    if any(marker in query for marker in WRITE_MARKERS):
+        return "write"
+    return None
 
 
 def _cstring(buf: bytes, pos: int) -> tuple[bytes, int]:
@@ -95,8 +114,10 @@ def _data_row(body: bytes) -> list[bytes | None]:
 class _Session:
     """Per-connection protocol state."""
 
-    statements: dict[bytes, bool] = field(default_factory=dict)  # name -> is claim
+    statements: dict[bytes, str | None] = field(default_factory=dict)  # name -> _kind
     claim_pending: bool = False  # a claim was bound since the last Sync
+    write_pending: bool = False  # an ack or reschedule was bound since the last Sync
+    cutting_write: bool = False  # the answer being read belongs to an armed write cut
     cutting: bool = False  # the answer being read belongs to an armed cut
     claim_answer: bool = False  # the answer being read belongs to a claim
     claim_rows: int = 0
@@ -113,6 +134,10 @@ class PgProxy:
         self.claims = 0  # claim statements seen
         self.claims_with_rows = 0
         self._to_cut = 0
+        self._writes_to_cut = 0
+        self.write_cuts: list[float] = []  # wall clock of each cut write answer
+        self._hold_until = 0.0
+        self.holds: list[tuple[float, float]] = []  # (start, end), wall clock
         self._stall_until = 0.0
         self._stall_armed = 0.0
         self.stalls: list[tuple[float, float]] = []  # (start, end), wall clock
@@ -129,6 +154,25 @@ class PgProxy:
     def armed(self) -> int:
         """Cuts still armed (not yet performed)."""
         return self._to_cut
+
+    def arm_cut_write(self, count: int = 1) -> None:
+        """Let the next *count* acks/reschedules that return rows commit, then cut their answer."""
+        self._writes_to_cut += count
+
+    @property
+    def writes_armed(self) -> int:
+        """Write cuts still armed (not yet performed)."""
+        return self._writes_to_cut
+
+    def hold(self, seconds: float) -> None:
+        """Move nothing on any connection for *seconds*, closing nothing (half-open)."""
+        self._hold_until = time.monotonic() + seconds
+        now = time.time()
+        self.holds.append((now, now + seconds))
+
+    async def _held(self) -> None:
+        while (wait := self._hold_until - time.monotonic()) > 0:
+            await asyncio.sleep(wait)
 
     def arm_stall(self, seconds: float) -> None:
         """Hold client→server traffic for *seconds* once the next claim with rows is answered."""
@@ -193,6 +237,7 @@ class PgProxy:
             head = await reader.readexactly(8)
             length, code = struct.unpack("!ii", head)
             rest = await reader.readexactly(length - 8)
+            await self._held()
             writer.write(head + rest)
             if code not in NEGOTIATION_CODES:
                 break
@@ -203,16 +248,19 @@ class PgProxy:
             wait = self._stall_until - time.monotonic()
             if wait > 0:
                 await asyncio.sleep(wait)
+            await self._held()
             if kind == b"P":
                 name, pos = _cstring(body, 0)
                 query, _ = _cstring(body, pos)
-                s.statements[name] = _is_claim(query)
+                s.statements[name] = _kind(query)
             elif kind == b"B":
                 _portal, pos = _cstring(body, 0)
                 name, _ = _cstring(body, pos)
-                s.claim_pending = s.statements.get(name, False)
+                s.claim_pending = s.statements.get(name) == "claim"
+                s.write_pending = s.statements.get(name) == "write"
             elif kind == b"Q":
-                s.claim_pending = _is_claim(body)
+                s.claim_pending = _kind(body) == "claim"
+                s.write_pending = _kind(body) == "write"
             elif kind == b"C" and body[:1] == b"S":  # Close statement
                 s.statements.pop(_cstring(body, 1)[0], None)
             if (kind == b"S" or kind == b"Q") and s.claim_pending:
@@ -220,6 +268,9 @@ class PgProxy:
                 s.cutting = self._to_cut > 0
                 s.claim_answer, s.claim_rows = True, 0
                 self.claims += 1
+            if (kind == b"S" or kind == b"Q") and s.write_pending:
+                s.write_pending = False
+                s.cutting_write = self._writes_to_cut > 0
             writer.write(kind + struct.pack("!i", length) + body)
             await writer.drain()
 
@@ -235,8 +286,26 @@ class PgProxy:
             (length,) = struct.unpack("!i", raw_len)
             body = await reader.readexactly(length - 4)
             message = kind + raw_len + body
+            await self._held()
+            if s.cutting_write:
+                held.append(message)
+                if kind == b"D":
+                    rows.append(CutRow("", "", "", 0))
+                elif kind == b"Z":
+                    s.cutting_write = False
+                    if rows and self._writes_to_cut > 0:
+                        self._writes_to_cut -= 1
+                        self.write_cuts.append(time.time())
+                        return  # committed; the worker never hears of it
+                    for m in held:
+                        writer.write(m)
+                    await writer.drain()
+                    held, rows = [], []
+                continue
             if not s.cutting:
-                if s.claim_answer and kind == b"D":
+                # A claim answers one row even when it claimed nothing (the flow
+                # state, job columns NULL): count only rows that carry a job.
+                if s.claim_answer and kind == b"D" and _data_row(body)[0] is not None:
                     s.claim_rows += 1
                 elif s.claim_answer and kind == b"Z":
                     s.claim_answer = False
@@ -249,8 +318,9 @@ class PgProxy:
             held.append(message)
             if kind == b"D":
                 cols = _data_row(body)
-                rows.append(CutRow(_text(cols[0]), _text(cols[1]), _text(cols[2]),
-                                   _attempt(cols[3])))
+                if cols[0] is not None:
+                    rows.append(CutRow(_text(cols[0]), _text(cols[1]), _text(cols[2]),
+                                       _attempt(cols[3])))
             elif kind == b"Z":
                 s.cutting = s.claim_answer = False
                 if rows and self._to_cut > 0:

@@ -21,6 +21,11 @@ terminate           ``pg_terminate_backend`` of worker backends caught running
                     a claim or an ack
 claim_cut           the proxy lets a claim commit, then drops the connection
                     instead of forwarding the answer
+write_cut           the same for an ack or a reschedule: it commits, its answer
+                    is lost; the worker must count it as written, not stale
+half_open           the proxy moves nothing on any of the proxied worker's
+                    connections, new ones included, for longer than the
+                    statement deadline, closing nothing (no RST, no error)
 db_stall            right after the proxied worker's next claim is answered,
                     the proxy holds its statements for lease + 1.5 s: the jobs
                     are delivered, their acks arrive after the lease expired
@@ -229,6 +234,11 @@ class ChaosRun:
             "RECEIPTS_SHUTDOWN_GRACE_SECONDS": "3",
             "RECEIPTS_QUEUE_STATS_INTERVAL_SECONDS": "1",
             "RECEIPTS_RECOVERY_DELAY_SECONDS": "0.3",
+            # Short flow-control pauses and statement deadlines, to match the short lease.
+            "RECEIPTS_OUTAGE_PAUSE_SECONDS": "0.5",
+            "RECEIPTS_AUTH_PAUSE_SECONDS": "0.5",
+            "RECEIPTS_PAUSE_MAX_SECONDS": "2",
+            "RECEIPTS_STATEMENT_TIMEOUT_SECONDS": "2",
             "RECEIPTS_METRICS_PORT": str(port),
             "RECEIPTS_APPLICATION_NAME": app,
             "RECEIPTS_LOG_LEVEL": "INFO",

@@ -170,11 +170,10 @@ def test_dashboard_has_queries_for_every_topic() -> None:
         "receipts_failures_total",
         "receipts_delivery_duration_seconds_bucket",
         "receipts_pool_connections",
-        # why: database readiness and errors, breaker and pauses, dead tuples, the xmin
+        # why: database readiness and errors, provider pauses, dead tuples, the xmin
         # horizon, stats freshness, flow control, recovery; and what the customer feels
         "receipts_database_ready",
         "receipts_db_errors_total",
-        "receipts_provider_breaker_open",
         "receipts_provider_paused",
         "receipts_provider_tokens",
         "receipts_claim_rate_limit",

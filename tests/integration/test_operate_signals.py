@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from receipts.jobqueue import JobQueue
-from tests.conftest import enqueue_many, fetch_rows
+from tests.conftest import claim_jobs, enqueue_many, fetch_rows, reschedule_one
 
 
 async def test_a_retry_restarts_the_lag_but_not_the_age_of_the_oldest_undelivered_job(
@@ -17,15 +17,15 @@ async def test_a_retry_restarts_the_lag_but_not_the_age_of_the_oldest_undelivere
     assert 3590 < before.oldest_undelivered_age_seconds < 3700
 
     # The provider fails; both attempts are rescheduled ten minutes out: nothing is due.
-    for job in await queue.claim(10):
-        assert await queue.reschedule(job, delay_seconds=600, error="503") is not None
+    for job in await claim_jobs(queue, 10):
+        assert await reschedule_one(queue, job, delay_seconds=600, error="503") is not None
     during = await queue.queue_stats()
     assert during.ready_due == 0 and during.lag_seconds == 0
     assert 3590 < during.oldest_undelivered_age_seconds < 3700
 
     # A running attempt counts as undelivered too.
     fetch_rows(dsn, "UPDATE receipt_jobs SET run_at = now() RETURNING 1")
-    claimed = await queue.claim(10)
+    claimed = await claim_jobs(queue, 10)
     assert len(claimed) == 2
     assert 3590 < (await queue.queue_stats()).oldest_undelivered_age_seconds < 3700
 

@@ -53,7 +53,7 @@ async def test_a_worker_delivers_every_job_exactly_once_at_the_provider(dsn, pro
     settings = make_settings(dsn, provider_url=provider.url, concurrency=16)
     async with Running(settings) as run:
         await until(lambda: states(dsn) == {"done": 300})
-        assert run.value("receipts_acks_total") == 300
+        await until(lambda: run.value("receipts_acks_total") == 300)
         assert run.value("receipts_stale_acks_total") == 0
     assert len(provider.provider.receipts) == 300
     assert {v["requests"] for v in provider.provider.receipts.values()} == {1}
@@ -81,8 +81,8 @@ async def test_a_job_that_always_gets_5xx_fails_after_max_attempts(dsn, provider
             check_invariants(dsn, 4)
             assert time.monotonic() < deadline
             await asyncio.sleep(0.01)
-        assert run.value("receipts_retries_total", reason="provider_5xx") == 3
-        assert run.value("receipts_failures_total", reason="max_attempts") == 1
+        await until(lambda: run.value("receipts_retries_total", reason="provider_5xx") == 3)
+        await until(lambda: run.value("receipts_failures_total", reason="max_attempts") == 1)
     assert fetch_rows(dsn, "SELECT attempts, last_error FROM receipt_jobs") == [
         (4, "503 provider error")]
 
@@ -93,7 +93,7 @@ async def test_a_permanent_rejection_fails_the_job_with_its_reason(dsn, provider
     settings = make_settings(dsn, provider_url=provider.url)
     async with Running(settings) as run:
         await until(lambda: states(dsn) == {"failed": 1})
-        assert run.value("receipts_failures_total", reason="rejected") == 1
+        await until(lambda: run.value("receipts_failures_total", reason="rejected") == 1)
     assert fetch_rows(dsn, "SELECT attempts, last_error FROM receipt_jobs") == [
         (1, "422 order cannot receive a receipt")]
 
@@ -195,7 +195,7 @@ async def test_a_deliverer_that_raises_reschedules_the_job_instead_of_stranding_
     run = Running(settings, deliverer=Broken())
     async with run:
         await until(lambda: states(dsn) == {"failed": 1})
-        assert run.value("receipts_retries_total", reason="internal_error") == 1
+        await until(lambda: run.value("receipts_retries_total", reason="internal_error") == 1)
     assert Broken.calls == 2
     (last_error,), = fetch_rows(dsn, "SELECT last_error FROM receipt_jobs")
     assert "bug in a deliverer" in last_error
