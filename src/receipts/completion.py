@@ -200,6 +200,8 @@ class Completer:
                     self.busy_since = time.monotonic()
                     batch = await self._settle_landed(lane, batch)
                     uncertain = False
+                    # Known not to have landed: those past their lease are lost now.
+                    batch = self._drop_expired(lane, batch)
                     if not batch:
                         return
                 start = time.perf_counter()
@@ -216,7 +218,11 @@ class Completer:
                 self.healthy = False
                 uncertain = uncertain or isinstance(exc, DatabaseUnavailable)
                 self.metrics.db_errors.labels(lane.name).inc()
-                batch = self._drop_expired(lane, batch)
+                if not uncertain:
+                    # A write that surely did not land is not retried past its lease.
+                    # One that may have landed is kept until resolve_writes says, even
+                    # past the lease: its outcome must be counted as it happened.
+                    batch = self._drop_expired(lane, batch)
                 log.warning("write_failed", extra={"statement": lane.name, "error": str(exc),
                                                    "retrying": len(batch)})
                 if batch:

@@ -207,12 +207,24 @@ class FaultInjector:
         self.run.say(f"terminated backends: {self.effects['terminated_claim']} mid-claim,"
                      f" {self.effects['terminated_ack']} mid-ack so far")
 
+    async def _quiet_provider(self, seconds: float) -> None:
+        """Wait (at most *seconds*) until no provider fault window is open.
+
+        A provider window makes the fleet pause (flow control), and a paused
+        fleet claims and writes nothing for a proxy fault to catch.
+        """
+        deadline = time.monotonic() + seconds
+        while ((self.provider_windows or time.monotonic() < self.provider_quiet_at)
+               and time.monotonic() < deadline):
+            await asyncio.sleep(0.05)
+
     async def _fault_claim_cut(self) -> None:
         proxy = self.run.proxy
+        await self._quiet_provider(10)
         self.faults["claim_cut"] += 1
         before = len(proxy.cuts)
         proxy.arm_cut(1)
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 15
         while len(proxy.cuts) == before and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         if len(proxy.cuts) > before:
@@ -221,10 +233,11 @@ class FaultInjector:
     async def _fault_write_cut(self) -> None:
         """Let the proxied worker's next ack or reschedule commit; drop its answer."""
         proxy = self.run.proxy
+        await self._quiet_provider(10)
         self.faults["write_cut"] += 1
         before = len(proxy.write_cuts)
         proxy.arm_cut_write(1)
-        deadline = time.monotonic() + 5
+        deadline = time.monotonic() + 15
         while len(proxy.write_cuts) == before and time.monotonic() < deadline:
             await asyncio.sleep(0.02)
         if len(proxy.write_cuts) > before:

@@ -52,6 +52,8 @@ class ChaosReport:
             "pg_restart": ("PostgreSQL restart (fast)", ""),
             "terminate": ("pg_terminate_backend bursts", ""),
             "claim_cut": ("claim committed, answer cut (proxy)", "cut_jobs"),
+            "write_cut": ("ack/reschedule committed, answer cut (proxy)", "write_answers_cut"),
+            "half_open": ("all connections half-open past the deadline (proxy)", ""),
             "db_stall": ("DB link stalled past the lease (proxy)", "stale_from_stall"),
             "latency_spike": ("provider latency > delivery timeout", "timeouts"),
             # timeouts: every worker's retries{reason="timeout"} (hangs included)
