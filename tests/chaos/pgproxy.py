@@ -286,7 +286,8 @@ class PgProxy:
             (length,) = struct.unpack("!i", raw_len)
             body = await reader.readexactly(length - 4)
             message = kind + raw_len + body
-            await self._held()
+            if not s.claim_answer:
+                await self._held()
             if s.cutting_write:
                 held.append(message)
                 if kind == b"D":
@@ -302,16 +303,37 @@ class PgProxy:
                     await writer.drain()
                     held, rows = [], []
                 continue
-            if not s.cutting:
+            if not s.cutting and s.claim_answer:
+                # A claim's whole answer is read before any of it is forwarded, so
+                # that a hold (half-open) that outlives the worker's patience drops
+                # a committed claim as a whole, which is then recorded as a cut.
                 # A claim answers one row even when it claimed nothing (the flow
                 # state, job columns NULL): count only rows that carry a job.
-                if s.claim_answer and kind == b"D" and _data_row(body)[0] is not None:
-                    s.claim_rows += 1
-                elif s.claim_answer and kind == b"Z":
-                    s.claim_answer = False
-                    self.claims_with_rows += bool(s.claim_rows)
-                    if s.claim_rows and self._stall_armed:
-                        self._start_stall()
+                held.append(message)
+                if kind == b"D":
+                    cols = _data_row(body)
+                    if cols[0] is not None:
+                        rows.append(CutRow(_text(cols[0]), _text(cols[1]), _text(cols[2]),
+                                           _attempt(cols[3])))
+                if kind != b"Z":
+                    continue
+                s.claim_answer = False
+                s.claim_rows = len(rows)
+                self.claims_with_rows += bool(rows)
+                if rows and self._stall_armed:
+                    self._start_stall()
+                try:
+                    await self._held()
+                except asyncio.CancelledError:
+                    if rows:  # the worker gave up on a claim that committed
+                        self.cuts.append(Cut(time.time(), rows))
+                    raise
+                for m in held:
+                    writer.write(m)
+                await writer.drain()
+                held, rows = [], []
+                continue
+            if not s.cutting:
                 writer.write(message)
                 await writer.drain()
                 continue
