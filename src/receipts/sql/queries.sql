@@ -4,15 +4,64 @@
 -- nothing. Time is always the database's statement_timestamp().
 
 -- name: enqueue
--- Runs inside the caller's (order) transaction. Duplicate order ids are a no-op.
-INSERT INTO receipt_jobs (id, order_id)
-VALUES (%(id)s, %(order_id)s)
-ON CONFLICT (order_id) DO NOTHING
-RETURNING id;
+-- Runs inside the caller's (order) transaction, for one order or many in one
+-- statement (an array, unnested). An order that already has a job, or that is
+-- repeated in the array, is a no-op (ON CONFLICT DO NOTHING). Returns
+-- (id, order_id) of each new job.
+-- Job ids are UUIDv7 (RFC 9562 §6.2, method 2: one random start per statement,
+-- incremented per row): time-ordered ids go to the right edge of the primary
+-- key, and one strong random number per statement instead of per row matters
+-- here, where gen_random_uuid() costs ~5 µs a call (100,000 jobs: 1.9 s instead
+-- of 2.8 s, bench/enqueue.py).
+-- When at least one job is new and %(notify)s is true, pg_notify runs once;
+-- listening workers wake when the transaction commits (identical notifications
+-- of one transaction are delivered once). The count over `wake` makes that CTE
+-- run: a CTE that nothing reads is never executed.
+WITH seed AS MATERIALIZED (
+  SELECT lpad(to_hex((extract(epoch FROM clock_timestamp()) * 1000)::int8), 12, '0')
+         || '7' || substr(r, 1, 3) AS head,
+         ('x' || substr(r, 4, 9) || substr(r, 18, 7))::bit(64)::int8
+           & 4611686018427387903 AS tail
+  FROM (SELECT replace(gen_random_uuid()::text, '-', '') AS r) AS g
+), new AS (
+  INSERT INTO receipt_jobs (id, order_id, run_at)
+  SELECT (s.head || to_hex(((s.tail + o.n) & 4611686018427387903)
+                           | -9223372036854775808))::uuid,
+         o.order_id, coalesce(%(run_at)s::timestamptz, now())
+  FROM seed AS s, unnest(%(order_ids)b::text[]) WITH ORDINALITY AS o(order_id, n)
+  ON CONFLICT (order_id) DO NOTHING
+  RETURNING id, order_id
+), wake AS (
+  SELECT pg_notify(%(channel)s, '')
+  WHERE %(notify)s AND EXISTS (SELECT FROM new)
+)
+SELECT new.id, new.order_id
+FROM new, (SELECT count(*) FROM wake) AS woken;
 
--- name: notify_ready
--- Wakes listening workers when the enclosing transaction commits.
-SELECT pg_notify(%(channel)s, '');
+-- name: enqueue_traced
+-- enqueue, also storing the enqueuing span's W3C traceparent (migration 0004).
+-- Used only while a trace is active, so enqueue works on a schema without the
+-- column. Identical to enqueue otherwise (tests/unit checks).
+WITH seed AS MATERIALIZED (
+  SELECT lpad(to_hex((extract(epoch FROM clock_timestamp()) * 1000)::int8), 12, '0')
+         || '7' || substr(r, 1, 3) AS head,
+         ('x' || substr(r, 4, 9) || substr(r, 18, 7))::bit(64)::int8
+           & 4611686018427387903 AS tail
+  FROM (SELECT replace(gen_random_uuid()::text, '-', '') AS r) AS g
+), new AS (
+  INSERT INTO receipt_jobs (id, order_id, run_at, traceparent)
+  SELECT (s.head || to_hex(((s.tail + o.n) & 4611686018427387903)
+                           | -9223372036854775808))::uuid,
+         o.order_id, coalesce(%(run_at)s::timestamptz, now()), %(traceparent)s
+  FROM seed AS s, unnest(%(order_ids)b::text[]) WITH ORDINALITY AS o(order_id, n)
+  ON CONFLICT (order_id) DO NOTHING
+  RETURNING id, order_id
+), wake AS (
+  SELECT pg_notify(%(channel)s, '')
+  WHERE %(notify)s AND EXISTS (SELECT FROM new)
+)
+SELECT new.id, new.order_id
+FROM new, (SELECT count(*) FROM wake) AS woken;
 
 -- name: claim
 -- {limit} is a literal per batch size: a bind parameter there lets a prepared
