@@ -35,6 +35,7 @@ from typing import Protocol
 
 import httpx
 
+from receipts import tracing
 from receipts.model import Job, Outcome, Reason, Verdict
 from receipts.retry import parse_retry_after
 
@@ -48,6 +49,8 @@ CONNECTIONS_PER_CLIENT = 4
 #: connection goes back to the pool (closing an unread response closes it).
 SUCCESS_BODY_SECONDS = 0.5
 USER_AGENT = "receipts-worker/0.1"
+#: OpenTelemetry installed (extra ``otel``): a span per delivery, ``traceparent`` sent.
+_TRACING = tracing.otel_available()
 
 
 class Deliverer(Protocol):
@@ -145,6 +148,8 @@ class HttpDeliverer:
         borrowed = bool(self._free)
         client = self._free.popleft() if borrowed else next(self._next)
         try:
+            if _TRACING:
+                return await tracing.traced_delivery(job, lambda: self._deliver(client, job))
             return await self._deliver(client, job)
         finally:
             if borrowed:
@@ -165,6 +170,8 @@ class HttpDeliverer:
             b"Idempotency-Key": job.idempotency_key.encode("utf-8"),
             b"X-Receipts-Attempt": str(job.attempt).encode("ascii"),
         }
+        if _TRACING and (traceparent := tracing.current_traceparent()):
+            headers[b"traceparent"] = traceparent.encode("ascii")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_seconds
         try:

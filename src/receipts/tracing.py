@@ -17,6 +17,7 @@ only the standard library, so the light ``import receipts`` stays light.
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import re
 import sys
@@ -91,6 +92,14 @@ def _link_to(traceparent: str | None) -> list[Any]:
     return [trace.Link(ctx, attributes={"receipts.link": "enqueue"})]
 
 
+@functools.cache
+def _tracer() -> Any:
+    """The package's tracer, got once (a proxy until the application sets a provider)."""
+    from opentelemetry import trace
+
+    return trace.get_tracer(TRACER_NAME)
+
+
 async def traced_delivery(job: Job, attempt: Callable[[], Awaitable[Outcome]]) -> Outcome:
     """Run one delivery *attempt* inside a ``receipts.deliver`` span (kind CLIENT).
 
@@ -104,8 +113,9 @@ async def traced_delivery(job: Job, attempt: Callable[[], Awaitable[Outcome]]) -
     from opentelemetry import trace
     from opentelemetry.trace import Status, StatusCode
 
-    tracer = trace.get_tracer(TRACER_NAME)
-    with tracer.start_as_current_span(
+    from receipts.model import Verdict
+
+    with _tracer().start_as_current_span(
         DELIVERY_SPAN,
         kind=trace.SpanKind.CLIENT,
         links=_link_to(job.traceparent),
@@ -115,6 +125,6 @@ async def traced_delivery(job: Job, attempt: Callable[[], Awaitable[Outcome]]) -
         span.set_attribute("receipts.reason", outcome.reason.value)
         if outcome.status is not None:
             span.set_attribute("http.response.status_code", outcome.status)
-        if outcome.verdict.value != "delivered":
+        if outcome.verdict is not Verdict.DELIVERED:
             span.set_status(Status(StatusCode.ERROR, outcome.reason.value))
         return outcome
