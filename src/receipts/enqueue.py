@@ -230,6 +230,10 @@ def _warn_if_autocommit(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[
         )
 
 
+# The statements run with binary parameters and results (``binary=True``): the
+# order id array is not quoted and parsed as text, and the ids load from 16 bytes.
+
+
 def _aligned(texts: Sequence[str], rows: Iterable[tuple[uuid.UUID, str]]) -> list[uuid.UUID | None]:
     """Per input position: the new job's id, or None (already queued or repeated)."""
     new = dict((order_id, job_id) for job_id, order_id in rows)
@@ -265,7 +269,7 @@ def enqueue(
     _, statement, params = _statement((order_id,), run_at, notify)
     driver = psycopg_connection(conn)
     _warn_if_autocommit(driver)
-    rows = driver.execute(statement, params).fetchall()
+    rows = driver.execute(statement, params, binary=True).fetchall()
     return rows[0][0] if rows else None
 
 
@@ -293,7 +297,7 @@ def enqueue_many(
         return []
     driver = psycopg_connection(conn)
     _warn_if_autocommit(driver)
-    return _aligned(texts, driver.execute(statement, params).fetchall())
+    return _aligned(texts, driver.execute(statement, params, binary=True).fetchall())
 
 
 async def enqueue_async(
@@ -303,7 +307,7 @@ async def enqueue_async(
     _, statement, params = _statement((order_id,), run_at, notify)
     driver = await psycopg_connection_async(conn)
     _warn_if_autocommit(driver)
-    cur = await driver.execute(statement, params)
+    cur = await driver.execute(statement, params, binary=True)
     rows = await cur.fetchall()
     return rows[0][0] if rows else None
 
@@ -321,7 +325,7 @@ async def enqueue_many_async(
         return []
     driver = await psycopg_connection_async(conn)
     _warn_if_autocommit(driver)
-    cur = await driver.execute(statement, params)
+    cur = await driver.execute(statement, params, binary=True)
     return _aligned(texts, await cur.fetchall())
 
 
