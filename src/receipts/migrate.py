@@ -12,7 +12,9 @@ Teams that own their migrations (Alembic, Flyway, sqitch, …) apply the text of
 each version in the same tracking table, so :func:`check_schema` — which the
 worker calls at start-up to refuse a schema it does not know — works the same
 either way. The schema version is the newest applied file name
-(:attr:`SchemaStatus.version`, ``receipts migrate --check``).
+(:attr:`SchemaStatus.version`, ``receipts migrate --check``). Like the enqueue
+API, this module needs only psycopg (the base install): an Alembic revision
+can ``op.execute(migration_sql(...))``.
 """
 
 from __future__ import annotations
@@ -25,8 +27,6 @@ from importlib.resources.abc import Traversable
 from typing import Any
 
 import psycopg
-
-from receipts.db import translate
 
 # pg_advisory_xact_lock key: "receipts" as a stable 64-bit number.
 LOCK_KEY = int.from_bytes(hashlib.sha256(b"receipts.migrate").digest()[:8], "big", signed=True)
@@ -94,6 +94,7 @@ def apply_migrations(
 ) -> list[str]:
     """Apply every pending migration to the database at *dsn*.
 
+    Needs the ``worker`` extra (errors are translated by :mod:`receipts.db`).
     Returns the versions applied by this call (empty when up to date).
     Raises :class:`MigrationError` when an applied file's checksum changed or
     a statement fails (that file's transaction is rolled back; earlier files
@@ -137,6 +138,8 @@ def apply_migrations(
     except MigrationError:
         raise
     except psycopg.Error as exc:
+        from receipts.db import translate  # the worker's stack: imported only on failure
+
         raise translate(exc) from exc
     return applied
 
@@ -265,7 +268,7 @@ async def check_schema_async(
 
 
 def read_schema_status(dsn: str, *, application_name: str = "receipts") -> SchemaStatus:
-    """Connect to *dsn*, read its :class:`SchemaStatus`, disconnect.
+    """Connect to *dsn*, read its :class:`SchemaStatus`, disconnect (``worker`` extra).
 
     Raises ``DatabaseUnavailable`` (or another ``QueueError``) when the
     database cannot be read; the message is redacted.
@@ -276,6 +279,8 @@ def read_schema_status(dsn: str, *, application_name: str = "receipts") -> Schem
         ) as conn:
             return schema_status(conn)
     except psycopg.Error as exc:
+        from receipts.db import translate
+
         raise translate(exc) from exc
 
 

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 
 from receipts.embedded import bin_dir
+from receipts.migrate import bundled_migrations
 from tests.conftest import Server, fetch_rows
 
 REPO = Path(__file__).resolve().parents[2]
@@ -91,10 +92,13 @@ ENQUEUE_SCRIPT = textwrap.dedent("""
     import asyncio, json, sys, uuid
     import psycopg
     from receipts import enqueue, enqueue_async, enqueue_many
+    from receipts.migrate import check_schema, migration_sql
     from receipts.tracing import otel_available
 
     dsn = sys.argv[1]
     with psycopg.connect(dsn) as conn:
+        version = check_schema(conn).version
+        assert "receipts_enqueue" in migration_sql()
         one = enqueue(conn, "pkg-1")
         again = enqueue(conn, "pkg-1")
         many = enqueue_many(conn, ["pkg-2", 3, uuid.UUID(int=4)])
@@ -107,6 +111,7 @@ ENQUEUE_SCRIPT = textwrap.dedent("""
     print(json.dumps({
         "ids": [str(one), again, [str(i) for i in many], str(later)],
         "impl": psycopg.pq.__impl__,
+        "schema": version,
         "otel": otel_available(),
         "modules": sorted(sys.modules),
     }))
@@ -125,6 +130,8 @@ def test_the_base_install_enqueues_and_imports_nothing_heavy(
         one, again, many, later = report["ids"]
         assert again is None and "None" not in (one, later) and len(many) == 3
         assert report["impl"] == "python"  # no binary build was installed
+        # An orders service that owns its migrations can check and print the schema too.
+        assert report["schema"] == bundled_migrations()[-1].version
         assert report["otel"] is False  # OTel absent: nothing of it runs
         assert third_party(report["modules"]) == {"receipts", "psycopg", "typing_extensions"}
         rows = fetch_rows(dsn, "SELECT order_id, traceparent FROM receipt_jobs ORDER BY 1")
