@@ -203,6 +203,8 @@ def _statement(
     order_ids: Iterable[object], run_at: datetime | None, notify: bool
 ) -> tuple[list[str], Any, dict[str, Any]]:
     """(texts, statement, parameters) of one enqueue of *order_ids*; all validated first."""
+    if isinstance(order_ids, str | bytes):
+        raise TypeError("order_ids must be an iterable of order ids, not one str or bytes")
     texts = [order_id_text(o) for o in order_ids]
     if run_at is not None:
         if not isinstance(run_at, datetime):

@@ -97,6 +97,12 @@ def test_enqueue_many_sends_one_statement_and_nothing_for_an_empty_list(dsn):
     assert len(stored(dsn)) == 1000 and None not in result
 
 
+def test_enqueue_many_refuses_a_single_string_instead_of_a_list(dsn):
+    with psycopg.connect(dsn) as conn, pytest.raises(TypeError, match="not one str"):
+        enqueue_many(conn, "order-1")
+    assert stored(dsn) == {}
+
+
 def test_enqueue_many_validates_every_id_before_sending_anything(dsn):
     with psycopg.connect(dsn) as conn, conn.transaction():
         with pytest.raises(InvalidOrderId, match="control characters"):
