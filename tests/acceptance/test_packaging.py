@@ -155,3 +155,33 @@ def test_import_receipts_is_light_even_with_every_extra_installed() -> None:
     assert {"receipts", "receipts.enqueue", "receipts.statements", "psycopg"} <= set(modules)
     assert not {"receipts.settings", "receipts.db", "receipts.migrate",
                 "receipts.worker"} & set(modules)
+
+
+def test_the_lock_pins_every_requirement_the_image_installs() -> None:
+    """requirements.lock (the image's dependencies) still matches pyproject.toml's extras."""
+    import re
+    import tomllib
+
+    from packaging.requirements import Requirement
+    from packaging.utils import canonicalize_name
+
+    project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
+    extras = project["optional-dependencies"]
+    wanted = [Requirement(r) for r in [*project["dependencies"], *extras["worker"],
+                                       *extras["binary"]]]
+    pins = {}
+    for line in (REPO / "requirements.lock").read_text().splitlines():
+        match = re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)", line)
+        if match:
+            pins[canonicalize_name(match[1])] = match[2]
+        elif line.strip() and not line.lstrip().startswith(("#", "--hash")):
+            pytest.fail(f"requirements.lock has an unpinned line: {line!r}")
+    stale = [str(r) for r in wanted
+             if canonicalize_name(r.name) not in pins
+             or not r.specifier.contains(pins[canonicalize_name(r.name)], prereleases=True)]
+    stale += [f"{r.name}[{extra}]" for r in wanted for extra in r.extras
+              if canonicalize_name(f"{r.name}-{extra}") not in pins]
+    assert not stale, f"requirements.lock does not cover {stale}: run `make lock`"
+    assert all(line.count("--hash=sha256:") <= 1 for line in
+               (REPO / "requirements.lock").read_text().splitlines())
+    assert (REPO / "requirements.lock").read_text().count("--hash=sha256:") >= len(pins)
