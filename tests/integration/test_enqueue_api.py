@@ -414,6 +414,20 @@ def test_sqlalchemy_autocommit_engine_warns(dsn, engine):
     assert set(stored(dsn)) == {"sa-auto"}
 
 
+def test_a_sqlalchemy_engine_on_another_driver_is_refused_naming_the_url_to_use():
+    from sqlalchemy import create_engine
+    from sqlalchemy.orm import Session
+
+    other = create_engine("sqlite://")  # a real SQLAlchemy engine whose driver is not psycopg
+    try:
+        with other.connect() as conn, pytest.raises(TypeError, match=r"sqlite3.*postgresql\+psycopg://"):
+            enqueue(conn, "x")
+        with Session(other) as session, pytest.raises(TypeError, match="postgresql\\+psycopg://"):
+            enqueue_many(session, ["x"])
+    finally:
+        other.dispose()
+
+
 def test_sqlalchemy_async_objects_need_the_async_twins(dsn, async_engine):
     from sqlalchemy.ext.asyncio import AsyncSession
 
