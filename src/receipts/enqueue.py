@@ -236,9 +236,15 @@ def _warn_if_autocommit(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[
 # order id array is not quoted and parsed as text, and the ids load from 16 bytes.
 
 
-def _aligned(texts: Sequence[str], rows: Iterable[tuple[uuid.UUID, str]]) -> list[uuid.UUID | None]:
-    """Per input position: the new job's id, or None (already queued or repeated)."""
-    new = dict((order_id, job_id) for job_id, order_id in rows)
+def _aligned(texts: Sequence[str], row: Sequence[Any] | None) -> list[uuid.UUID | None]:
+    """Per input position: the new job's id, or None (already queued or repeated).
+
+    *row* is the statement's one row: the new ids and their order ids, as arrays.
+    """
+    if not row or not row[0]:
+        return [None] * len(texts)
+    ids, orders = row
+    new = dict(zip(orders, ids, strict=True))
     return [new.pop(text, None) for text in texts]
 
 
@@ -268,11 +274,10 @@ def enqueue(
     *run_at*, and psycopg errors as the caller's own statements would. Warns
     :class:`AutocommitWarning` on an autocommit connection outside a transaction.
     """
-    _, statement, params = _statement((order_id,), run_at, notify)
+    texts, statement, params = _statement((order_id,), run_at, notify)
     driver = psycopg_connection(conn)
     _warn_if_autocommit(driver)
-    rows = driver.execute(statement, params, binary=True).fetchall()
-    return rows[0][0] if rows else None
+    return _aligned(texts, driver.execute(statement, params, binary=True).fetchone())[0]
 
 
 def enqueue_many(
@@ -299,19 +304,18 @@ def enqueue_many(
         return []
     driver = psycopg_connection(conn)
     _warn_if_autocommit(driver)
-    return _aligned(texts, driver.execute(statement, params, binary=True).fetchall())
+    return _aligned(texts, driver.execute(statement, params, binary=True).fetchone())
 
 
 async def enqueue_async(
     conn: Any, order_id: OrderId, *, run_at: datetime | None = None, notify: bool = True
 ) -> uuid.UUID | None:
     """Async twin of :func:`enqueue` (``psycopg.AsyncConnection``, SQLAlchemy async)."""
-    _, statement, params = _statement((order_id,), run_at, notify)
+    texts, statement, params = _statement((order_id,), run_at, notify)
     driver = await psycopg_connection_async(conn)
     _warn_if_autocommit(driver)
     cur = await driver.execute(statement, params, binary=True)
-    rows = await cur.fetchall()
-    return rows[0][0] if rows else None
+    return _aligned(texts, await cur.fetchone())[0]
 
 
 async def enqueue_many_async(
@@ -328,7 +332,7 @@ async def enqueue_many_async(
     driver = await psycopg_connection_async(conn)
     _warn_if_autocommit(driver)
     cur = await driver.execute(statement, params, binary=True)
-    return _aligned(texts, await cur.fetchall())
+    return _aligned(texts, await cur.fetchone())
 
 
 __all__ = [

@@ -6,8 +6,9 @@
 -- name: enqueue
 -- Runs inside the caller's (order) transaction, for one order or many in one
 -- statement (an array, unnested). An order that already has a job, or that is
--- repeated in the array, is a no-op (ON CONFLICT DO NOTHING). Returns
--- (id, order_id) of each new job.
+-- repeated in the array, is a no-op (ON CONFLICT DO NOTHING). Returns one row:
+-- the new jobs' ids and order ids as two arrays (NULL, NULL when none is new);
+-- one row instead of one per job cut ~10 % off 100,000 jobs (bench/enqueue.py).
 -- Job ids are UUIDv7 (RFC 9562 §6.2, method 2: one random start per statement,
 -- incremented per row): time-ordered ids go to the right edge of the primary
 -- key instead of scattering over it, and one strong random number is drawn per
@@ -36,7 +37,7 @@ WITH seed AS MATERIALIZED (
   SELECT pg_notify(%(channel)s, '')
   WHERE %(notify)s AND EXISTS (SELECT FROM new)
 )
-SELECT new.id, new.order_id
+SELECT array_agg(new.id), array_agg(new.order_id)
 FROM new, (SELECT count(*) FROM wake) AS woken;
 
 -- name: enqueue_traced
@@ -61,7 +62,7 @@ WITH seed AS MATERIALIZED (
   SELECT pg_notify(%(channel)s, '')
   WHERE %(notify)s AND EXISTS (SELECT FROM new)
 )
-SELECT new.id, new.order_id
+SELECT array_agg(new.id), array_agg(new.order_id)
 FROM new, (SELECT count(*) FROM wake) AS woken;
 
 -- name: claim
