@@ -8,7 +8,8 @@
 -- statement (an array, unnested). An order that already has a job, or that is
 -- repeated in the array, is a no-op (ON CONFLICT DO NOTHING). Returns one row:
 -- the new jobs' ids and order ids as two arrays (NULL, NULL when none is new);
--- one row instead of one per job cut ~10 % off 100,000 jobs (bench/enqueue.py).
+-- one row, not one per job, spares the client a row object per job (100,000
+-- jobs, alternating runs on a busy 2-core machine: median 1.38 s → 1.25 s).
 -- Job ids are UUIDv7 (RFC 9562 §6.2, method 2: one random start per statement,
 -- incremented per row): time-ordered ids go to the right edge of the primary
 -- key instead of scattering over it, and one strong random number is drawn per
