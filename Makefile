@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint tools bench chaos clean
+.PHONY: demo test lint tools bench chaos clean lock
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,13 @@ bench:
 ## A bigger chaos run by hand (docs/chaos.md), e.g. make chaos CHAOS_ARGS="--jobs 50000".
 chaos: $(STAMP)
 	$(BIN)/python -m tests.chaos.run $(CHAOS_ARGS)
+
+## Re-resolve requirements.lock: the image's exact dependencies (extras worker, binary),
+## with the hashes of every file of each version, so any platform's wheel verifies.
+lock: $(STAMP)
+	$(BIN)/uv pip compile pyproject.toml --extra worker --extra binary --universal \
+		--python-version 3.11 --generate-hashes --custom-compile-command 'make lock' \
+		--output-file requirements.lock
 
 lint: $(STAMP)
 	$(BIN)/ruff check src tests bench

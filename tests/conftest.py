@@ -215,11 +215,10 @@ async def provider() -> AsyncIterator[RunningProvider]:
 
 def enqueue_many(dsn: str, order_ids: list[str]) -> None:
     """Enqueue *order_ids* in one transaction (test helper)."""
-    from receipts.enqueue import enqueue
+    from receipts.enqueue import enqueue_many as enqueue_all
 
     with psycopg.connect(dsn) as conn:
-        for order_id in order_ids:
-            enqueue(conn, order_id, notify=False)
+        enqueue_all(conn, order_ids, notify=False)
 
 
 def fetch_rows(dsn: str, sql: str, params: tuple[object, ...] = ()) -> list[tuple[object, ...]]:

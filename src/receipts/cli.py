@@ -39,6 +39,8 @@ if TYPE_CHECKING:
     from receipts.review import RetryResult
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
+#: ``receipts migrate --check``: migrations pending / schema unknown to this version.
+EXIT_PENDING, EXIT_UNKNOWN = 3, 4
 
 # ------------------------------------------------------------ settings help
 
@@ -181,11 +183,35 @@ def _error(text: str) -> None:
 # ------------------------------------------------------------------ commands
 
 
-def cmd_migrate(settings: Settings, args: argparse.Namespace) -> int:
-    """``receipts migrate``: apply pending migrations; prints what it applied."""
-    from receipts.migrate import apply_migrations
+def cmd_migrate(settings: Settings | None, args: argparse.Namespace) -> int:
+    """``receipts migrate``: apply pending migrations; prints what it applied.
 
-    applied = apply_migrations(settings.dsn, application_name=settings.application_name)
+    ``--print-sql [--pending]`` prints the migrations' SQL instead (all of them
+    needs no database); ``--check`` changes nothing and exits 0 when the schema
+    is current, EXIT_PENDING (3) when migrations are pending and EXIT_UNKNOWN
+    (4) when the database has migrations this version does not know or an
+    applied one differs.
+    """
+    from receipts import migrate
+
+    if args.pending and not args.print_sql:
+        raise UsageError("--pending goes with --print-sql")
+    if args.print_sql and not args.pending:
+        sys.stdout.write(migrate.migration_sql())
+        return EXIT_OK
+    assert settings is not None
+    if args.print_sql or args.check:
+        status = migrate.read_schema_status(settings.dsn,
+                                            application_name=settings.application_name)
+        if args.print_sql:
+            todo = [m for m in migrate.bundled_migrations() if m.version in status.pending]
+            sys.stdout.write(migrate.migration_sql(todo))
+            return EXIT_OK
+        print(status.describe())
+        if status.unknown or status.changed:
+            return EXIT_UNKNOWN
+        return EXIT_PENDING if status.pending else EXIT_OK
+    applied = migrate.apply_migrations(settings.dsn, application_name=settings.application_name)
     print(f"applied {len(applied)} migration(s)" + (f": {', '.join(applied)}" if applied
                                                      else "; schema is up to date"))
     return EXIT_OK
@@ -250,7 +276,7 @@ def cmd_enqueue(settings: Settings, args: argparse.Namespace) -> int:
     created = 0
     with transaction(settings, "cli") as conn:
         for order_id in args.order_ids:
-            created += enqueue(conn, order_id)
+            created += enqueue(conn, order_id) is not None
     dupes = len(args.order_ids) - created
     print(f"enqueued {created} job(s); {dupes} order(s) already had one")
     return EXIT_OK
@@ -561,7 +587,16 @@ def build_parser() -> argparse.ArgumentParser:
         return sub.add_parser(name, help=help_text, description=help_text, epilog=epilog,
                               formatter_class=_Formatter)
 
-    add("migrate", "Apply pending database migrations (safe to run again and concurrently).")
+    p = add("migrate", "Apply pending database migrations (safe to run again and concurrently).")
+    mode = p.add_mutually_exclusive_group()
+    mode.add_argument("--print-sql", action="store_true",
+                      help="print the migrations' SQL (with the tracking-table rows workers "
+                           "check) instead of applying it; no database needed")
+    mode.add_argument("--check", action="store_true",
+                      help="change nothing; print the schema version; exit 0 up to date, "
+                           "3 migrations pending, 4 schema unknown to this version")
+    p.add_argument("--pending", action="store_true",
+                   help="with --print-sql: only the migrations this database has not applied")
     add("worker", "Run a worker: claim receipt jobs, deliver them, ack (until SIGTERM).")
     p = add("recover", "Return expired leases to the queue and prune old rows (one sweep).")
     p.add_argument("--loop", type=_seconds(0.1), metavar="SECONDS",
@@ -712,7 +747,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Long-running processes log to stdout (the container log); one-shot
         # commands print their result there, so their logs go to stderr.
         stream = sys.stdout if args.command in LOGS_ON_STDOUT else sys.stderr
-        if args.command in NEEDS_SETTINGS:
+        print_all_sql = getattr(args, "print_sql", False) and not args.pending
+        if args.command in NEEDS_SETTINGS and not print_all_sql:
             settings = load_settings()
             if args.command == "worker":
                 check_worker_settings(settings)

@@ -37,6 +37,7 @@ from typing import Protocol
 import certifi
 import httpx
 
+from receipts import tracing
 from receipts.model import Job, Outcome, Reason, Verdict
 from receipts.retry import parse_retry_after
 
@@ -50,6 +51,8 @@ CONNECTIONS_PER_CLIENT = 4
 #: connection goes back to the pool (closing an unread response closes it).
 SUCCESS_BODY_SECONDS = 0.5
 USER_AGENT = "receipts-worker/0.1"
+#: OpenTelemetry installed (extra ``otel``): a span per delivery, ``traceparent`` sent.
+_TRACING = tracing.otel_available()
 
 
 class Deliverer(Protocol):
@@ -169,6 +172,8 @@ class HttpDeliverer:
         borrowed = bool(self._free)
         client = self._free.popleft() if borrowed else next(self._next)
         try:
+            if _TRACING:
+                return await tracing.traced_delivery(job, lambda: self._deliver(client, job))
             return await self._deliver(client, job)
         finally:
             if borrowed:
@@ -189,6 +194,8 @@ class HttpDeliverer:
             b"Idempotency-Key": job.idempotency_key.encode("utf-8"),
             b"X-Receipts-Attempt": str(job.attempt).encode("ascii"),
         }
+        if _TRACING and (traceparent := tracing.current_traceparent()):
+            headers[b"traceparent"] = traceparent.encode("ascii")
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_seconds
         try:

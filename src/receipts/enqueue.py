@@ -1,80 +1,342 @@
-"""The orders team's API: enqueue a receipt job inside the order's transaction.
+"""The orders team's API: enqueue receipt jobs inside the order's transaction.
 
 This is the light part of the package: ``import receipts`` loads this module,
 psycopg and the statement loader, nothing of the worker's stack.
+
+Connections (:func:`psycopg_connection`, :func:`psycopg_connection_async`):
+a psycopg 3 ``Connection`` / ``AsyncConnection``, or a SQLAlchemy 2 Core
+``Connection`` / ORM ``Session`` (``AsyncConnection`` / ``AsyncSession`` for
+the async twins) on the psycopg driver (``postgresql+psycopg://``). For
+SQLAlchemy the statement runs on its driver connection
+(``conn.connection.driver_connection``) inside SQLAlchemy's transaction,
+which is begun first when it is not yet (as SQLAlchemy's autobegin would), so
+the job commits or rolls back with whatever the session commits.
+
+Order ids (:func:`order_id_text`): ``str``, ``int`` (stored as its decimal
+text, so ``42`` and ``"42"`` are the same order) or ``uuid.UUID`` (stored as
+its canonical lower-case hyphenated text); anything else is refused with
+:class:`InvalidOrderId`.
+
+Autocommit: enqueueing on a connection in autocommit mode outside a
+transaction block commits the job at once, on its own, before (or without)
+the order. That is correct for a backfill script and a bug in the order flow,
+so it is allowed with an :class:`AutocommitWarning` (shown once per calling
+line); ``warnings.simplefilter("error", AutocommitWarning)`` makes it an error.
 """
 
 from __future__ import annotations
 
+import re
 import uuid
+import warnings
+from collections.abc import Iterable, Sequence
+from datetime import datetime
 from typing import Any
 
 import psycopg
+from psycopg import pq
 
 from receipts.errors import InvalidOrderId
 from receipts.statements import query
+from receipts.tracing import current_traceparent
 
 ORDER_ID_MAX_LENGTH = 200
 #: The LISTEN/NOTIFY channel that wakes idle workers after an enqueue commits.
 NOTIFY_CHANNEL = "receipts_ready"
+#: What :func:`order_id_text` accepts, for error messages and docs.
+ACCEPTED_ORDER_ID_TYPES = "str, int or uuid.UUID"
+
+# C0 controls and DEL: neither PostgreSQL text (NUL) nor an HTTP header (CR/LF) carries them.
+_CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+
+OrderId = str | int | uuid.UUID
+
+
+class AutocommitWarning(UserWarning):
+    """A job was enqueued on an autocommit connection outside a transaction block.
+
+    The job committed on its own, not atomically with the order. Turn it into
+    an error with ``warnings.simplefilter("error", AutocommitWarning)``.
+    """
 
 
 def check_order_id(order_id: str) -> str:
-    """Validate an order id for the queue and the ``Idempotency-Key`` header.
+    """Validate an order id (text) for the queue and the ``Idempotency-Key`` header.
 
-    Returns the id unchanged. Raises :class:`InvalidOrderId` when it is empty,
-    longer than ``ORDER_ID_MAX_LENGTH`` characters, not valid UTF-8 text,
-    contains control characters (NUL, CR/LF, …) that neither PostgreSQL text
-    nor an HTTP header can carry, or starts or ends with whitespace (which an
-    HTTP header value cannot carry either).
+    Returns the id unchanged. Raises :class:`InvalidOrderId` when it is not a
+    ``str`` or empty, longer than ``ORDER_ID_MAX_LENGTH`` characters, not
+    valid UTF-8 text (lone surrogates), contains control characters (NUL,
+    CR/LF, …) that neither PostgreSQL text nor an HTTP header can carry, or
+    starts or ends with whitespace (``str.isspace``; an HTTP header value
+    cannot carry it either). The SQL function ``receipts_enqueue`` (migration
+    0004) applies the same rules.
     """
-    if not isinstance(order_id, str) or not order_id:
+    if not isinstance(order_id, str):
+        raise InvalidOrderId(
+            f"order id must be {ACCEPTED_ORDER_ID_TYPES}, not {type(order_id).__name__}"
+        )
+    if not order_id:
         raise InvalidOrderId("order id must be a non-empty string")
     if len(order_id) > ORDER_ID_MAX_LENGTH:
         raise InvalidOrderId(f"order id is longer than {ORDER_ID_MAX_LENGTH} characters")
-    if any(ord(ch) < 0x20 or ord(ch) == 0x7F for ch in order_id):
+    if _CONTROL.search(order_id):
         raise InvalidOrderId("order id contains control characters")
-    if order_id != order_id.strip():
+    if order_id[0].isspace() or order_id[-1].isspace():
         raise InvalidOrderId(
             "order id starts or ends with whitespace (it could not be sent as an HTTP header)"
         )
-    try:
-        order_id.encode("utf-8")
-    except UnicodeEncodeError:
-        raise InvalidOrderId("order id is not valid UTF-8 text") from None
+    if not order_id.isascii():
+        try:
+            order_id.encode("utf-8")
+        except UnicodeEncodeError:
+            raise InvalidOrderId("order id is not valid UTF-8 text") from None
     return order_id
+
+
+def order_id_text(order_id: object) -> str:
+    """The stored text of an order id: a checked ``str``, an ``int``'s or ``UUID``'s text.
+
+    ``int`` → decimal (``42`` → ``"42"``; ``bool`` is refused), ``uuid.UUID``
+    → ``str(uuid)`` (lower-case, hyphenated). Raises :class:`InvalidOrderId`
+    for any other type (the message names the accepted ones) and for text
+    :func:`check_order_id` refuses.
+    """
+    if isinstance(order_id, str):
+        return check_order_id(order_id)
+    if isinstance(order_id, uuid.UUID):
+        return str(order_id)
+    if isinstance(order_id, int) and not isinstance(order_id, bool):
+        return check_order_id(str(order_id))
+    raise InvalidOrderId(
+        f"order id must be {ACCEPTED_ORDER_ID_TYPES}, not {type(order_id).__name__}"
+    )
+
+
+# ------------------------------------------------------------------ connections
+
+
+def _is_sqlalchemy(conn: object) -> bool:
+    return type(conn).__module__.startswith("sqlalchemy.")
+
+
+def _wrong_driver(driver: object) -> TypeError:
+    return TypeError(
+        "receipts enqueues through psycopg 3; this SQLAlchemy engine uses "
+        f"{type(driver).__module__}.{type(driver).__name__} "
+        "(use a postgresql+psycopg:// URL)"
+    )
+
+
+def _unsupported(conn: object, wanted: str) -> TypeError:
+    return TypeError(
+        f"{wanted} needs a psycopg 3 connection or a SQLAlchemy connection or session "
+        f"on the psycopg driver, not {type(conn).__module__}.{type(conn).__name__}"
+    )
+
+
+def psycopg_connection(conn: object) -> psycopg.Connection[Any]:
+    """The blocking psycopg connection behind *conn*, inside the caller's transaction.
+
+    *conn* is a ``psycopg.Connection``, a SQLAlchemy ``Connection`` or ORM
+    ``Session`` (also ``scoped_session``) on the psycopg driver; for
+    SQLAlchemy its transaction is begun when it is not yet. Raises
+    ``TypeError`` for anything else, naming what is accepted (an async
+    connection: use the ``*_async`` twin).
+    """
+    if isinstance(conn, psycopg.Connection):
+        return conn
+    if isinstance(conn, psycopg.AsyncConnection):
+        raise TypeError("an AsyncConnection needs enqueue_async / enqueue_many_async")
+    if _is_sqlalchemy(conn):
+        from sqlalchemy.engine import Connection
+
+        if not isinstance(conn, Connection):
+            from sqlalchemy.orm import Session, scoped_session
+
+            if isinstance(conn, Session | scoped_session):
+                conn = conn.connection()  # begins the session's transaction
+            elif ".asyncio" in type(conn).__module__:
+                raise TypeError(f"{type(conn).__name__} needs enqueue_async / enqueue_many_async")
+        if not isinstance(conn, Connection):
+            raise _unsupported(conn, "enqueue")
+        if not conn.in_transaction():
+            conn.begin()
+        driver = conn.connection.driver_connection
+        if not isinstance(driver, psycopg.Connection):
+            raise _wrong_driver(driver)
+        return driver
+    raise _unsupported(conn, "enqueue")
+
+
+async def psycopg_connection_async(conn: object) -> psycopg.AsyncConnection[Any]:
+    """The async twin of :func:`psycopg_connection`.
+
+    *conn* is a ``psycopg.AsyncConnection`` or a SQLAlchemy ``AsyncConnection``
+    / ``AsyncSession`` (also ``async_scoped_session``) on the psycopg driver.
+    Raises ``TypeError`` otherwise (a blocking connection: use the sync API).
+    """
+    if isinstance(conn, psycopg.AsyncConnection):
+        return conn
+    if isinstance(conn, psycopg.Connection):
+        raise TypeError("a blocking Connection needs enqueue / enqueue_many")
+    if _is_sqlalchemy(conn):
+        from sqlalchemy.ext.asyncio import AsyncConnection, AsyncSession, async_scoped_session
+
+        if isinstance(conn, AsyncSession | async_scoped_session):
+            conn = await conn.connection()  # begins the session's transaction
+        if not isinstance(conn, AsyncConnection):
+            raise _unsupported(conn, "enqueue_async")
+        if not conn.in_transaction():
+            await conn.begin()
+        raw = await conn.get_raw_connection()
+        driver = raw.driver_connection
+        if not isinstance(driver, psycopg.AsyncConnection):
+            raise _wrong_driver(driver)
+        return driver
+    raise _unsupported(conn, "enqueue_async")
 
 
 # ------------------------------------------------------------------ enqueue API
 
 
-def enqueue(conn: psycopg.Connection[Any], order_id: str, *, notify: bool = True) -> bool:
+def _statement(
+    order_ids: Iterable[object], run_at: datetime | None, notify: bool
+) -> tuple[list[str], Any, dict[str, Any]]:
+    """(texts, statement, parameters) of one enqueue of *order_ids*; all validated first."""
+    if isinstance(order_ids, str | bytes):
+        raise TypeError("order_ids must be an iterable of order ids, not one str or bytes")
+    texts = [order_id_text(o) for o in order_ids]
+    if run_at is not None:
+        if not isinstance(run_at, datetime):
+            raise TypeError(f"run_at must be a datetime, not {type(run_at).__name__}")
+        if run_at.tzinfo is None or run_at.utcoffset() is None:
+            raise ValueError("run_at must be timezone-aware (a naive datetime is ambiguous)")
+    params: dict[str, Any] = {
+        "order_ids": texts, "run_at": run_at, "notify": notify, "channel": NOTIFY_CHANNEL,
+    }
+    traceparent = current_traceparent()
+    if traceparent is None:
+        return texts, query("enqueue"), params
+    params["traceparent"] = traceparent
+    return texts, query("enqueue_traced"), params
+
+
+def _warn_if_autocommit(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
+    if conn.autocommit and conn.info.transaction_status == pq.TransactionStatus.IDLE:
+        # stacklevel: the caller of enqueue*, past this helper and the API function
+        # (the async twins' frames are the same depth).
+        warnings.warn(
+            "receipts: enqueued on an autocommit connection outside a transaction: the job "
+            "committed on its own, not atomically with the order (use conn.transaction())",
+            AutocommitWarning, stacklevel=3,
+        )
+
+
+# The statements run with binary parameters and results (``binary=True``): the
+# order id array is not quoted and parsed as text, and the ids load from 16 bytes.
+
+
+def _aligned(texts: Sequence[str], row: Sequence[Any] | None) -> list[uuid.UUID | None]:
+    """Per input position: the new job's id, or None (already queued or repeated).
+
+    *row* is the statement's one row: the new ids and their order ids, as arrays.
+    """
+    if not row or not row[0]:
+        return [None] * len(texts)
+    ids, orders = row
+    new = dict(zip(orders, ids, strict=True))
+    return [new.pop(text, None) for text in texts]
+
+
+def enqueue(
+    conn: Any, order_id: OrderId, *, run_at: datetime | None = None, notify: bool = True
+) -> uuid.UUID | None:
     """Enqueue the receipt job of *order_id* inside the caller's transaction.
 
     The orders service calls this on the connection that saves the order,
     before it commits: the job becomes durable with the order, or not at all.
-    Nothing is committed here. With *notify*, listening workers are woken when
-    that transaction commits.
+    Nothing is committed here; one statement is sent.
 
-    Returns True when a job was created, False when the order already had one
-    (``ON CONFLICT (order_id) DO NOTHING``). Raises :class:`InvalidOrderId`,
-    and psycopg errors as the caller's own statements would.
+    Args:
+        conn: a ``psycopg.Connection`` or a SQLAlchemy ``Connection``/``Session``
+            on psycopg (see the module docstring).
+        order_id: ``str``, ``int`` or ``uuid.UUID`` (:func:`order_id_text`).
+        run_at: when the job becomes due, a timezone-aware datetime; None
+            (default) means the transaction's start (``now()``), i.e. at once.
+        notify: wake listening workers when the transaction commits (one
+            ``pg_notify``; PostgreSQL delivers identical notifications of one
+            transaction once, however many jobs it enqueued).
+
+    Returns the new job's UUID, or None when the order already had a job
+    (``ON CONFLICT (order_id) DO NOTHING``). Raises :class:`InvalidOrderId`
+    (before anything is sent, so the order transaction stays usable),
+    ``TypeError`` for an unsupported connection, ``ValueError`` for a naive
+    *run_at*, and psycopg errors as the caller's own statements would. Warns
+    :class:`AutocommitWarning` on an autocommit connection outside a transaction.
     """
-    check_order_id(order_id)
-    cur = conn.execute(query("enqueue"), {"id": uuid.uuid4(), "order_id": order_id})
-    created = cur.fetchone() is not None
-    if created and notify:
-        conn.execute(query("notify_ready"), {"channel": NOTIFY_CHANNEL})
-    return created
+    texts, statement, params = _statement((order_id,), run_at, notify)
+    driver = psycopg_connection(conn)
+    _warn_if_autocommit(driver)
+    return _aligned(texts, driver.execute(statement, params, binary=True).fetchone())[0]
+
+
+def enqueue_many(
+    conn: Any,
+    order_ids: Iterable[OrderId],
+    *,
+    run_at: datetime | None = None,
+    notify: bool = True,
+) -> list[uuid.UUID | None]:
+    """Enqueue many orders' receipt jobs in ONE statement, inside the caller's transaction.
+
+    Same arguments and rules as :func:`enqueue` (one *run_at* for all); every
+    order id is validated before anything is sent. At most one ``pg_notify``
+    runs, and only when at least one job is new.
+
+    Returns a list aligned with *order_ids*: at position ``i`` the new job's
+    UUID for ``order_ids[i]``, or None when that order already had a job —
+    queued before, or earlier in this same call (``42`` and ``"42"`` count as
+    the same order). ``sum(x is not None for x in result)`` is the number of
+    jobs created. An empty *order_ids* sends nothing and returns ``[]``.
+    """
+    texts, statement, params = _statement(order_ids, run_at, notify)
+    if not texts:
+        return []
+    driver = psycopg_connection(conn)
+    _warn_if_autocommit(driver)
+    return _aligned(texts, driver.execute(statement, params, binary=True).fetchone())
 
 
 async def enqueue_async(
-    conn: psycopg.AsyncConnection[Any], order_id: str, *, notify: bool = True
-) -> bool:
-    """Async twin of :func:`enqueue` for asyncio order services (same contract)."""
-    check_order_id(order_id)
-    cur = await conn.execute(query("enqueue"), {"id": uuid.uuid4(), "order_id": order_id})
-    created = await cur.fetchone() is not None
-    if created and notify:
-        await conn.execute(query("notify_ready"), {"channel": NOTIFY_CHANNEL})
-    return created
+    conn: Any, order_id: OrderId, *, run_at: datetime | None = None, notify: bool = True
+) -> uuid.UUID | None:
+    """Async twin of :func:`enqueue` (``psycopg.AsyncConnection``, SQLAlchemy async)."""
+    texts, statement, params = _statement((order_id,), run_at, notify)
+    driver = await psycopg_connection_async(conn)
+    _warn_if_autocommit(driver)
+    cur = await driver.execute(statement, params, binary=True)
+    return _aligned(texts, await cur.fetchone())[0]
+
+
+async def enqueue_many_async(
+    conn: Any,
+    order_ids: Iterable[OrderId],
+    *,
+    run_at: datetime | None = None,
+    notify: bool = True,
+) -> list[uuid.UUID | None]:
+    """Async twin of :func:`enqueue_many` (same single statement, same result)."""
+    texts, statement, params = _statement(order_ids, run_at, notify)
+    if not texts:
+        return []
+    driver = await psycopg_connection_async(conn)
+    _warn_if_autocommit(driver)
+    cur = await driver.execute(statement, params, binary=True)
+    return _aligned(texts, await cur.fetchone())
+
+
+__all__ = [
+    "ACCEPTED_ORDER_ID_TYPES", "NOTIFY_CHANNEL", "ORDER_ID_MAX_LENGTH", "AutocommitWarning",
+    "OrderId", "check_order_id", "enqueue", "enqueue_async", "enqueue_many",
+    "enqueue_many_async", "order_id_text", "psycopg_connection", "psycopg_connection_async",
+]

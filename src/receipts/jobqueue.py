@@ -227,8 +227,8 @@ class JobQueue:
         rows = await self._rows(claim_query(limit, limited=self.rate > 0), params)
         claimed_at = time.monotonic()
         attempts = [
-            Attempt(Job(id=r[0], order_id=r[1], token=r[2], attempt=r[3]), claimed_at,
-                    _age(r[4]))
+            Attempt(Job(id=r[0], order_id=r[1], token=r[2], attempt=r[3], traceparent=r[8]),
+                    claimed_at, _age(r[4]))
             for r in rows if r[0] is not None
         ]
         flow = _flow_state(rows[0][5:8]) if rows else FlowState()

@@ -6,6 +6,15 @@ are serialised by a transaction-level advisory lock taken per file, so
 concurrent runners (several pods starting at once) apply each file exactly
 once; running again is a no-op. The files ship inside the wheel as package
 data, so an installed package or the image needs no path setting.
+
+Teams that own their migrations (Alembic, Flyway, sqitch, …) apply the text of
+:func:`migration_sql` instead (``receipts migrate --print-sql``): it records
+each version in the same tracking table, so :func:`check_schema` — which the
+worker calls at start-up to refuse a schema it does not know — works the same
+either way. The schema version is the newest applied file name
+(:attr:`SchemaStatus.version`, ``receipts migrate --check``). Like the enqueue
+API, this module needs only psycopg (the base install): an Alembic revision
+can ``op.execute(migration_sql(...))``.
 """
 
 from __future__ import annotations
@@ -15,10 +24,9 @@ import re
 from dataclasses import dataclass
 from importlib import resources
 from importlib.resources.abc import Traversable
+from typing import Any
 
 import psycopg
-
-from receipts.db import translate
 
 # pg_advisory_xact_lock key: "receipts" as a stable 64-bit number.
 LOCK_KEY = int.from_bytes(hashlib.sha256(b"receipts.migrate").digest()[:8], "big", signed=True)
@@ -51,6 +59,14 @@ class MigrationError(Exception):
     """A migration could not be applied, or an applied one was edited since."""
 
 
+class SchemaMismatch(MigrationError):
+    """The database schema is not the one this version of receipts knows.
+
+    ``str()`` is one line saying what differs and what to do (run
+    ``receipts migrate``, or upgrade receipts). Raised by :func:`check_schema`.
+    """
+
+
 def bundled_migrations(folder: Traversable | None = None) -> list[Migration]:
     """The packaged migrations sorted by version (``NNNN_description.sql``).
 
@@ -78,6 +94,7 @@ def apply_migrations(
 ) -> list[str]:
     """Apply every pending migration to the database at *dsn*.
 
+    Needs the ``worker`` extra (errors are translated by :mod:`receipts.db`).
     Returns the versions applied by this call (empty when up to date).
     Raises :class:`MigrationError` when an applied file's checksum changed or
     a statement fails (that file's transaction is rolled back; earlier files
@@ -121,5 +138,176 @@ def apply_migrations(
     except MigrationError:
         raise
     except psycopg.Error as exc:
+        from receipts.db import translate  # the worker's stack: imported only on failure
+
         raise translate(exc) from exc
     return applied
+
+
+# ------------------------------------------------------------ schema version
+
+
+_HAS_TRACKING = "SELECT to_regclass('receipts_schema_migrations') IS NOT NULL"
+_APPLIED = "SELECT version, checksum FROM receipts_schema_migrations ORDER BY version"
+
+
+@dataclass(frozen=True, slots=True)
+class SchemaStatus:
+    """The database's migrations compared with the ones this package ships.
+
+    Attributes:
+        applied: versions recorded in ``receipts_schema_migrations``, sorted.
+        pending: shipped versions not applied yet, in order.
+        unknown: applied versions this package does not ship (a newer
+            receipts migrated the database).
+        changed: applied versions whose recorded checksum differs from the
+            shipped file's.
+        expected: the newest shipped version (what this package needs), or None.
+    """
+
+    applied: tuple[str, ...]
+    pending: tuple[str, ...]
+    unknown: tuple[str, ...]
+    changed: tuple[str, ...]
+    expected: str | None
+
+    @property
+    def version(self) -> str | None:
+        """The schema version: the newest applied migration's file name, or None."""
+        return self.applied[-1] if self.applied else None
+
+    @property
+    def current(self) -> bool:
+        """True when the database has exactly the shipped migrations."""
+        return not (self.pending or self.unknown or self.changed)
+
+    def describe(self) -> str:
+        """One line: the version and, when not current, what differs and what to do."""
+        from receipts import __version__
+
+        ours = f"receipts {__version__}"
+        if self.unknown:
+            return (f"schema version {self.version} has migration(s) {ours} does not know "
+                    f"({', '.join(self.unknown)}): the database was migrated by a newer "
+                    "version; upgrade receipts")
+        if self.changed:
+            return (f"schema migration(s) {', '.join(self.changed)} differ from the ones "
+                    f"{ours} ships: the database was migrated by a different build")
+        if self.pending and not self.applied:
+            return (f"no receipts schema in this database ({ours} expects {self.expected}): "
+                    "run `receipts migrate`")
+        if self.pending:
+            return (f"schema version {self.version}, {ours} expects {self.expected}: "
+                    f"{len(self.pending)} migration(s) pending ({', '.join(self.pending)}); "
+                    "run `receipts migrate`")
+        return f"schema version {self.version} (up to date)"
+
+
+def _status(rows: list[tuple[str, str]], shipped: list[Migration]) -> SchemaStatus:
+    recorded = dict(rows)
+    known = {m.version: m for m in shipped}
+    return SchemaStatus(
+        applied=tuple(sorted(recorded)),
+        pending=tuple(m.version for m in shipped if m.version not in recorded),
+        unknown=tuple(sorted(v for v in recorded if v not in known)),
+        changed=tuple(sorted(v for v, checksum in recorded.items()
+                             if v in known and known[v].checksum != checksum)),
+        expected=shipped[-1].version if shipped else None,
+    )
+
+
+def schema_status(
+    conn: psycopg.Connection[Any], *, migrations: list[Migration] | None = None
+) -> SchemaStatus:
+    """Compare the database behind *conn* with the shipped (or given) *migrations*.
+
+    Reads only (two statements; a database without the tracking table is
+    "nothing applied", not an error), so it is safe on any connection.
+    psycopg errors propagate.
+    """
+    shipped = bundled_migrations() if migrations is None else migrations
+    row = conn.execute(_HAS_TRACKING).fetchone()
+    rows = conn.execute(_APPLIED).fetchall() if row and row[0] else []
+    return _status([(str(v), str(c)) for v, c in rows], shipped)
+
+
+async def schema_status_async(
+    conn: psycopg.AsyncConnection[Any], *, migrations: list[Migration] | None = None
+) -> SchemaStatus:
+    """Async twin of :func:`schema_status` (same statements, same result)."""
+    shipped = bundled_migrations() if migrations is None else migrations
+    row = await (await conn.execute(_HAS_TRACKING)).fetchone()
+    rows = await (await conn.execute(_APPLIED)).fetchall() if row and row[0] else []
+    return _status([(str(v), str(c)) for v, c in rows], shipped)
+
+
+def check_schema(
+    conn: psycopg.Connection[Any], *, migrations: list[Migration] | None = None
+) -> SchemaStatus:
+    """Return the :class:`SchemaStatus` when it is current; raise otherwise.
+
+    Raises :class:`SchemaMismatch` (one line: :meth:`SchemaStatus.describe`)
+    when migrations are pending, when the database has migrations this
+    package does not ship (a newer receipts migrated it) or when an applied
+    migration differs from the shipped file. psycopg errors propagate.
+    """
+    status = schema_status(conn, migrations=migrations)
+    if not status.current:
+        raise SchemaMismatch(status.describe())
+    return status
+
+
+async def check_schema_async(
+    conn: psycopg.AsyncConnection[Any], *, migrations: list[Migration] | None = None
+) -> SchemaStatus:
+    """Async twin of :func:`check_schema`, for the worker's start-up."""
+    status = await schema_status_async(conn, migrations=migrations)
+    if not status.current:
+        raise SchemaMismatch(status.describe())
+    return status
+
+
+def read_schema_status(dsn: str, *, application_name: str = "receipts") -> SchemaStatus:
+    """Connect to *dsn*, read its :class:`SchemaStatus`, disconnect (``worker`` extra).
+
+    Raises ``DatabaseUnavailable`` (or another ``QueueError``) when the
+    database cannot be read; the message is redacted.
+    """
+    try:
+        with psycopg.connect(
+            dsn, autocommit=True, application_name=f"{application_name}-migrate"
+        ) as conn:
+            return schema_status(conn)
+    except psycopg.Error as exc:
+        from receipts.db import translate
+
+        raise translate(exc) from exc
+
+
+def migration_sql(migrations: list[Migration] | None = None) -> str:
+    """The SQL text of *migrations* (default: all shipped), for teams that own migrations.
+
+    Starts with the tracking table (``CREATE TABLE IF NOT EXISTS``); each file
+    follows with the ``INSERT`` that records its version and checksum, exactly
+    as ``receipts migrate`` does, so :func:`check_schema` accepts the result.
+    No ``BEGIN``/``COMMIT``: the applying tool owns the transaction (apply the
+    whole text in one, or each file's part in its own).
+    """
+    from receipts import __version__
+
+    todo = bundled_migrations() if migrations is None else migrations
+    names = ", ".join(m.version for m in todo) or "none"
+    parts = [
+        f"-- receipts {__version__}: schema migrations {names}\n"
+        "-- Generated by `receipts migrate --print-sql`; apply in order. Each part records\n"
+        "-- its version in receipts_schema_migrations, which workers check at start-up.\n"
+        f"{_TRACKING.strip()};\n"
+    ]
+    for m in todo:
+        literal = "'" + m.version.replace("'", "''") + "'"
+        parts.append(
+            f"-- ---- {m.version}\n{m.sql.strip()}\n"
+            "INSERT INTO receipts_schema_migrations (version, checksum)\n"
+            f"VALUES ({literal}, '{m.checksum}');\n"
+        )
+    return "\n".join(parts)

@@ -36,12 +36,15 @@ class Job:
         order_id: the order it delivers a receipt for.
         token: this attempt's lease token (new on every claim).
         attempt: 1-based attempt number (the row's ``attempts`` after claim).
+        traceparent: the W3C ``traceparent`` stored at enqueue (migration 0004), or
+            None; untrusted text, checked by :mod:`receipts.tracing` before use.
     """
 
     id: uuid.UUID
     order_id: str
     token: uuid.UUID
     attempt: int
+    traceparent: str | None = None
 
     @property
     def idempotency_key(self) -> str:

@@ -23,6 +23,7 @@ from receipts.errors import DatabaseUnavailable
 from receipts.jobqueue import JobQueue
 from receipts.logs import get_logger
 from receipts.metrics import Metrics, make_app, start_server
+from receipts.migrate import SchemaMismatch, schema_status_async
 from receipts.settings import Settings
 from receipts.worker import Worker
 
@@ -143,10 +144,17 @@ async def run_worker(settings: Settings, deliverer: Deliverer | None = None) -> 
 
 
 async def check_database(settings: Settings) -> None:
-    """Refuse, at start, a database the worker cannot use (see :func:`receipts.db.check_encoding`).
+    """Refuse, at start, a database the worker cannot use.
 
-    An unreachable database is not refused: the worker rides out outages and
-    reports not-ready until the database answers.
+    Raises :class:`~receipts.errors.QueueError` for an encoding that cannot
+    keep our text (:func:`receipts.db.check_encoding`) and
+    :class:`~receipts.migrate.SchemaMismatch` for a schema this version does
+    not know: migrations it does not ship (a newer receipts migrated the
+    database) or an applied migration that differs from the shipped file.
+    Pending migrations are not refused: the migration hook may still be
+    running, and the worker waits (claims fail with "run receipts migrate")
+    until it has. An unreachable database is not refused either: the worker
+    rides out outages and reports not-ready until the database answers.
     """
     try:
         conn = await connect(settings, "worker")
@@ -154,6 +162,13 @@ async def check_database(settings: Settings) -> None:
         return
     async with conn:
         await check_encoding(conn)
+        try:
+            status = await schema_status_async(conn)
+        except Exception as exc:  # psycopg errors reading the tracking table: judge later
+            log.debug("schema_status_unread", extra={"error": str(exc)[:200]})
+            return
+        if status.unknown or status.changed:
+            raise SchemaMismatch(status.describe())
 
 
 def watch_pool(pool: AsyncConnectionPool, metrics: Metrics) -> None:

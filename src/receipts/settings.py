@@ -57,19 +57,15 @@ def redact_dsn(text: str) -> str:
 
 
 def package_version() -> str:
-    """The installed ``receipts`` distribution's version (``importlib.metadata``).
+    """The running package's version: ``receipts.__version__``.
 
-    Falls back to ``receipts.__version__`` when the package runs from a source
-    tree that was never installed. Never raises.
+    The package's own constant, not the installed metadata: the distribution is
+    called ``receipts-queue`` (PyPI's ``receipts`` is another project), and a
+    source tree that was never installed has no metadata at all. Never raises.
     """
-    from importlib.metadata import PackageNotFoundError, version
+    from receipts import __version__
 
-    try:
-        return version("receipts")
-    except PackageNotFoundError:
-        from receipts import __version__
-
-        return __version__
+    return __version__
 
 
 def check_dsn(dsn: str) -> None:

@@ -1,9 +1,11 @@
 """The Dockerfile: hadolint-clean, non-root, and what it installs really runs.
 
 There is no container engine here, so the image test does what the image does: build the
-project wheel from exactly the build context the .dockerignore lets through, install it
-into a clean virtualenv, and run `receipts --help` / `receipts worker --help` as a
-non-root user who cannot write to the installation (the image's read-only root).
+project wheel from exactly the build context the .dockerignore lets through, fetch the
+locked dependencies with their hashes checked (binary wheels only), install both into a
+clean virtualenv without resolving anything, and run `receipts --help` /
+`receipts worker --help` as a non-root user who cannot write to the installation (the
+image's read-only root).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ import pytest
 from chartkit import DOCKERFILE, REPO, find_tool, run
 
 # What .dockerignore lets into the build context, and what the Dockerfile COPYs.
-BUILD_CONTEXT = ("pyproject.toml", "README.md", "migrations", "src")
+BUILD_CONTEXT = ("requirements.lock", "pyproject.toml", "README.md", "migrations", "src")
 NON_ROOT_USER = "nobody"
 
 
@@ -140,15 +142,25 @@ def installed_receipts(world_readable_tmp: Path) -> tuple[Path, str | None]:
     pip = [sys.executable, "-m", "pip", "--disable-pip-version-check"]
     built = run([*pip, "wheel", "--no-deps", "--wheel-dir", str(wheels), str(context)])
     assert built.returncode == 0, built.stdout + built.stderr
-    (wheel,) = wheels.glob("receipts-*.whl")
+    (wheel,) = wheels.glob("receipts_queue-*.whl")
+    lock = str(context / "requirements.lock")
+    fetched = run([*pip, "download", "--require-hashes", "--only-binary=:all:", "--no-deps",
+                   "--dest", str(wheels), "-r", lock])
+    assert fetched.returncode == 0, fetched.stdout + fetched.stderr
 
     user = NON_ROOT_USER if os.geteuid() == 0 else None
     venv = world_readable_tmp / "venv"
     created = run([_base_python(user), "-m", "venv", "--without-pip", str(venv)])
     assert created.returncode == 0, created.stderr
-    installed = run([*pip, "--python", str(venv / "bin" / "python"), "install", "--quiet",
-                     str(wheel)])
-    assert installed.returncode == 0, installed.stdout + installed.stderr
+    target = [*pip, "--python", str(venv / "bin" / "python")]
+    for step in (
+        ["install", "--quiet", "--no-index", "--find-links", str(wheels), "--require-hashes",
+         "--no-deps", "-r", lock],
+        ["install", "--quiet", "--no-index", "--no-deps", str(wheel)],
+        ["check"],
+    ):
+        installed = run([*target, *step])
+        assert installed.returncode == 0, installed.stdout + installed.stderr
     # Readable by everyone, writable by no one (like the image's read-only root filesystem).
     for path in [world_readable_tmp, *world_readable_tmp.rglob("*")]:
         if not path.is_symlink():

@@ -79,7 +79,7 @@ def test_enqueue_api_accepts_or_refuses_order_ids_without_poisoning_the_order_tr
 ):
     with psycopg.connect(dsn) as conn, conn.transaction():
         if accepted:
-            assert enqueue(conn, order_id) is True
+            assert enqueue(conn, order_id) is not None
         else:
             with pytest.raises(InvalidOrderId, match=error):
                 enqueue(conn, order_id)

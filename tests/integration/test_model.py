@@ -111,7 +111,7 @@ def _machine(runner: asyncio.Runner, queue: JobQueue, dsn: str) -> type[RuleBase
         @rule(order_id=st.sampled_from(ORDERS))
         def enqueue_order(self, order_id: str) -> None:
             with psycopg.connect(dsn) as tx:
-                created = enqueue(tx, order_id)
+                created = enqueue(tx, order_id) is not None
             assert created == (order_id not in self.jobs)
             if created:
                 (row,) = sql("SELECT id FROM receipt_jobs WHERE order_id = %s", (order_id,))

@@ -53,11 +53,11 @@ def test_concurrent_migration_runners_do_not_collide(server):
 def test_enqueue_rolls_back_with_the_order_and_commits_with_it(dsn):
     with psycopg.connect(dsn) as conn:
         with conn.transaction(force_rollback=True):
-            assert enqueue(conn, "order-rolled-back") is True
+            assert enqueue(conn, "order-rolled-back") is not None
         with conn.transaction():
-            assert enqueue(conn, "order-1") is True
+            assert enqueue(conn, "order-1") is not None
         with conn.transaction():
-            assert enqueue(conn, "order-1") is False
+            assert enqueue(conn, "order-1") is None
     rows = fetch_rows(dsn, "SELECT order_id, state, attempts FROM receipt_jobs")
     assert rows == [("order-1", "ready", 0)]
 

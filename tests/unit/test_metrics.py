@@ -30,9 +30,9 @@ def test_a_scrape_has_no_created_series() -> None:
 
 
 def test_build_info_carries_the_installed_version() -> None:
-    assert package_version() == version("receipts")
+    assert package_version() == version("receipts-queue")  # the distribution's metadata agrees
     samples = _samples(Metrics())
-    assert samples[("receipts_build_info", (("version", version("receipts")),))] == 1
+    assert samples[("receipts_build_info", (("version", version("receipts-queue")),))] == 1
 
 
 def test_time_to_receipt_buckets_reach_hours_and_clamp_clock_skew() -> None:

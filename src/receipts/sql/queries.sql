@@ -4,15 +4,67 @@
 -- nothing. Time is always the database's statement_timestamp().
 
 -- name: enqueue
--- Runs inside the caller's (order) transaction. Duplicate order ids are a no-op.
-INSERT INTO receipt_jobs (id, order_id)
-VALUES (%(id)s, %(order_id)s)
-ON CONFLICT (order_id) DO NOTHING
-RETURNING id;
+-- Runs inside the caller's (order) transaction, for one order or many in one
+-- statement (an array, unnested). An order that already has a job, or that is
+-- repeated in the array, is a no-op (ON CONFLICT DO NOTHING). Returns one row:
+-- the new jobs' ids and order ids as two arrays (NULL, NULL when none is new);
+-- one row, not one per job, spares the client a row object per job (100,000
+-- jobs, alternating runs on a busy 2-core machine: median 1.38 s → 1.25 s).
+-- Job ids are UUIDv7 (RFC 9562 §6.2, method 2: one random start per statement,
+-- incremented per row): time-ordered ids go to the right edge of the primary
+-- key instead of scattering over it, and one strong random number is drawn per
+-- statement, not per row (gen_random_uuid() measured ~5 µs a call on the 2-core
+-- bench machine: 0.5 s of 100,000 jobs; random v4 ids made enqueue_many of
+-- 100,000 jobs ~40 % slower there).
+-- When at least one job is new and %(notify)s is true, pg_notify runs once;
+-- listening workers wake when the transaction commits (identical notifications
+-- of one transaction are delivered once). The count over `wake` makes that CTE
+-- run: a CTE that nothing reads is never executed.
+WITH seed AS MATERIALIZED (
+  SELECT lpad(to_hex((extract(epoch FROM clock_timestamp()) * 1000)::int8), 12, '0')
+         || '7' || substr(r, 1, 3) AS head,
+         ('x' || substr(r, 4, 9) || substr(r, 18, 7))::bit(64)::int8
+           & 4611686018427387903 AS tail
+  FROM (SELECT replace(gen_random_uuid()::text, '-', '') AS r) AS g
+), new AS (
+  INSERT INTO receipt_jobs (id, order_id, run_at)
+  SELECT (s.head || to_hex(((s.tail + o.n) & 4611686018427387903)
+                           | -9223372036854775808))::uuid,
+         o.order_id, coalesce(%(run_at)s::timestamptz, now())
+  FROM seed AS s, unnest(%(order_ids)b::text[]) WITH ORDINALITY AS o(order_id, n)
+  ON CONFLICT (order_id) DO NOTHING
+  RETURNING id, order_id
+), wake AS (
+  SELECT pg_notify(%(channel)s, '')
+  WHERE %(notify)s AND EXISTS (SELECT FROM new)
+)
+SELECT array_agg(new.id), array_agg(new.order_id)
+FROM new, (SELECT count(*) FROM wake) AS woken;
 
--- name: notify_ready
--- Wakes listening workers when the enclosing transaction commits.
-SELECT pg_notify(%(channel)s, '');
+-- name: enqueue_traced
+-- enqueue, also storing the enqueuing span's W3C traceparent (migration 0004).
+-- Used only while a trace is active, so enqueue works on a schema without the
+-- column. Identical to enqueue otherwise (tests/unit checks).
+WITH seed AS MATERIALIZED (
+  SELECT lpad(to_hex((extract(epoch FROM clock_timestamp()) * 1000)::int8), 12, '0')
+         || '7' || substr(r, 1, 3) AS head,
+         ('x' || substr(r, 4, 9) || substr(r, 18, 7))::bit(64)::int8
+           & 4611686018427387903 AS tail
+  FROM (SELECT replace(gen_random_uuid()::text, '-', '') AS r) AS g
+), new AS (
+  INSERT INTO receipt_jobs (id, order_id, run_at, traceparent)
+  SELECT (s.head || to_hex(((s.tail + o.n) & 4611686018427387903)
+                           | -9223372036854775808))::uuid,
+         o.order_id, coalesce(%(run_at)s::timestamptz, now()), %(traceparent)s
+  FROM seed AS s, unnest(%(order_ids)b::text[]) WITH ORDINALITY AS o(order_id, n)
+  ON CONFLICT (order_id) DO NOTHING
+  RETURNING id, order_id
+), wake AS (
+  SELECT pg_notify(%(channel)s, '')
+  WHERE %(notify)s AND EXISTS (SELECT FROM new)
+)
+SELECT array_agg(new.id), array_agg(new.order_id)
+FROM new, (SELECT count(*) FROM wake) AS woken;
 
 -- name: claim
 -- {limit} is a literal per batch size: a bind parameter there lets a prepared
@@ -46,10 +98,10 @@ WITH flow AS (
       lease_until = statement_timestamp() + make_interval(secs => %(lease_seconds)s)
   FROM candidate AS c
   WHERE j.id = c.id
-  RETURNING j.id, j.order_id, j.lease_token, j.attempts, j.created_at
+  RETURNING j.id, j.order_id, j.lease_token, j.attempts, j.created_at, j.traceparent
 )
 SELECT c.id, c.order_id, c.lease_token, c.attempts, c.created_at,
-       f.pause_reason, f.pause_left, NULL::float8 AS tokens
+       f.pause_reason, f.pause_left, NULL::float8 AS tokens, c.traceparent
 FROM flow AS f LEFT JOIN claimed AS c ON true;
 
 -- name: claim_limited
@@ -87,7 +139,7 @@ WITH flow AS MATERIALIZED (
       lease_until = statement_timestamp() + make_interval(secs => %(lease_seconds)s)
   FROM allowed AS a
   WHERE j.id = a.id
-  RETURNING j.id, j.order_id, j.lease_token, j.attempts, j.created_at
+  RETURNING j.id, j.order_id, j.lease_token, j.attempts, j.created_at, j.traceparent
 ), spent AS (
   UPDATE receipt_flow
   SET tokens = (SELECT tokens FROM flow) - (SELECT count(*) FROM claimed),
@@ -96,7 +148,7 @@ WITH flow AS MATERIALIZED (
   RETURNING tokens
 )
 SELECT c.id, c.order_id, c.lease_token, c.attempts, c.created_at,
-       f.pause_reason, f.pause_left, s.tokens
+       f.pause_reason, f.pause_left, s.tokens, c.traceparent
 FROM flow AS f CROSS JOIN spent AS s LEFT JOIN claimed AS c ON true;
 
 -- name: ack

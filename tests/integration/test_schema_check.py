@@ -1,0 +1,200 @@
+"""Schema version and check, and the SQL for teams that own their migrations.
+
+``check_schema`` is what a worker calls at start-up: it must accept exactly
+the shipped migrations and refuse, in one line, a database with pending ones,
+with migrations it does not know (a newer receipts migrated it) or with an
+applied file that differs. ``receipts migrate --print-sql`` applied by psql
+must give a database that passes the same check.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import subprocess
+import sys
+
+import psycopg
+import pytest
+
+from receipts.embedded import bin_dir
+from receipts.migrate import (
+    SchemaMismatch,
+    apply_migrations,
+    bundled_migrations,
+    check_schema,
+    check_schema_async,
+    migration_sql,
+    schema_status,
+)
+from tests.conftest import fetch_rows
+
+SHIPPED = bundled_migrations()
+NEWEST = SHIPPED[-1].version
+
+
+@pytest.fixture
+def empty_dsn(server):
+    url = server.new_database(migrated=False)
+    yield url
+    server.drop_database(url)
+
+
+def status_of(dsn: str):
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return schema_status(conn)
+
+
+def check(dsn: str):
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        return check_schema(conn)
+
+
+def receipts(*args: str, dsn: str | None) -> subprocess.CompletedProcess[str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RECEIPTS_")}
+    if dsn is not None:
+        env["RECEIPTS_DATABASE_URL"] = dsn
+    return subprocess.run([sys.executable, "-m", "receipts", *args], env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def psql_file(dsn: str, sql: str) -> subprocess.CompletedProcess[str]:
+    """Apply *sql* with psql in one transaction, stopping at the first error."""
+    return subprocess.run(
+        [str(bin_dir() / "psql"), "-X", "-q", "-1", "-v", "ON_ERROR_STOP=1", "-d", dsn, "-f", "-"],
+        input=sql, capture_output=True, text=True, timeout=60,
+    )
+
+
+# ------------------------------------------------------------ check_schema
+
+
+def test_a_migrated_database_passes_and_reports_its_version(dsn):
+    status = check(dsn)
+    assert status.current and status.version == NEWEST == status.expected
+    assert status.applied == tuple(m.version for m in SHIPPED)
+    assert status.describe() == f"schema version {NEWEST} (up to date)"
+
+
+def test_an_empty_database_is_refused_in_one_line(empty_dsn):
+    with pytest.raises(SchemaMismatch) as refused:
+        check(empty_dsn)
+    message = str(refused.value)
+    assert "no receipts schema" in message and "run `receipts migrate`" in message
+    assert "\n" not in message
+    assert status_of(empty_dsn).version is None
+
+
+def test_pending_migrations_are_refused_naming_them(empty_dsn):
+    apply_migrations(empty_dsn, migrations=SHIPPED[:1])
+    status = status_of(empty_dsn)
+    assert status.version == SHIPPED[0].version
+    assert status.pending == tuple(m.version for m in SHIPPED[1:])
+    with pytest.raises(SchemaMismatch, match=f"expects {NEWEST}: {len(SHIPPED) - 1} "
+                                             r"migration\(s\) pending") as refused:
+        check(empty_dsn)
+    assert "\n" not in str(refused.value)
+
+
+def test_migrations_from_a_newer_version_are_refused(dsn):
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("INSERT INTO receipts_schema_migrations (version, checksum)"
+                     " VALUES ('9999_from_the_future.sql', 'x')")
+    status = status_of(dsn)
+    assert status.unknown == ("9999_from_the_future.sql",) and not status.pending
+    assert status.version == "9999_from_the_future.sql"
+    with pytest.raises(SchemaMismatch, match="migrated by a newer version; upgrade receipts"):
+        check(dsn)
+
+
+def test_an_applied_migration_that_differs_is_refused(dsn):
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("UPDATE receipts_schema_migrations SET checksum = 'edited'"
+                     " WHERE version = %s", (SHIPPED[0].version,))
+    with pytest.raises(SchemaMismatch, match=f"{SHIPPED[0].version} differ"):
+        check(dsn)
+
+
+async def test_the_async_check_gives_the_same_answers(dsn, empty_dsn):
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        assert (await check_schema_async(conn)).version == NEWEST
+    async with await psycopg.AsyncConnection.connect(empty_dsn, autocommit=True) as conn:
+        with pytest.raises(SchemaMismatch, match="no receipts schema"):
+            await check_schema_async(conn)
+
+
+def test_the_check_only_reads_and_leaves_a_transaction_usable(empty_dsn):
+    with psycopg.connect(empty_dsn) as conn:
+        assert not schema_status(conn).current  # no tracking table: no error raised
+        conn.execute("SELECT 1")
+
+
+# ------------------------------------------------------------ --print-sql
+
+
+def test_print_sql_applied_by_psql_gives_the_same_schema_as_migrate(dsn, empty_dsn):
+    result = psql_file(empty_dsn, migration_sql())
+    assert result.returncode == 0, result.stderr
+    assert check(empty_dsn).version == NEWEST
+
+    def shape(url: str) -> list[tuple[object, ...]]:
+        return fetch_rows(url, """
+            SELECT 'column', table_name || '.' || column_name || ' ' || data_type
+              FROM information_schema.columns WHERE table_schema = 'public'
+            UNION ALL SELECT 'index', indexdef FROM pg_indexes WHERE schemaname = 'public'
+            UNION ALL SELECT 'constraint', conname || ' ' || pg_get_constraintdef(oid)
+              FROM pg_constraint WHERE connamespace = 'public'::regnamespace
+            UNION ALL SELECT 'function', p.oid::regprocedure::text
+              FROM pg_proc p WHERE pronamespace = 'public'::regnamespace
+            UNION ALL SELECT 'reloptions', array_to_string(reloptions, ',')
+              FROM pg_class WHERE relname = 'receipt_jobs'
+            ORDER BY 1, 2""")
+
+    assert shape(empty_dsn) == shape(dsn)
+    # Running `receipts migrate` afterwards finds nothing to do.
+    assert apply_migrations(empty_dsn) == []
+
+
+def test_print_sql_pending_prints_only_what_the_database_lacks(empty_dsn):
+    apply_migrations(empty_dsn, migrations=SHIPPED[:2])
+    result = receipts("migrate", "--print-sql", "--pending", dsn=empty_dsn)
+    assert result.returncode == 0, result.stderr
+    printed = [line.removeprefix("-- ---- ") for line in result.stdout.splitlines()
+               if line.startswith("-- ---- ")]
+    assert printed == [m.version for m in SHIPPED[2:]]
+    applied = psql_file(empty_dsn, result.stdout)
+    assert applied.returncode == 0, applied.stderr
+    assert check(empty_dsn).current
+
+
+def test_print_sql_of_everything_needs_no_database():
+    result = receipts("migrate", "--print-sql", dsn=None)
+    assert result.returncode == 0, result.stderr
+    assert result.stdout == migration_sql()
+    # No transaction control: the applying tool owns the transaction.
+    assert not re.search(r"^\s*(BEGIN|COMMIT|START TRANSACTION|ROLLBACK)\b\s*;", result.stdout,
+                         re.IGNORECASE | re.MULTILINE)
+
+
+# ------------------------------------------------------------ --check
+
+
+def test_migrate_check_exit_codes(dsn, empty_dsn):
+    up_to_date = receipts("migrate", "--check", dsn=dsn)
+    assert (up_to_date.returncode, up_to_date.stdout.strip()) == (
+        0, f"schema version {NEWEST} (up to date)")
+
+    pending = receipts("migrate", "--check", dsn=empty_dsn)
+    assert pending.returncode == 3 and "no receipts schema" in pending.stdout
+    assert fetch_rows(empty_dsn, "SELECT to_regclass('receipts_schema_migrations')") == [(None,)]
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("INSERT INTO receipts_schema_migrations (version, checksum)"
+                     " VALUES ('9999_future.sql', 'x')")
+    unknown = receipts("migrate", "--check", dsn=dsn)
+    assert unknown.returncode == 4 and "upgrade receipts" in unknown.stdout
+
+
+def test_pending_without_print_sql_is_bad_usage(dsn):
+    result = receipts("migrate", "--pending", dsn=dsn)
+    assert result.returncode == 2 and "--pending goes with --print-sql" in result.stderr
