@@ -19,6 +19,7 @@ import asyncio
 import json
 import math
 import os
+import signal
 import sys
 import uuid
 from collections.abc import Callable, Coroutine, Mapping, Sequence
@@ -83,7 +84,7 @@ _RECOVERY_ONLY = ("recovery_delay_seconds", "recovery_batch_size", "retention_da
                   "prune_batch_size", "pushgateway_url")
 # The settings each command reads; the worker reads every other one.
 COMMAND_SETTINGS: dict[str, tuple[str, ...]] = {
-    "migrate": ("database_url", "application_name", "log_level"),
+    "migrate": ("database_url", "application_name", "log_level", "migrate_lock_timeout_seconds"),
     "recover": (*_CONNECTION, "max_attempts", *_RECOVERY_ONLY),
     "enqueue": _CONNECTION,
     "jobs": _CONNECTION,
@@ -211,7 +212,9 @@ def cmd_migrate(settings: Settings | None, args: argparse.Namespace) -> int:
         if status.unknown or status.changed:
             return EXIT_UNKNOWN
         return EXIT_PENDING if status.pending else EXIT_OK
-    applied = migrate.apply_migrations(settings.dsn, application_name=settings.application_name)
+    applied = migrate.apply_migrations(
+        settings.dsn, application_name=settings.application_name,
+        lock_timeout_seconds=settings.migrate_lock_timeout_seconds)
     print(f"applied {len(applied)} migration(s)" + (f": {', '.join(applied)}" if applied
                                                      else "; schema is up to date"))
     return EXIT_OK
@@ -232,10 +235,8 @@ def cmd_recover(settings: Settings, args: argparse.Namespace) -> int:
     if args.loop is not None:
 
         async def loop(queue: Any) -> int:
-            import signal
-
             stop = asyncio.Event()
-            for sig in (signal.SIGTERM, signal.SIGINT):
+            for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
                 asyncio.get_running_loop().add_signal_handler(sig, stop.set)
             await recovery.run_loop(queue, settings, args.loop, stop)
             return EXIT_OK
@@ -245,12 +246,10 @@ def cmd_recover(settings: Settings, args: argparse.Namespace) -> int:
     async def once(queue: Any) -> int:
         report = await recovery.run_once(queue, settings)
         print(json.dumps(report.as_dict()) if args.json else report.summary())
-        if settings.pushgateway_url:
-            try:
-                recovery.push_report(report, settings.pushgateway_url)
-            except OSError as exc:
-                print(f"receipts: warning: push to Pushgateway failed: {exc}", file=sys.stderr)
-                return EXIT_ERROR
+        # A failed push is logged (push_failed) but does not fail a sweep that
+        # worked: the sweep's own work is done, and a Pushgateway that stays
+        # unreachable shows as ReceiptsRecoveryNotRunning (its last success ages).
+        recovery.push_if_configured(report, settings)
         return EXIT_OK
 
     return _run(_with_queue(settings, "recover", once))
@@ -741,6 +740,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     try:
         args = build_parser().parse_args(argv)
+        if args.command not in LONG_RUNNING:
+            _stop_on_signals()
         if args.command in CHECKS:
             CHECKS[args.command](args)
         settings: Settings | None = None
@@ -769,6 +770,39 @@ def main(argv: Sequence[str] | None = None) -> int:
         return EXIT_ERROR
     except KeyboardInterrupt:
         return 130
+    except Terminated as exc:
+        _error(f"stopped by {exc}; nothing half-done is kept (each migration and each "
+               "statement is its own transaction)")
+        return 128 + exc.signum
+
+
+class Terminated(BaseException):
+    """A one-shot command was asked to stop by a signal (SIGTERM, SIGHUP, SIGQUIT)."""
+
+    def __init__(self, signum: int) -> None:
+        super().__init__(signal.Signals(signum).name)
+        self.signum = signum
+
+
+#: Commands that run until told to stop, with their own drain on SIGTERM/SIGHUP.
+LONG_RUNNING = {"worker", "provider", "ui", "demo"}
+
+
+def _stop_on_signals() -> None:
+    """Make SIGTERM, SIGHUP and SIGQUIT end a one-shot command cleanly.
+
+    As PID 1 in a container a process has no default action for SIGTERM: without
+    a handler ``migrate`` or ``recover`` would ignore the pod's stop. The
+    handler raises :class:`Terminated` wherever the command is (a statement in
+    flight is abandoned; its transaction rolls back when the connection closes),
+    and :func:`main` exits 128 + the signal number. ``recover --loop`` installs
+    its own, gentler handler (it finishes the sweep's current batch).
+    """
+    def stop(signum: int, _frame: object) -> None:
+        raise Terminated(signum)
+
+    for sig in (signal.SIGTERM, signal.SIGHUP, signal.SIGQUIT):
+        signal.signal(sig, stop)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -89,8 +89,26 @@ def bundled_migrations(folder: Traversable | None = None) -> list[Migration]:
     return sorted(found, key=lambda m: m.version)
 
 
+def _timeouts(dsn: str, lock_seconds: float, statement_seconds: float) -> str:
+    """Startup ``options`` with the migration's timeouts, after any the DSN carries."""
+    from psycopg.conninfo import conninfo_to_dict
+
+    ours = (f"-c lock_timeout={round(lock_seconds * 1000)} "
+            f"-c statement_timeout={round(statement_seconds * 1000)}")
+    theirs = conninfo_to_dict(dsn).get("options")
+    return f"{theirs} {ours}" if theirs else ours
+
+
+def _lock_message(seconds: float) -> str:
+    return (f"a lock was not granted within {seconds:g}s: another `receipts migrate` is "
+            "running, or a session holds a lock on the queue's tables (see pg_locks and "
+            "pg_stat_activity); nothing of the waiting migration was applied")
+
+
 def apply_migrations(
-    dsn: str, *, migrations: list[Migration] | None = None, application_name: str = "receipts"
+    dsn: str, *, migrations: list[Migration] | None = None, application_name: str = "receipts",
+    connect_timeout_seconds: float = 10.0, lock_timeout_seconds: float = 120.0,
+    statement_timeout_seconds: float = 1800.0,
 ) -> list[str]:
     """Apply every pending migration to the database at *dsn*.
 
@@ -99,12 +117,19 @@ def apply_migrations(
     Raises :class:`MigrationError` when an applied file's checksum changed or
     a statement fails (that file's transaction is rolled back; earlier files
     stay applied), and ``DatabaseUnavailable`` when the database is unreachable.
+
+    Every wait is bounded: connecting by *connect_timeout_seconds*, waiting for
+    a lock (the advisory lock another runner holds, or a table lock for DDL)
+    by *lock_timeout_seconds* (then :class:`MigrationError` says who to look
+    for), each statement by *statement_timeout_seconds*.
     """
     todo = bundled_migrations() if migrations is None else migrations
     applied: list[str] = []
     try:
         with psycopg.connect(
-            dsn, autocommit=True, application_name=f"{application_name}-migrate"
+            dsn, autocommit=True, application_name=f"{application_name}-migrate",
+            connect_timeout=max(1, round(connect_timeout_seconds)),
+            options=_timeouts(dsn, lock_timeout_seconds, statement_timeout_seconds),
         ) as conn:
             with conn.transaction():
                 conn.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK_KEY,))
@@ -125,6 +150,8 @@ def apply_migrations(
                         continue
                     try:
                         conn.execute(migration.sql.encode())
+                    except psycopg.errors.LockNotAvailable as exc:
+                        raise MigrationError(_lock_message(lock_timeout_seconds)) from exc
                     except psycopg.errors.DatabaseError as exc:
                         if isinstance(exc, psycopg.OperationalError):
                             raise
@@ -137,6 +164,8 @@ def apply_migrations(
                     applied.append(migration.version)
     except MigrationError:
         raise
+    except psycopg.errors.LockNotAvailable as exc:
+        raise MigrationError(_lock_message(lock_timeout_seconds)) from exc
     except psycopg.Error as exc:
         from receipts.db import translate  # the worker's stack: imported only on failure
 
@@ -275,7 +304,8 @@ def read_schema_status(dsn: str, *, application_name: str = "receipts") -> Schem
     """
     try:
         with psycopg.connect(
-            dsn, autocommit=True, application_name=f"{application_name}-migrate"
+            dsn, autocommit=True, application_name=f"{application_name}-migrate",
+            connect_timeout=10, options=_timeouts(dsn, 10.0, 30.0),
         ) as conn:
             return schema_status(conn)
     except psycopg.Error as exc:

@@ -127,15 +127,38 @@ def push_report(report: RecoveryReport, gateway_url: str, *, job: str = "receipt
     push_to_gateway(gateway_url, job=job, registry=registry, timeout=10)
 
 
+def push_if_configured(report: RecoveryReport, settings: Settings) -> bool:
+    """Push *report* when ``RECEIPTS_PUSHGATEWAY_URL`` is set; True when pushed.
+
+    A failed push is logged as ``push_failed`` and never raised: the sweep's
+    work is done either way, and an unreachable Pushgateway shows as the pushed
+    last-success time growing old (``ReceiptsRecoveryNotRunning``).
+    """
+    if not settings.pushgateway_url:
+        return False
+    try:
+        push_report(report, settings.pushgateway_url)
+    except OSError as exc:
+        log.warning("push_failed", extra={"error": str(exc)[:300]})
+        return False
+    return True
+
+
 async def run_loop(queue: JobQueue, settings: Settings, every_seconds: float,
                    stop: asyncio.Event) -> None:
-    """Sweep every *every_seconds* until *stop* is set; outages are logged, not raised."""
+    """Sweep every *every_seconds* until *stop* is set; outages are logged, not raised.
+
+    Each successful sweep is pushed to the Pushgateway when one is configured
+    (in a thread: the push is blocking HTTP).
+    """
     from receipts.errors import QueueError
 
     while not stop.is_set():
         try:
-            await run_once(queue, settings)
+            report = await run_once(queue, settings)
         except QueueError as exc:
             log.warning("recovery_failed", extra={"error": str(exc)})
+        else:
+            await asyncio.to_thread(push_if_configured, report, settings)
         with contextlib.suppress(TimeoutError):
             await asyncio.wait_for(stop.wait(), timeout=every_seconds)

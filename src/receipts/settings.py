@@ -199,6 +199,10 @@ class Settings(BaseSettings):
         default=None, ge=1, le=10_000_000,
         description="Token bucket capacity (jobs); default one second's worth of the rate.",
     )
+    migrate_lock_timeout_seconds: float = Field(
+        default=120.0, gt=0, le=86_400,
+        description="How long `receipts migrate` waits for a lock (another migrate, DDL).",
+    )
     attempt_history: Literal["all", "retries"] = Field(
         default="retries",
         description="Which attempts the job history records: 'retries' skips a delivery "
