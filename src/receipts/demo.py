@@ -4,14 +4,15 @@ What it does (docs/design.md §8):
 
 1. starts an embedded PostgreSQL 18 (or uses ``--dsn``) and migrates it;
 2. starts the reference provider with latency and faults (503, 429 with
-   Retry-After, 422 for a few orders, and receipts recorded but never
+   Retry-After, which pauses the whole fleet, 422 for a few orders, and receipts recorded but never
    answered: timeouts and reset connections);
 3. starts several ``receipts worker`` processes and a ``receipts recover
    --loop`` process, then places orders, each with its receipt job in one
    order transaction;
 4. SIGKILLs a worker in the middle of its deliveries (and starts a
    replacement), and SIGSTOPs another for longer than the lease so that its
-   late acks are refused as stale;
+   late acks are refused as stale; then takes the provider down for a few
+   seconds: the fleet pauses, probes and resumes by itself;
 5. waits until the queue is drained, stops everything with SIGTERM and
    prints a summary checked against the database and the provider.
 
@@ -42,16 +43,8 @@ from receipts.settings import redact_dsn
 from receipts.supervisor import Child, MetricSamples, Supervisor
 
 LEASE_SECONDS = 6.0
+OUTAGE_SECONDS = 4.0  # the provider outage the demo stages after the orders are placed
 DRAIN_TIMEOUT_SECONDS = 240.0
-SUMMARY_METRICS = (
-    "receipts_claims_total", "receipts_jobs_claimed_total", "receipts_acks_total",
-    "receipts_stale_acks_total", "receipts_retries_total", "receipts_failures_total",
-    "receipts_leases_lost_total", "receipts_ready_jobs", "receipts_queue_lag_seconds",
-    "receipts_expired_leases", "receipts_jobs", "receipts_inflight_deliveries",
-    "receipts_pool_connections",
-)
-
-
 @dataclass(slots=True)
 class DemoOptions:
     """Demo knobs: *orders* placed, *workers* processes × *concurrency* slots."""
@@ -71,6 +64,7 @@ class _Run:
     run_id: str
     provider: Child | None = None
     max_lag_seconds: float = 0.0
+    outage: bool = False  # the provider outage step ran
 
 
 def _say(text: str) -> None:
@@ -96,6 +90,10 @@ def _worker_env(run: _Run, port: int) -> dict[str, str]:
         "RECEIPTS_RECOVERY_DELAY_SECONDS": "0.5",
         "RECEIPTS_METRICS_PORT": str(port),
         "RECEIPTS_LOG_LEVEL": "INFO",
+        # Flow control at demo scale: a provider outage pauses the fleet for about
+        # a second, probes, and doubles up to 4 s (the defaults: 5 s up to 5 min).
+        "RECEIPTS_OUTAGE_PAUSE_SECONDS": "1",
+        "RECEIPTS_PAUSE_MAX_SECONDS": "4",
     }
 
 
@@ -212,11 +210,12 @@ def _demo(run: _Run) -> bool:
     port = free_port()
     run.provider = run.sup.start("provider", [
         "provider", "--port", str(port), "--latency-ms", "15", "--jitter-ms", "35",
-        "--error-rate", "0.04", "--rate-limit-rate", "0.02", "--retry-after", "1",
+        "--error-rate", "0.04", "--rate-limit-rate", "0.002", "--retry-after", "1",
         "--reject-rate", "0.005", "--timeout-rate", "0.01", "--reset-rate", "0.01",
         "--hang-seconds", "4", "--seed", str(opts.seed),
     ], port=port, health_path="/stats").wait_healthy(timeout_seconds=15)
-    _say(f"reference provider on :{port} (latency 15–50 ms, 4% 503, 2% 429, "
+    _say(f"reference provider on :{port} (latency 15–50 ms, 4% 503, 0.2% 429 (each pauses "
+         "the whole fleet for its Retry-After), "
          "0.5% of orders rejected 422, 1% hang and 1% reset after recording)")
 
     workers = [_start_worker(run, i) for i in range(opts.workers)]
@@ -242,6 +241,7 @@ def _demo(run: _Run) -> bool:
     _say(f"started replacement worker-{opts.workers}")
     if len(workers) > 2:
         _pause_past_lease(workers[1])
+    _provider_outage(run)
     for t in placers:
         t.join()
     if errors:
@@ -259,7 +259,7 @@ def _demo(run: _Run) -> bool:
     live = [w for w in workers if w.running]
     scraped = [w.scrape() for w in live]
     metrics_port = live[-1].port if live else None
-    excerpt = _metrics_excerpt(live[-1]) if live else ""
+    excerpt = _metrics_excerpt(live, scraped)
     provider_stats = run.provider.get_json("/stats")
     provider_receipts = run.provider.get_json("/receipts", timeout_seconds=10)
     codes = run.sup.stop_all(timeout_seconds=30)
@@ -267,11 +267,56 @@ def _demo(run: _Run) -> bool:
                     metrics_port, excerpt)
 
 
-def _metrics_excerpt(worker: Child) -> str:
-    text = worker.request("GET", "/metrics").raise_for_status().text
-    keep = [ln for ln in text.splitlines()
-            if ln.startswith(SUMMARY_METRICS) and "_created" not in ln]
-    return "\n".join(keep)
+def _provider_outage(run: _Run) -> None:
+    """Take the provider down (503 to everything) for a few seconds, then bring it back.
+
+    While it is down the workers pause the whole fleet instead of spending the
+    queued jobs' attempts, probe it with one job at a time, and resume on
+    their own once a probe is delivered.
+    """
+    assert run.provider is not None
+    if sum(_counts(run).get(s, 0) for s in ("ready", "running")) == 0:
+        _say("queue nearly drained: no provider outage this run")
+        return
+    run.provider.request("PUT", "/faults", json={"status": 503}).raise_for_status()
+    _say(f"provider outage: every request answered 503 for {OUTAGE_SECONDS:g}s")
+    time.sleep(OUTAGE_SECONDS)  # the outage itself
+    run.provider.request("PUT", "/faults", json={"status": None}).raise_for_status()
+    run.outage = True
+    _say("provider back; the fleet resumes after its next probe")
+
+
+#: Per-worker counters in the excerpt: (column, metric); label sets are summed.
+EXCERPT_COUNTERS = (
+    ("claims", "receipts_claims_total"), ("claimed", "receipts_jobs_claimed_total"),
+    ("acks", "receipts_acks_total"), ("retries", "receipts_retries_total"),
+    ("failures", "receipts_failures_total"), ("stale_acks", "receipts_stale_acks_total"),
+    ("leases_lost", "receipts_leases_lost_total"),
+    ("pauses", "receipts_provider_pauses_total"), ("probes", "receipts_provider_probes_total"),
+)
+
+
+def _metrics_excerpt(workers: list[Child], scraped: list[MetricSamples]) -> str:
+    """One line of counters per live worker (labelled), then the queue gauges once.
+
+    The counters are each process's own, so each line is labelled with its
+    worker and a total line sums them; the queue gauges are read from the
+    database by every worker alike, so they are shown once.
+    """
+    lines = []
+    rows = [(w.name, m) for w, m in zip(workers, scraped, strict=True)]
+    for name, m in rows:
+        lines.append(f"    {name:<10}" + "  ".join(
+            f"{col}={int(m.total(metric))}" for col, metric in EXCERPT_COUNTERS))
+    lines.append("    " + "all".ljust(10) + "  ".join(
+        f"{col}={int(sum(m.total(metric) for _, m in rows))}" for col, metric in EXCERPT_COUNTERS))
+    if rows:
+        last = rows[-1][1]
+        lines.append("    queue     " + "  ".join(
+            f"{name}={last.total(name):g}" for name in (
+                "receipts_ready_jobs", "receipts_queue_lag_seconds",
+                "receipts_expired_leases", "receipts_oldest_undelivered_age_seconds")))
+    return "\n".join(lines)
 
 
 def _summary(run: _Run, elapsed: float, scraped: list[MetricSamples],
@@ -319,13 +364,17 @@ def _summary(run: _Run, elapsed: float, scraped: list[MetricSamples],
         f"  stale acks refused             {total('receipts_stale_acks_total')}"
         "  (surviving workers)",
         f"  retries by surviving workers   {total('receipts_retries_total')}",
+        "  provider outage ridden out     "
+        + (f"{total('receipts_provider_pauses_total')} fleet pause(s), "
+           f"{total('receipts_provider_probes_total')} probe(s) (surviving workers)"
+           if run.outage else "no outage this run"),
         f"  throughput                     {delivered / elapsed:.0f} receipts/s over "
         f"{elapsed:.1f}s",
         f"  worst queue lag seen           {run.max_lag_seconds:.2f}s",
         "  worker exit codes              "
         + ", ".join(f"{k}={'SIGKILL' if v == -9 else v}" for k, v in worker_codes.items()),
         f"  metrics endpoint served        http://127.0.0.1:{metrics_port}/metrics"
-        " (excerpt below, scraped before shutdown)",
+        " (one per worker; excerpt below, each line labelled with its worker)",
         "",
         excerpt,
         "",

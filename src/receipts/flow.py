@@ -9,8 +9,8 @@ one statement each.
 
 The rules:
 
-* **Outage.** Over the last ``window_seconds``, take each distinct job's
-  latest outcome. When at least ``min_jobs`` distinct jobs failed with a
+* **Outage.** Over the last ``window_jobs`` distinct jobs answered within
+  ``window_seconds``, take each job's latest outcome. When at least ``min_jobs`` distinct jobs failed with a
   provider failure (5xx, 429, timeout, connection lost, connect error) and
   they are at least ``failure_ratio`` of the distinct jobs answered, the
   provider is in an outage: pause the fleet for ``outage_pause_seconds``.
@@ -21,8 +21,9 @@ The rules:
 * **Retry-After.** A 429 carrying ``Retry-After`` pauses the fleet for that
   long (clamped to ``retry_after_max_seconds``): the provider asked all of
   us, not one job, to wait.
-* **Probe.** When a pause runs out, one pod (the winner of ``begin_probe``)
-  claims one job. If the provider answers it properly (delivered, or a
+* **Probe.** When an outage or auth pause runs out, one pod (the winner of
+  ``begin_probe``) claims one job; a ``Retry-After`` pause simply ends when
+  its time is up (the provider said when). If the provider answers it properly (delivered, or a
   definite 4xx, or 409 in progress), the pause ends; if it fails again, the
   pause doubles (jittered, capped at ``pause_max_seconds``).
 * **Refund.** A provider failure while the pod knows the fleet is paused (or
@@ -56,6 +57,7 @@ class FlowPolicy:
 
     Attributes:
         window_seconds: how far back outage detection looks.
+        window_jobs: how many of the most recent distinct jobs it looks at.
         min_jobs: distinct failed jobs needed before an outage can be declared.
         failure_ratio: share of distinct answered jobs that must have failed (0–1].
         outage_pause_seconds: first pause after an outage is detected.
@@ -65,6 +67,7 @@ class FlowPolicy:
     """
 
     window_seconds: float = 30.0
+    window_jobs: int = 20
     min_jobs: int = 5
     failure_ratio: float = 0.8
     outage_pause_seconds: float = 5.0
@@ -91,7 +94,14 @@ class Decision:
 
 
 class OutageDetector:
-    """Distinct-job outage detection over a sliding time window (see the module doc).
+    """Distinct-job outage detection over a sliding window (see the module doc).
+
+    The window holds each distinct job's latest answer, at most
+    ``policy.window_jobs`` of the most recent jobs and none older than
+    ``policy.window_seconds``: at high throughput the last few dozen jobs
+    decide (an outage is seen within a fraction of a second, not after the
+    successes of the last 30 s have aged out), at low throughput the time
+    bound keeps stale answers from counting. O(1) per answer.
 
     Args:
         policy: the window, minimum sample and ratio.
@@ -102,25 +112,30 @@ class OutageDetector:
         self.policy = policy
         self._clock = clock
         self._latest: OrderedDict[uuid.UUID, tuple[float, bool]] = OrderedDict()
+        self._failures = 0  # failed answers in the window
 
     def observe(self, job_id: uuid.UUID, failed: bool) -> bool:
         """Record *job_id*'s latest answer; True when the window now shows an outage."""
         now: float = self._clock()  # type: ignore[operator]
-        self._latest.pop(job_id, None)
+        previous = self._latest.pop(job_id, None)
+        if previous is not None and previous[1]:
+            self._failures -= 1
         self._latest[job_id] = (now, failed)
+        self._failures += failed
         horizon = now - self.policy.window_seconds
         while self._latest:
             first = next(iter(self._latest.values()))
-            if first[0] >= horizon:
+            if first[0] >= horizon and len(self._latest) <= self.policy.window_jobs:
                 break
-            self._latest.popitem(last=False)
-        failures = sum(1 for _, bad in self._latest.values() if bad)
-        return (failures >= self.policy.min_jobs
-                and failures >= self.policy.failure_ratio * len(self._latest))
+            _, (_, bad) = self._latest.popitem(last=False)
+            self._failures -= bad
+        return (self._failures >= self.policy.min_jobs
+                and self._failures >= self.policy.failure_ratio * len(self._latest))
 
     def reset(self) -> None:
         """Forget the window (after a pause: the next outage is judged afresh)."""
         self._latest.clear()
+        self._failures = 0
 
 
 class ProviderGate:

@@ -280,7 +280,11 @@ class Worker:
             self.admission.refund(limit - len(result.attempts))
         self._observe_flow(result.flow)
         if gate.paused:
-            return min(gate.pause_left(), PAUSE_RECHECK_SECONDS), False
+            left = gate.pause_left()
+            if left > 0:
+                return min(left, PAUSE_RECHECK_SECONDS), False
+            # Another pod's probe is out: look again soon, it may resume the fleet.
+            return self.settings.poll_interval_seconds * random.uniform(0.75, 1.25), False
         if len(result.attempts) >= limit:
             return 0.0, False
         tokens = result.flow.tokens

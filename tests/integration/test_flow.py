@@ -190,3 +190,13 @@ def test_a_pause_survives_a_postgresql_restart(tmp_path):
                                       " FROM receipt_flow") == [("retry_after", True)]
     finally:
         server.cleanup()
+
+
+async def test_a_retry_after_pause_ends_by_itself_without_a_probe(dsn, queue):
+    enqueue_many(dsn, ["order-1"])
+    await queue.extend_pause(PauseReason.RETRY_AFTER, 0.05)
+    assert (await queue.claim(1)).attempts == []
+    await asyncio.sleep(0.1)
+    assert await queue.begin_probe(30) is None  # nothing to probe: the provider said when
+    result = await queue.claim(1)
+    assert len(result.attempts) == 1 and result.flow.pause_reason is None

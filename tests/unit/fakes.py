@@ -80,10 +80,11 @@ class FakeQueue:
         return sum(1 for r in self.rows.values() if r.state is state)
 
     def _flow(self) -> FlowState:
-        if self.pause_reason is None:
+        now = time.monotonic()
+        if self.pause_reason is None or (
+                self.pause_reason is PauseReason.RETRY_AFTER and self.paused_until <= now):
             return FlowState()
-        until = max(self.paused_until, self.probe_until or 0.0)
-        return FlowState(self.pause_reason, until - time.monotonic())
+        return FlowState(self.pause_reason, self.paused_until - now)
 
     async def claim(self, limit: int, *, probe: bool = False) -> ClaimResult:
         if self.fail_claims:
@@ -93,7 +94,7 @@ class FakeQueue:
             await asyncio.sleep(3600)
         now = time.monotonic()
         attempts = []
-        if probe or self.pause_reason is None:
+        if probe or not self._flow().paused:
             due = sorted((r for r in self.rows.values()
                           if r.state is JobState.READY and r.run_at <= now
                           and r.attempts < self.max_attempts), key=lambda r: r.run_at)
@@ -163,7 +164,8 @@ class FakeQueue:
 
     async def begin_probe(self, guard_seconds: float) -> tuple[datetime, FlowState] | None:
         now = time.monotonic()
-        if self.pause_reason is None or self.paused_until > now:
+        if self.pause_reason not in (PauseReason.OUTAGE, PauseReason.AUTH) or (
+                self.paused_until > now):
             return None
         if self.probe_until is not None and self.probe_until > now:
             return None

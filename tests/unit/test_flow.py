@@ -142,3 +142,11 @@ def test_the_local_view_follows_the_fleet_state():
     assert g.paused and g.pause_left() == 0  # a probe is due
     g.observe_flow(FlowState())
     assert not g.paused
+
+
+def test_a_busy_fleet_sees_an_outage_at_once_despite_earlier_successes():
+    detector = OutageDetector(POLICY, Clock())
+    for _ in range(500):  # a second of healthy traffic
+        detector.observe(uuid.uuid4(), failed=False)
+    detections = [detector.observe(uuid.uuid4(), failed=True) for _ in range(20)]
+    assert detections.index(True) < 20  # within the last 20 distinct jobs, not 30 s later

@@ -76,9 +76,11 @@ FROM new, (SELECT count(*) FROM wake) AS woken;
 -- Every row returned carries the flow state; with no job claimed one row
 -- comes back whose job columns are NULL.
 WITH flow AS (
-  SELECT pause_reason,
-         extract(epoch FROM greatest(paused_until, probe_until)
-                            - statement_timestamp())::float8 AS pause_left
+  -- A Retry-After pause ends by itself when its time is up (the provider said
+  -- when); an outage or auth pause ends only when a probe is answered.
+  SELECT CASE WHEN pause_reason = 'retry_after' AND paused_until <= statement_timestamp()
+              THEN NULL ELSE pause_reason END AS pause_reason,
+         extract(epoch FROM paused_until - statement_timestamp())::float8 AS pause_left
   FROM receipt_flow WHERE id = 1
 ), candidate AS (
   SELECT id
@@ -111,9 +113,9 @@ FROM flow AS f LEFT JOIN claimed AS c ON true;
 -- token for an unclaimed job, never a job without a token. At most
 -- floor(tokens) of the locked candidates are claimed; the others stay ready.
 WITH flow AS MATERIALIZED (
-  SELECT pause_reason,
-         extract(epoch FROM greatest(paused_until, probe_until)
-                            - statement_timestamp())::float8 AS pause_left,
+  SELECT CASE WHEN pause_reason = 'retry_after' AND paused_until <= statement_timestamp()
+              THEN NULL ELSE pause_reason END AS pause_reason,
+         extract(epoch FROM paused_until - statement_timestamp())::float8 AS pause_left,
          least(%(burst)s::float8, tokens + %(rate)s::float8
                * extract(epoch FROM statement_timestamp() - tokens_at)::float8) AS tokens
   FROM receipt_flow WHERE id = 1
@@ -235,14 +237,14 @@ RETURNING pause_reason, extract(epoch FROM paused_until - statement_timestamp())
           pause_seconds;
 
 -- name: begin_probe
--- The pause has run out: exactly one pod wins the right to claim one probe
--- job (the row lock serialises contenders, and a loser re-checks the WHERE
+-- An outage or auth pause has run out: exactly one pod wins the right to
+-- claim one probe job (the row lock serialises contenders, and a loser re-checks the WHERE
 -- against the winner's probe_until). If the winner dies, another pod may
 -- probe once %(guard_seconds)s have passed.
 UPDATE receipt_flow
 SET probe_until = statement_timestamp() + make_interval(secs => %(guard_seconds)s)
 WHERE id = 1
-  AND pause_reason IS NOT NULL
+  AND pause_reason IN ('outage', 'auth')
   AND paused_until <= statement_timestamp()
   AND (probe_until IS NULL OR probe_until <= statement_timestamp())
 RETURNING pause_reason, probe_until, pause_seconds;
