@@ -204,7 +204,17 @@ def test_the_demo_runs_end_to_end_and_loses_nothing(server):
     assert figure("done without a receipt") == 0
     assert figure("receipts delivered (done)") + figure("failed") == 400
     assert figure("receipts at provider (unique)") >= figure("receipts delivered (done)")
-    assert "receipts_jobs_claimed_total" in out
+    # The metrics excerpt: one labelled line of counters per live worker, and their sum.
+    per_worker = [ln.split() for ln in out.splitlines() if ln.strip().startswith("worker-")
+                  and "claimed=" in ln]
+    total = next(ln.split() for ln in out.splitlines() if ln.strip().startswith("all ")
+                 and "claimed=" in ln)
+    assert per_worker and all(cols[0].startswith("worker-") for cols in per_worker)
+
+    def count(cols: list[str], name: str) -> int:
+        return int(next(c for c in cols if c.startswith(name + "=")).split("=")[1])
+
+    assert count(total, "acks") == sum(count(cols, "acks") for cols in per_worker)
 
 
 @pytest.mark.parametrize(

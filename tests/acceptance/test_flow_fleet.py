@@ -29,6 +29,15 @@ def until(predicate: Callable[[], bool], what: str, timeout_seconds: float) -> N
 
 
 @pytest.fixture
+def dsn(pg18) -> Iterator[str]:
+    """A fresh migrated database on PostgreSQL 18 only: these runs take minutes each, and
+    what they prove (flow control across processes) does not depend on the server version."""
+    database = pg18.new_database()
+    yield database
+    pg18.drop_database(database)
+
+
+@pytest.fixture
 def sup(tmp_path) -> Iterator[Supervisor]:
     with Supervisor(tmp_path) as supervisor:
         yield supervisor

@@ -62,8 +62,10 @@ class FaultInjector:
         for c in range(cycles):
             lo = c * span + (1.0 if c == 0 else 0.0)
             for kind in FAULT_KINDS:
-                # The stall needs jobs still flowing to the proxied worker: early in the cycle.
-                hi = lo + 0.4 * span if kind == "db_stall" else (c + 1) * span - 0.5
+                # The proxy's faults need jobs still flowing to the proxied worker: early
+                # in the cycle.
+                early = kind in ("db_stall", "claim_cut", "write_cut")
+                hi = lo + 0.4 * span if early else (c + 1) * span - 0.5
                 events.append((self.rng.uniform(lo, max(lo + 0.1, hi)), kind))
         return sorted(events)
 

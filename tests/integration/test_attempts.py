@@ -128,7 +128,7 @@ async def test_discard_moves_ready_and_failed_jobs_and_keeps_the_order_deduplica
     assert rows == [("discarded", True, True)] * 2
     # The row stays: enqueueing the same order again is still a no-op.
     with psycopg.connect(dsn) as conn:
-        assert enqueue(conn, "d-failed") is False
+        assert enqueue(conn, "d-failed") is None
     # Never a running job, and all or nothing: nothing changes when one does not qualify.
     assert await queue.discard_jobs([running_id], expected=1) == []
     before = fetch_rows(dsn, "SELECT * FROM receipt_jobs ORDER BY id")
