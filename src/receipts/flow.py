@@ -102,25 +102,33 @@ class OutageDetector:
         self.policy = policy
         self._clock = clock
         self._latest: OrderedDict[uuid.UUID, tuple[float, bool]] = OrderedDict()
+        self._failures = 0  # failed entries of _latest, kept as it changes (O(1) per answer)
 
     def observe(self, job_id: uuid.UUID, failed: bool) -> bool:
         """Record *job_id*'s latest answer; True when the window now shows an outage."""
         now: float = self._clock()  # type: ignore[operator]
-        self._latest.pop(job_id, None)
-        self._latest[job_id] = (now, failed)
+        latest = self._latest
+        previous = latest.pop(job_id, None)
+        if previous is not None and previous[1]:
+            self._failures -= 1
+        latest[job_id] = (now, failed)
+        if failed:
+            self._failures += 1
         horizon = now - self.policy.window_seconds
-        while self._latest:
-            first = next(iter(self._latest.values()))
+        while latest:
+            first = next(iter(latest.values()))
             if first[0] >= horizon:
                 break
-            self._latest.popitem(last=False)
-        failures = sum(1 for _, bad in self._latest.values() if bad)
+            if latest.popitem(last=False)[1][1]:
+                self._failures -= 1
+        failures = self._failures
         return (failures >= self.policy.min_jobs
-                and failures >= self.policy.failure_ratio * len(self._latest))
+                and failures >= self.policy.failure_ratio * len(latest))
 
     def reset(self) -> None:
         """Forget the window (after a pause: the next outage is judged afresh)."""
         self._latest.clear()
+        self._failures = 0
 
 
 class ProviderGate:
