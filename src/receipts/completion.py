@@ -103,6 +103,7 @@ class Completer:
         self.healthy = True
         #: ``time.monotonic()`` when the statement in flight started (None: idle).
         self.busy_since: float | None = None
+        self._acked = 0  # acks accounted since receipts_acks_total was last increased
 
     def start(self) -> None:
         """Start the flusher task (idempotent)."""
@@ -161,6 +162,14 @@ class Completer:
 
     async def _flush(self, lane: _Lane[T, R], batch: list[_Pending[T, R]]) -> None:
         """Write *batch*, retrying while its leases may still hold; settle every item."""
+        try:
+            await self._write_batch(lane, batch)
+        finally:
+            if self._acked:
+                self.metrics.acks.inc(self._acked)  # once per batch, not per job
+                self._acked = 0
+
+    async def _write_batch(self, lane: _Lane[T, R], batch: list[_Pending[T, R]]) -> None:
         backoff = BACKOFF_FIRST_SECONDS
         uncertain = False  # did a failed try perhaps commit?
         while batch:
@@ -252,7 +261,7 @@ class Completer:
         item, job = pending.item, pending.attempt.job
         if isinstance(item, Attempt):
             if result:
-                self.metrics.acks.inc()
+                self._acked += 1
                 if item.enqueued_age_seconds is not None:
                     age = item.enqueued_age_seconds + time.monotonic() - item.claimed_at
                     self.metrics.time_to_receipt.observe(age)

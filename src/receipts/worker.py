@@ -128,6 +128,11 @@ class Worker:
         #: (tests assert it never exceeds 0).
         self.max_overclaim = 0
         metrics.slots.set(settings.concurrency)
+        # Read when scraped: nothing to update per delivery.
+        metrics.inflight.set_function(lambda: len(self._inflight))
+        #: receipts_delivery_duration_seconds by outcome, labelled once (labels() locks).
+        self._delivery_seconds = {reason: metrics.delivery_duration.labels(reason)
+                                  for reason in Reason}
 
     # ------------------------------------------------------------ state
 
@@ -300,7 +305,6 @@ class Worker:
             task = asyncio.create_task(self._deliver(attempt))
             self._inflight.add(task)
             task.add_done_callback(self._delivery_done)
-        self.metrics.inflight.set(len(self._inflight))
         return result
 
     def _observe_flow(self, flow: FlowState) -> None:
@@ -317,7 +321,6 @@ class Worker:
 
     def _delivery_done(self, task: asyncio.Task[None]) -> None:
         self._inflight.discard(task)
-        self.metrics.inflight.set(len(self._inflight))
         self._slot_freed.set()
         if not task.cancelled() and task.exception() is not None:
             log.error("delivery_crashed", exc_info=task.exception())
@@ -347,7 +350,10 @@ class Worker:
             log.exception("delivery_error", extra=job_fields(job, Reason.INTERNAL_ERROR))
             detail = f"internal error: {exc!r}"[:200]
             outcome = Outcome(Verdict.RETRY, Reason.INTERNAL_ERROR, detail=detail)
-        self.metrics.delivery_duration.labels(outcome.reason).observe(time.perf_counter() - start)
+        histogram = self._delivery_seconds.get(outcome.reason)
+        if histogram is None:  # a reason outside the enum (a deliverer's own string)
+            histogram = self.metrics.delivery_duration.labels(outcome.reason)
+        histogram.observe(time.perf_counter() - start)
         decision = self.gate.judge(job.id, outcome)
         if decision.probe or decision.pause is not None:
             await self._act_on_flow(attempt, outcome, decision.pause, decision.resume,
