@@ -33,11 +33,14 @@ def pgbench_script(batch: int) -> str:
     claim = statements()["claim"].format(limit=batch)
     claim = claim.replace("%(max_attempts)s", str(MAX_ATTEMPTS))
     claim = claim.replace("%(lease_seconds)s", str(LEASE_SECONDS))
-    head, sep, update = claim.partition("\nUPDATE receipt_jobs AS j")
-    if not sep:
+    claim = claim.replace("%(probe)s", "false")  # no fleet pause in a benchmark
+    # Keep every CTE (the flow check, candidate, claimed); replace only the final
+    # SELECT by one that hands the ids and tokens to the ack through \gset.
+    head, sep, _ = claim.rpartition("\nSELECT c.id")
+    if not sep or "claimed AS (" not in head:
         raise RuntimeError("the claim statement no longer has the expected shape")
     claim_sql = (
-        f"{head},\nclaimed AS (\nUPDATE receipt_jobs AS j{update}\n)\n"
+        f"{head}\n"
         "SELECT coalesce(array_agg(id), '{}') AS ids,"
         " coalesce(array_agg(lease_token), '{}') AS tokens FROM claimed \\gset"
     )
