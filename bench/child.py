@@ -133,6 +133,10 @@ def run_receipts(args: argparse.Namespace) -> None:
         deliverer = RecordingHttp(make_deliverer(settings), record) if record is not None else None
     else:
         deliverer = NoopDeliverer(record)
+    if args.uvloop:
+        import uvloop  # the bench extra
+
+        uvloop.install()
     _wait_for_go()
     _start_profiler(args.profile, args.profile_seconds)
     asyncio.run(run_worker(settings, deliverer))
@@ -230,6 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--app-name", default="receipts")
     p.add_argument("--no-admission", action="store_true",
                    help="receipts: admission control off (capacity drains)")
+    p.add_argument("--uvloop", action="store_true", help="receipts: run on uvloop")
     p.add_argument("--profile", help="receipts: py-spy raw profile to this file")
     p.add_argument("--profile-seconds", type=float, default=6.0)
     args = p.parse_args(argv)

@@ -81,13 +81,14 @@ def _drain(dsn: str, argvs: list[list[str]], jobs: int,
 
 def receipts_drain(bench: Bench, *, jobs: int, processes: int = 1, concurrency: int = 200,
                    batch: int = 100, provider_latency_ms: float | None = None,
-                   listen: bool = True, admission: bool = True,
+                   listen: bool = True, admission: bool = True, uvloop: bool = False,
                    profile: str | None = None, profile_seconds: float = 6.0) -> dict[str, Any]:
     """receipts worker processes draining *jobs* pre-enqueued jobs.
 
     No-op in-process deliverer, or the reference HTTP provider at
     *provider_latency_ms* when given. *admission* False turns admission control
     off (capacity figures: what a worker can do, not what it allows itself).
+    *uvloop* runs the workers on uvloop instead of asyncio's own loop.
     *profile*: a py-spy raw profile of the (first) worker to this file.
     """
     provider = Provider(provider_latency_ms) if provider_latency_ms is not None else None
@@ -97,7 +98,8 @@ def receipts_drain(bench: Bench, *, jobs: int, processes: int = 1, concurrency: 
             settle(dsn, "receipt_jobs")
             argv = _receipts_argv(dsn, concurrency=concurrency, batch=batch,
                                   provider_url=provider.url if provider else None,
-                                  no_listen=not listen, no_admission=not admission)
+                                  no_listen=not listen, no_admission=not admission,
+                                  uvloop=uvloop)
             argvs = [argv] * processes
             if profile:
                 argvs[0] = [*argv, "--profile", profile, "--profile-seconds",
@@ -110,7 +112,8 @@ def receipts_drain(bench: Bench, *, jobs: int, processes: int = 1, concurrency: 
         if provider:
             provider.stop()
     result.update(processes=processes, concurrency=concurrency, batch=batch,
-                  provider_latency_ms=provider_latency_ms, admission_control=admission)
+                  provider_latency_ms=provider_latency_ms, admission_control=admission,
+                  uvloop=uvloop)
     return result
 
 

@@ -320,7 +320,10 @@ class Http11Transport(httpx.AsyncBaseTransport):
         if max_connections < 1:
             raise ValueError("max_connections must be at least 1")
         self._tls = tls
-        self._slots = asyncio.Semaphore(max_connections)
+        # Free exchange slots, and the exchanges waiting for one (first come, first
+        # served). Not asyncio.Semaphore: its locked() builds a generator per call.
+        self._free = max_connections
+        self._waiters: deque[asyncio.Future[None]] = deque()
         self._max_idle = max_connections
         self._keepalive = keepalive_seconds
         self._connect_timeout = connect_timeout_seconds
@@ -367,19 +370,37 @@ class Http11Transport(httpx.AsyncBaseTransport):
         except BaseException:
             if conn is not None:
                 conn.close()
-            self._slots.release()
+            self._release_slot()
             raise
         return response
 
     async def _acquire(self, timeout_seconds: float | None) -> None:
-        if not self._slots.locked():
-            await self._slots.acquire()
+        """Take an exchange slot, waiting at most *timeout_seconds* (``httpx.PoolTimeout``)."""
+        if self._free > 0:
+            self._free -= 1
             return
+        waiter = asyncio.get_running_loop().create_future()
+        self._waiters.append(waiter)
         try:
             async with asyncio.timeout(timeout_seconds):
-                await self._slots.acquire()
-        except TimeoutError:
-            raise httpx.PoolTimeout("no connection slot within the pool timeout") from None
+                await waiter
+        except BaseException as exc:
+            if waiter.done() and not waiter.cancelled():
+                self._release_slot()  # handed over just as we gave up: pass it on
+            else:
+                waiter.cancel()
+            if isinstance(exc, TimeoutError):
+                raise httpx.PoolTimeout("no connection slot within the pool timeout") from None
+            raise
+
+    def _release_slot(self) -> None:
+        """Hand a slot to the first live waiter, or put it back."""
+        while self._waiters:
+            waiter = self._waiters.popleft()
+            if not waiter.done():
+                waiter.set_result(None)
+                return
+        self._free += 1
 
     def _reuse(self, key: tuple[bytes, bytes, int]) -> _Connection | None:
         idle = self._idle.get(key)
@@ -475,7 +496,7 @@ class Http11Transport(httpx.AsyncBaseTransport):
         )
 
     def _release(self, key: tuple[bytes, bytes, int], conn: _Connection, reuse: bool) -> None:
-        self._slots.release()
+        self._release_slot()
         if reuse and not self._closed:
             idle = self._idle.setdefault(key, deque())
             if len(idle) < self._max_idle:

@@ -237,6 +237,24 @@ async def test_no_free_slot_within_the_pool_timeout_is_a_pool_timeout(raw):
         await transport.aclose()
 
 
+async def test_a_cancelled_wait_for_a_slot_does_not_lose_the_slot(raw):
+    raw.answer = send(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+    transport = Http11Transport(max_connections=1)
+    try:
+        held = await transport.handle_async_request(
+            httpx.Request("POST", raw.url, stream=httpx.ByteStream(b"")))
+        first = asyncio.create_task(exchange(transport, raw.url))
+        second = asyncio.create_task(exchange(transport, raw.url))
+        await asyncio.sleep(0.05)
+        first.cancel()
+        await held.aclose()  # the slot goes to the next live waiter
+        assert (await asyncio.wait_for(second, 5))[0] == 200
+        assert first.cancelled()
+        assert (await asyncio.wait_for(exchange(transport, raw.url), 5))[0] == 200
+    finally:
+        await transport.aclose()
+
+
 async def test_an_idle_connection_the_server_closed_is_not_reused(raw, transport):
     raw.answer = send(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n", close=True)
     await exchange(transport, raw.url)  # keep-alive by its headers, but closed by the server
