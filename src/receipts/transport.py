@@ -310,12 +310,14 @@ class Http11Transport(httpx.AsyncBaseTransport):
         tls: the TLS client context for ``https`` URLs (see
             :func:`receipts.delivery.tls_context`); None refuses ``https``.
         max_connections: most exchanges at once (≥ 1), and so most open connections.
-        keepalive_seconds: an idle connection older than this is closed, not reused.
+        keepalive_seconds: an idle connection older than this is closed, not reused
+            (below the 5 s idle timeout common in servers such as Node's, so a
+            connection is not reused just as the server closes it).
         connect_timeout_seconds: used when a request carries no ``connect`` timeout.
     """
 
     def __init__(self, *, tls: ssl.SSLContext | None = None, max_connections: int = 100,
-                 keepalive_seconds: float = 5.0,
+                 keepalive_seconds: float = 4.0,
                  connect_timeout_seconds: float | None = 5.0) -> None:
         if max_connections < 1:
             raise ValueError("max_connections must be at least 1")
