@@ -41,6 +41,26 @@ SCENARIOS: dict[str, dict[str, Any]] = {
 _FILE = re.compile(r"\((?P<file>[^()]+):\d+\)$")
 
 
+#: Areas of the worker, by the file a sample's innermost frame is in (first match).
+AREAS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("database: psycopg, pool, queue statements",
+     ("psycopg/", "psycopg_pool/", "receipts/jobqueue.py", "receipts/db.py")),
+    ("HTTP: transport, delivery, httpx models, JSON",
+     ("receipts/transport.py", "receipts/delivery.py", "httpx/", "json/")),
+    ("event loop, sockets, timers: asyncio, selectors", ("asyncio/", "selectors.py")),
+    ("worker: loop, completer, flow gate, metrics",
+     ("receipts/worker.py", "receipts/completion.py", "receipts/flow.py",
+      "receipts/admission.py", "receipts/metrics.py", "prometheus_client/", "receipts/model.py")),
+)
+
+
+def _area_of(file: str) -> str:
+    for name, prefixes in AREAS:
+        if file.startswith(prefixes):
+            return name
+    return "other"
+
+
 def _file_of(frame: str) -> str:
     """``'f (httpx/_models.py:12)'`` → ``'httpx/_models.py'``."""
     match = _FILE.search(frame)
@@ -66,7 +86,11 @@ def summarize(raw: str, *, self_rows: int = 30, inclusive_rows: int = 60,
         for frame in set(frames):
             inclusive[frame] += n
     out = [f"samples {total}"]
-    for title, counter, rows in (("self, by file", files, file_rows),
+    areas: collections.Counter[str] = collections.Counter()
+    for file, n in files.items():
+        areas[_area_of(file)] += n
+    for title, counter, rows in (("self, by area", areas, len(AREAS) + 1),
+                                 ("self, by file", files, file_rows),
                                  ("self, by function", own, self_rows),
                                  ("inclusive", inclusive, inclusive_rows)):
         out.append(f"== {title}")
