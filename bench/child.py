@@ -8,7 +8,12 @@ then writes what it recorded (``--record FILE``: order id → wall-clock time
 a delivery started, ``time.time()``) as JSON.
 
 The deliverers and handlers are no-ops: they return at once (no HTTP), so
-what is measured is the queue machinery of each system.
+what is measured is the queue machinery of each system; a receipts worker
+given ``--provider-url`` delivers over HTTP with the real deliverer.
+
+``--profile FILE`` (receipts only) samples the worker with py-spy (the bench
+extra) from "go" for ``--profile-seconds``, in py-spy's raw (collapsed stack)
+format; ``python -m bench.profile`` turns it into a table.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ import time
 from typing import Any
 
 _CPU_AT_GO = [0.0]
+_PROFILER: list[Any] = []
 
 
 def _cpu() -> float:
@@ -37,7 +43,24 @@ def _wait_for_go() -> None:
     _CPU_AT_GO[0] = _cpu()
 
 
+def _start_profiler(path: str | None, seconds: float) -> None:
+    """py-spy on this process (non-blocking sampling, 200 Hz) for *seconds*."""
+    if not path:
+        return
+    import os
+    import shutil
+    import subprocess
+
+    exe = shutil.which("py-spy") or os.path.join(os.path.dirname(sys.executable), "py-spy")
+    _PROFILER.append(subprocess.Popen(
+        [exe, "record", "--pid", str(os.getpid()), "--rate", "200", "--nonblocking",
+         "--duration", str(max(1, round(seconds))), "--format", "raw", "--output", path],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL))
+
+
 def _write(path: str | None, record: dict[str, float]) -> None:
+    for profiler in _PROFILER:
+        profiler.wait(60)  # it writes its file when its duration is over
     if path:
         with open(path, "w") as fh:
             json.dump(record, fh)
@@ -99,20 +122,23 @@ def run_receipts(args: argparse.Namespace) -> None:
         pool_max_size=args.pool,
         application_name=args.app_name,
         shutdown_grace_seconds=10.0,
+        admission_control=not args.no_admission,
     )
     record: dict[str, float] | None = {} if args.record else None
     deliverer: Any
     if args.provider_url:
-        from receipts.delivery import HttpDeliverer
+        from receipts.runtime import make_deliverer
 
-        deliverer = HttpDeliverer(settings.provider_url,
-                                  timeout_seconds=settings.delivery_timeout_seconds,
-                                  max_connections=settings.concurrency)
-        if record is not None:
-            deliverer = RecordingHttp(deliverer, record)
+        # What `receipts worker` builds (None: run_worker builds it the same way).
+        deliverer = RecordingHttp(make_deliverer(settings), record) if record is not None else None
     else:
         deliverer = NoopDeliverer(record)
+    if args.uvloop:
+        import uvloop  # the bench extra
+
+        uvloop.install()
     _wait_for_go()
+    _start_profiler(args.profile, args.profile_seconds)
     asyncio.run(run_worker(settings, deliverer))
     _write(args.record, record or {})
 
@@ -206,6 +232,11 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--drain", action="store_true")
     p.add_argument("--delete-jobs", action="store_true")
     p.add_argument("--app-name", default="receipts")
+    p.add_argument("--no-admission", action="store_true",
+                   help="receipts: admission control off (capacity drains)")
+    p.add_argument("--uvloop", action="store_true", help="receipts: run on uvloop")
+    p.add_argument("--profile", help="receipts: py-spy raw profile to this file")
+    p.add_argument("--profile-seconds", type=float, default=6.0)
     args = p.parse_args(argv)
     {"receipts": run_receipts, "pgqueuer": run_pgqueuer,
      "procrastinate": run_procrastinate}[args.kind](args)

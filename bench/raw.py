@@ -33,11 +33,11 @@ def pgbench_script(batch: int) -> str:
     claim = statements()["claim"].format(limit=batch)
     claim = claim.replace("%(max_attempts)s", str(MAX_ATTEMPTS))
     claim = claim.replace("%(lease_seconds)s", str(LEASE_SECONDS))
-    claim = claim.replace("%(probe)s", "false")
-    # The claim ends with a SELECT of the claimed rows joined to the flow state;
-    # pgbench needs them aggregated into two arrays it can \gset.
-    head, sep, _select = claim.rpartition("\nSELECT c.id, c.order_id")
-    if not sep:
+    claim = claim.replace("%(probe)s", "false")  # no fleet pause in a benchmark
+    # Keep every CTE (the flow check, candidate, claimed); replace only the final
+    # SELECT by one that hands the ids and tokens to the ack through \gset.
+    head, sep, _ = claim.rpartition("\nSELECT c.id")
+    if not sep or "claimed AS (" not in head:
         raise RuntimeError("the claim statement no longer has the expected shape")
     claim_sql = (
         f"{head}\n"

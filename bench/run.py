@@ -84,9 +84,12 @@ def run_round(bench: Bench, plan: Plan, results: dict[str, list[Any]], only: set
             record(f"raw:{batch}:{clients}", raw.run_pgbench, bench, batch=batch,
                    clients=clients, seconds=plan.pgbench_seconds,
                    fill=_fill_for(batch, plan.pgbench_seconds))
+    # Capacity drains run with admission control off: they measure what a
+    # worker can do; "admission" shows what the default allows.
     for n in plan.receipts_processes:
         record(f"receipts:noop:{n}", scenarios.receipts_drain, bench, jobs=plan.jobs,
-               processes=n, concurrency=plan.receipts_concurrency, batch=100)
+               processes=n, concurrency=plan.receipts_concurrency, batch=100,
+               admission=False)
     if plan.peers.get("pgqueuer"):
         # PgQueuer's own benchmark (tools/benchmark.py): asyncpg, uvloop, 5
         # consumers of batch 10; and the same with batch 100 (receipts' batch).
@@ -97,9 +100,12 @@ def run_round(bench: Bench, plan: Plan, results: dict[str, list[Any]], only: set
         record("procrastinate", scenarios.peer_drain, bench, "procrastinate", jobs=plan.jobs,
                concurrency=10, drain=True, delete_jobs=True)
     record("receipts:http0", scenarios.receipts_drain, bench, jobs=plan.http_jobs,
-           processes=1, concurrency=100, batch=100, provider_latency_ms=0)
+           processes=1, concurrency=100, batch=100, provider_latency_ms=0, admission=False)
     record("connections", scenarios.receipts_drain, bench, jobs=plan.slow_http_jobs,
-           processes=1, concurrency=400, batch=100, provider_latency_ms=200)
+           processes=1, concurrency=400, batch=100, provider_latency_ms=200, admission=False)
+    record("admission", scenarios.receipts_drain, bench,
+           jobs=max(plan.slow_http_jobs // 4, 200), processes=1, concurrency=400, batch=100,
+           provider_latency_ms=200, admission=True)
     for listen in (True, False):
         record(f"pickup:receipts:{'listen' if listen else 'poll'}", scenarios.receipts_pickup,
                bench, jobs=plan.pickup_jobs, rate=plan.pickup_rate, listen=listen)
@@ -159,7 +165,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, help="jobs per drain (default 100,000)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one round (CI)")
     p.add_argument("--only", default="", help="comma-separated scenario keys (raw, receipts, "
-                   "pgqueuer, procrastinate, connections, pickup, claim, checkout)")
+                   "pgqueuer, procrastinate, connections, admission, pickup, claim, checkout)")
     p.add_argument("--out", type=Path, default=None,
                    help="JSON output (default bench/results/latest.json; --smoke: none)")
     args = p.parse_args(argv)

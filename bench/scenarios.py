@@ -91,11 +91,15 @@ def _drain(dsn: str, argvs: list[list[str]], jobs: int,
 
 def receipts_drain(bench: Bench, *, jobs: int, processes: int = 1, concurrency: int = 200,
                    batch: int = 100, provider_latency_ms: float | None = None,
-                   listen: bool = True) -> dict[str, Any]:
+                   listen: bool = True, admission: bool = True, uvloop: bool = False,
+                   profile: str | None = None, profile_seconds: float = 6.0) -> dict[str, Any]:
     """receipts worker processes draining *jobs* pre-enqueued jobs.
 
     No-op in-process deliverer, or the reference HTTP provider at
-    *provider_latency_ms* when given.
+    *provider_latency_ms* when given. *admission* False turns admission control
+    off (capacity figures: what a worker can do, not what it allows itself).
+    *uvloop* runs the workers on uvloop instead of asyncio's own loop.
+    *profile*: a py-spy raw profile of the (first) worker to this file.
     """
     provider = Provider(provider_latency_ms) if provider_latency_ms is not None else None
     try:
@@ -104,16 +108,22 @@ def receipts_drain(bench: Bench, *, jobs: int, processes: int = 1, concurrency: 
             settle(dsn, "receipt_jobs")
             argv = _receipts_argv(dsn, concurrency=concurrency, batch=batch,
                                   provider_url=provider.url if provider else None,
-                                  no_listen=not listen)
-            result = _drain(dsn, [argv] * processes, jobs, remaining_jobs,
-                            timeout_seconds=max(120.0, jobs / 200.0))
+                                  no_listen=not listen, no_admission=not admission,
+                                  uvloop=uvloop)
+            argvs = [argv] * processes
+            if profile:
+                argvs[0] = [*argv, "--profile", profile, "--profile-seconds",
+                            str(profile_seconds)]
+            result = _drain(dsn, argvs, jobs, remaining_jobs,
+                            timeout_seconds=max(120.0, jobs / 100.0))
             stale = execute(dsn, "SELECT count(*) FROM receipt_jobs WHERE state <> 'done'")
             result["not_done"] = int(stale[0][0])
     finally:
         if provider:
             provider.stop()
     result.update(processes=processes, concurrency=concurrency, batch=batch,
-                  provider_latency_ms=provider_latency_ms)
+                  provider_latency_ms=provider_latency_ms, admission_control=admission,
+                  uvloop=uvloop)
     return result
 
 
@@ -262,10 +272,10 @@ async def _claim_latencies(dsn: str, claims: int, batch: int) -> list[float]:
         out = []
         for _ in range(claims):
             t = time.perf_counter()
-            jobs = [a.job for a in (await queue.claim(batch)).attempts]
+            claimed = await queue.claim(batch)
             out.append((time.perf_counter() - t) * 1000)
-            if jobs:
-                await queue.ack([(j.id, j.token) for j in jobs])
+            if claimed.attempts:
+                await queue.ack([(a.job.id, a.job.token) for a in claimed.attempts])
         return out
     finally:
         await pool.close()

@@ -108,6 +108,7 @@ class Completer:
         self.healthy = True
         #: ``time.monotonic()`` when the statement in flight started (None: idle).
         self.busy_since: float | None = None
+        self._acked = 0  # acks accounted since receipts_acks_total was last increased
 
     def start(self) -> None:
         """Start the flusher task (idempotent)."""
@@ -192,6 +193,14 @@ class Completer:
 
     async def _flush(self, lane: _Lane[T, R], batch: list[_Pending[T, R]]) -> None:
         """Write *batch*, retrying while its leases may still hold; settle every item."""
+        try:
+            await self._write_batch(lane, batch)
+        finally:
+            if self._acked:
+                self.metrics.acks.inc(self._acked)  # once per batch, not per job
+                self._acked = 0
+
+    async def _write_batch(self, lane: _Lane[T, R], batch: list[_Pending[T, R]]) -> None:
         backoff = BACKOFF_FIRST_SECONDS
         uncertain = False  # did a failed try perhaps commit?
         while batch:
@@ -289,7 +298,7 @@ class Completer:
         item, job = pending.item, pending.attempt.job
         if isinstance(item, Attempt):
             if result:
-                self.metrics.acks.inc()
+                self._acked += 1
                 if log.isEnabledFor(logging.DEBUG):  # skip building the fields at INFO
                     log.debug("delivered", extra=job_fields(job, Reason.DELIVERED))
                 if item.enqueued_age_seconds is not None:

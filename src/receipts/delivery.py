@@ -28,11 +28,10 @@ are read, so a slow-drip or 50 MB answer cannot hold a slot or memory.
 from __future__ import annotations
 
 import asyncio
-import collections
-import itertools
+import base64
 import json
 import ssl
-from typing import Protocol
+from typing import Protocol, cast
 
 import certifi
 import httpx
@@ -40,13 +39,11 @@ import httpx
 from receipts import tracing
 from receipts.model import Job, Outcome, Reason, Verdict
 from receipts.retry import parse_retry_after
+from receipts.transport import Http11Transport
 
 MAX_BODY_BYTES = 64 * 1024
-#: Connections per httpx client. httpcore walks every connection of its pool on
-#: each request, so one pool of 400 keep-alive connections cost ~9 ms of CPU per
-#: delivery; pools of 4 cost ~0.6 ms (bench/). The deliverer keeps
-#: ``ceil(max_connections / 4)`` clients and hands each delivery a free one.
-CONNECTIONS_PER_CLIENT = 4
+#: Most time spent connecting (TCP and TLS), seconds (never more than the deadline).
+CONNECT_SECONDS = 5.0
 #: Most time spent reading a 2xx body, seconds: it is read only so that its
 #: connection goes back to the pool (closing an unread response closes it).
 SUCCESS_BODY_SECONDS = 0.5
@@ -118,15 +115,33 @@ def tls_context(ca_file: str | None = None, cert_file: str | None = None,
 
 
 class HttpDeliverer:
-    """Deliver receipts with one shared ``httpx.AsyncClient``.
+    """Deliver receipts over HTTP: httpx requests and responses on a fast transport.
+
+    Each delivery builds one ``httpx.Request`` and hands it to the transport
+    (by default :class:`~receipts.transport.Http11Transport`, whose module doc
+    says what it supports and how it fails); the answer is an
+    ``httpx.Response`` and failures are httpx's exceptions, classified by the
+    table of this module. ``httpx.AsyncClient`` is not used: its per-request
+    machinery (auth flow, redirects, cookies, event hooks) cost more CPU than
+    the whole exchange (bench/README.md) and does nothing this contract wants
+    (redirects are never followed, cookies never kept, proxies never read).
+
+    The request: ``POST`` to *url* with ``Host``, ``User-Agent``, ``Accept:
+    */*``, ``Content-Type: application/json``, ``Authorization`` (``Bearer``
+    *token*; without a token, ``Basic`` from the URL's userinfo, as httpx
+    did), ``Idempotency-Key`` (UTF-8 bytes), ``X-Receipts-Attempt`` and
+    ``Content-Length``; no ``Accept-Encoding``, so answers arrive
+    uncompressed and a failure's reason is readable.
 
     Args:
-        url: the provider endpoint (POST).
-        timeout_seconds: deadline for the whole exchange, seconds.
+        url: the provider endpoint (POST), ``http`` or ``https``.
+        timeout_seconds: deadline for the whole exchange, body included, seconds.
         token: bearer token for ``Authorization``, or None.
-        max_connections: HTTP connection pool size (normally the slot count).
-        tls: the TLS context for an ``https`` provider (see :func:`tls_context`);
-            built once and shared by every connection pool.
+        max_connections: most exchanges (and connections) at once (normally the slot count).
+        tls: the TLS context for an ``https`` provider (see :func:`tls_context`;
+            default: the public CAs).
+        transport: any ``httpx.AsyncBaseTransport`` instead of the default
+            (tests and the benchmark pass ``httpx.AsyncHTTPTransport`` to compare).
     """
 
     def __init__(
@@ -137,117 +152,116 @@ class HttpDeliverer:
         token: str | None = None,
         max_connections: int = 100,
         tls: ssl.SSLContext | None = None,
+        transport: httpx.AsyncBaseTransport | None = None,
     ) -> None:
         self.url = url
-        # One context for all pools: building one loads the CA bundle (~50 ms).
-        tls = tls or tls_context()
         self.timeout_seconds = timeout_seconds
-        headers = {"User-Agent": USER_AGENT, "Content-Type": "application/json"}
-        if token:
-            headers["Authorization"] = f"Bearer {token}"
-        per = min(CONNECTIONS_PER_CLIENT, max(1, max_connections))
-        self._clients = [
-            httpx.AsyncClient(
-                headers=headers,
-                timeout=httpx.Timeout(timeout_seconds, connect=min(5.0, timeout_seconds)),
-                limits=httpx.Limits(max_connections=per, max_keepalive_connections=per),
-                follow_redirects=False,
-                trust_env=False,
-                verify=tls,
-            )
-            for _ in range(-(-max(1, max_connections) // per))
+        self._url = httpx.URL(url)
+        connect = min(CONNECT_SECONDS, timeout_seconds)
+        if transport is None:
+            if tls is None and self._url.scheme == "https":
+                tls = tls_context()  # loads the CA bundle (~50 ms): only when needed
+            transport = Http11Transport(tls=tls, max_connections=max(1, max_connections),
+                                        connect_timeout_seconds=connect)
+        self._transport = transport
+        # The outer deadline bounds every phase; connect and pool keep their own.
+        self._extensions = {"timeout": {"connect": connect, "read": None, "write": None,
+                                        "pool": timeout_seconds}}
+        headers = [
+            (b"Host", self._url.netloc),
+            (b"User-Agent", USER_AGENT.encode("ascii")),
+            (b"Accept", b"*/*"),
+            (b"Content-Type", b"application/json"),
         ]
-        # One entry per connection: a delivery borrows a client that has a free one.
-        self._free = collections.deque(c for c in self._clients for _ in range(per))
-        self._next = itertools.cycle(self._clients)
+        if token:
+            headers.append((b"Authorization", b"Bearer " + token.encode("utf-8")))
+        elif self._url.userinfo:
+            userpass = f"{self._url.username}:{self._url.password}".encode()
+            headers.append((b"Authorization", b"Basic " + base64.b64encode(userpass)))
+        self._headers = headers
 
     async def aclose(self) -> None:
-        """Close the HTTP connection pools."""
-        for client in self._clients:
-            await client.aclose()
+        """Close the transport's connections."""
+        await self._transport.aclose()
+
+    def request(self, job: Job) -> httpx.Request:
+        """The ``httpx.Request`` that delivers *job* (the same bytes on every attempt
+        but ``X-Receipts-Attempt``)."""
+        key = job.idempotency_key
+        body = _encode_json(
+            {"order_id": job.order_id, "job_id": str(job.id), "idempotency_key": key}
+        ).encode("ascii")
+        # Idempotency-Key as UTF-8 bytes: an order id such as "ørder-1" is valid.
+        headers = [
+            *self._headers,
+            (b"Idempotency-Key", key.encode("utf-8")),
+            (b"X-Receipts-Attempt", b"%d" % job.attempt),
+            (b"Content-Length", b"%d" % len(body)),
+        ]
+        if _TRACING and (traceparent := tracing.current_traceparent()):
+            headers.append((b"traceparent", traceparent.encode("ascii")))
+        return httpx.Request("POST", self._url, headers=headers, stream=httpx.ByteStream(body),
+                             extensions=self._extensions)
 
     async def deliver(self, job: Job) -> Outcome:
-        """POST *job*'s receipt and classify the answer; never raises for I/O errors."""
-        # More deliveries than max_connections at once share clients round-robin.
-        borrowed = bool(self._free)
-        client = self._free.popleft() if borrowed else next(self._next)
-        try:
-            if _TRACING:
-                return await tracing.traced_delivery(job, lambda: self._deliver(client, job))
-            return await self._deliver(client, job)
-        finally:
-            if borrowed:
-                self._free.append(client)
+        """POST *job*'s receipt and classify the answer; never raises for I/O errors.
 
-    async def _deliver(self, client: httpx.AsyncClient, job: Job) -> Outcome:
-        body = json.dumps(
-            {
-                "order_id": job.order_id,
-                "job_id": str(job.id),
-                "idempotency_key": job.idempotency_key,
-            },
-            separators=(",", ":"),
-        ).encode()
-        # As UTF-8 bytes: httpx encodes str header values as ASCII and would raise for
-        # an order id the queue accepts, such as "ørder-1" (a crashed delivery).
-        headers = {
-            b"Idempotency-Key": job.idempotency_key.encode("utf-8"),
-            b"X-Receipts-Attempt": str(job.attempt).encode("ascii"),
-        }
-        if _TRACING and (traceparent := tracing.current_traceparent()):
-            headers[b"traceparent"] = traceparent.encode("ascii")
+        With OpenTelemetry installed, the attempt runs in a ``receipts.deliver``
+        span linked to the enqueuing trace, and the provider gets its
+        ``traceparent`` (:mod:`receipts.tracing`).
+        """
+        if _TRACING:
+            return await tracing.traced_delivery(job, lambda: self._deliver(job))
+        return await self._deliver(job)
+
+    async def _deliver(self, job: Job) -> Outcome:
+        request = self.request(job)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_seconds
+        response: httpx.Response | None = None
+        data = bytearray()
         try:
-            async with asyncio.timeout_at(deadline):
-                request = client.build_request("POST", self.url, content=body, headers=headers)
-                response = await client.send(request, stream=True)
+            # One deadline for the whole exchange; reading a 2xx body gets at most
+            # SUCCESS_BODY_SECONDS of it (the answer is known from the status line).
+            async with asyncio.timeout_at(deadline) as scope:
+                response = await self._transport.handle_async_request(request)
+                if response.is_success:
+                    scope.reschedule(min(deadline, loop.time() + SUCCESS_BODY_SECONDS))
+                # Read a bounded prefix: a 2xx body only so its connection is
+                # reused, a failure's for its reason. The raw stream, not
+                # aiter_raw(): no decoding to do, and its bookkeeping costs CPU.
+                async for chunk in cast(httpx.AsyncByteStream, response.stream):
+                    data += chunk
+                    if len(data) >= MAX_BODY_BYTES:
+                        break
         except TimeoutError:
-            return Outcome(
-                Verdict.RETRY, Reason.TIMEOUT, None, None,
-                f"no answer within {self.timeout_seconds:g}s",
-            )
-        except (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout) as exc:
+            if response is None:
+                return Outcome(Verdict.RETRY, Reason.TIMEOUT, None, None,
+                               f"no answer within {self.timeout_seconds:g}s")
+        except NOTHING_SENT as exc:
             return Outcome(Verdict.RETRY, Reason.CONNECT_ERROR, None, None, _short(exc))
         except httpx.TimeoutException as exc:
-            return Outcome(Verdict.RETRY, Reason.TIMEOUT, None, None, _short(exc))
+            if response is None:
+                return Outcome(Verdict.RETRY, Reason.TIMEOUT, None, None, _short(exc))
         except (httpx.TransportError, httpx.DecodingError) as exc:
-            return Outcome(
-                Verdict.RETRY, Reason.CONNECTION_LOST, None, None, _short(exc)
-            )
+            if response is None:
+                return Outcome(Verdict.RETRY, Reason.CONNECTION_LOST, None, None, _short(exc))
         except httpx.InvalidURL as exc:
             return Outcome(Verdict.RETRY, Reason.CONNECT_ERROR, None, None, _short(exc))
-        try:
-            if response.is_success:
-                # Read the small body so the connection is reused; a provider
-                # that stalls after its 2xx holds the slot SUCCESS_BODY_SECONDS.
-                try:
-                    async with asyncio.timeout_at(
-                        min(deadline, loop.time() + SUCCESS_BODY_SECONDS)
-                    ):
-                        seen = 0
-                        async for chunk in response.aiter_raw():
-                            seen += len(chunk)
-                            if seen > MAX_BODY_BYTES:
-                                break
-                except (TimeoutError, httpx.TransportError):
-                    pass
-                return Outcome(Verdict.DELIVERED, Reason.DELIVERED, response.status_code)
-            # Only a failure's body matters (its reason); read a bounded prefix
-            # within what is left of the deadline.
-            data = bytearray()
-            try:
-                async with asyncio.timeout_at(deadline):
-                    async for chunk in response.aiter_raw():
-                        data += chunk
-                        if len(data) >= MAX_BODY_BYTES:
-                            break
-            except (TimeoutError, httpx.TransportError):
-                pass
-            return classify(response.status_code, response.headers, bytes(data))
         finally:
-            await response.aclose()
+            if response is not None:
+                await response.aclose()
+        assert response is not None
+        if response.is_success:
+            return Outcome(Verdict.DELIVERED, Reason.DELIVERED, response.status_code)
+        return classify(response.status_code, response.headers, bytes(data))
 
+
+#: Failures that happen before any byte of the request was sent.
+NOTHING_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout,
+                httpx.UnsupportedProtocol, httpx.LocalProtocolError)
+
+_encode_json = json.JSONEncoder(separators=(",", ":")).encode
 
 
 def _short(exc: BaseException) -> str:

@@ -10,10 +10,11 @@ one statement each.
 The rules:
 
 * **Outage.** Over the last ``window_jobs`` distinct jobs answered within
-  ``window_seconds``, take each job's latest outcome. When at least ``min_jobs`` distinct jobs failed with a
-  provider failure (5xx, 429, timeout, connection lost, connect error) and
-  they are at least ``failure_ratio`` of the distinct jobs answered, the
-  provider is in an outage: pause the fleet for ``outage_pause_seconds``.
+  ``window_seconds``, take each job's latest outcome. When at least
+  ``min_jobs`` distinct jobs failed with a provider failure (5xx, 429,
+  timeout, connection lost, connect error) and they are at least
+  ``failure_ratio`` of the distinct jobs answered, the provider is in an
+  outage: pause the fleet for ``outage_pause_seconds``.
   One job failing again and again counts once, so a single poisoned order
   cannot pause the fleet.
 * **Credentials.** A 401/403 pauses the fleet for ``auth_pause_seconds``: a

@@ -137,6 +137,11 @@ class Worker:
         #: (tests assert it never exceeds 0).
         self.max_overclaim = 0
         metrics.slots.set(settings.concurrency)
+        # Read when scraped: nothing to update per delivery.
+        metrics.inflight.set_function(lambda: len(self._inflight))
+        #: receipts_delivery_duration_seconds by outcome, labelled once (labels() locks).
+        self._delivery_seconds = {reason: metrics.delivery_duration.labels(reason)
+                                  for reason in Reason}
 
     # ------------------------------------------------------------ state
 
@@ -323,7 +328,6 @@ class Worker:
             task = asyncio.create_task(self._deliver(attempt))
             self._inflight.add(task)
             task.add_done_callback(self._delivery_done)
-        self.metrics.inflight.set(len(self._inflight))
         return result
 
     def _observe_flow(self, flow: FlowState) -> None:
@@ -341,7 +345,6 @@ class Worker:
 
     def _delivery_done(self, task: asyncio.Task[None]) -> None:
         self._inflight.discard(task)
-        self.metrics.inflight.set(len(self._inflight))
         self._slot_freed.set()
         if not task.cancelled() and task.exception() is not None:
             log.error("delivery_crashed", exc_info=task.exception())
@@ -372,7 +375,10 @@ class Worker:
             detail = f"internal error: {exc!r}"[:200]
             outcome = Outcome(Verdict.RETRY, Reason.INTERNAL_ERROR, detail=detail)
         took = time.perf_counter() - start
-        self.metrics.delivery_duration.labels(outcome.reason).observe(took)
+        histogram = self._delivery_seconds.get(outcome.reason)
+        if histogram is None:  # a reason outside the enum (a deliverer's own string)
+            histogram = self.metrics.delivery_duration.labels(outcome.reason)
+        histogram.observe(took)
         if self.record_all or outcome.verdict is not Verdict.DELIVERED or job.attempt > 1:
             self.completer.record(AttemptRecord.of(job, outcome, duration_seconds=took,
                                                    worker=self.name))

@@ -24,6 +24,8 @@ def test_the_benchmark_runs_end_to_end_and_writes_its_table_as_json(tmp_path):
     assert doc["machine"]["postgres"]["fsync"] == "on"
     assert doc["machine"]["postgres"]["synchronous_commit"] == "on"
     assert summary["raw"] and summary["receipts"] and summary["connections"]
+    # The capacity planner's stable key (bench/README.md).
+    assert summary["capacity"]["worker_cpu_us_per_http_delivery"]["median"] > 0
     assert {"receipts:listen", "receipts:poll"} <= set(summary["pickup"])
     assert summary["claim"]["uses_ready_index"] is True
     assert {"idle", "drain"} <= set(summary["checkout"])

@@ -266,6 +266,86 @@ async def test_hostile_provider_answers_are_classified_within_the_deadline_and_b
         assert delay == pytest.approx(min(retry_after, 3600), abs=1)
 
 
+# Answers no well-behaved HTTP server library would write: raw bytes on the socket.
+# name, bytes (or a callable writing them), verdict, reason
+async def _chunked_flood(writer: asyncio.StreamWriter) -> None:
+    writer.write(b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n")
+    for _ in range(50 * MB // len(CHUNK)):
+        writer.write(b"%x\r\n%s\r\n" % (len(CHUNK), CHUNK))
+        await writer.drain()
+
+
+async def _headers_forever(writer: asyncio.StreamWriter) -> None:
+    writer.write(b"HTTP/1.1 200 OK\r\n")
+    for i in range(50 * MB // 64):
+        writer.write(b"X-%d: %s\r\n" % (i, b"y" * 50))
+        await writer.drain()
+
+
+async def _status_then_silence(writer: asyncio.StreamWriter) -> None:
+    writer.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 100\r\n\r\nbusy")
+    await writer.drain()
+    await asyncio.sleep(30)
+
+
+async def _reset_mid_body(writer: asyncio.StreamWriter) -> None:
+    writer.write(b"HTTP/1.1 503 Service Unavailable\r\nContent-Length: 100\r\n\r\n"
+                 b'{"error": "partial')
+    await writer.drain()
+    writer.transport.abort()
+
+
+RAW_ANSWERS: list[tuple[str, Any, Verdict, str]] = [
+    ("200 with a 50 MB chunked body", _chunked_flood, Verdict.DELIVERED, "delivered"),
+    ("50 MB of headers", _headers_forever, Verdict.RETRY, "connection_lost"),
+    ("not HTTP at all", b"SSH-2.0-OpenSSH_9.6\r\n\r\n", Verdict.RETRY, "connection_lost"),
+    ("status line without a version", b"200 OK\r\n\r\n", Verdict.RETRY, "connection_lost"),
+    ("100 Continue, then 201", b"HTTP/1.1 100 Continue\r\n\r\n"
+     b"HTTP/1.1 201 Created\r\nContent-Length: 0\r\n\r\n", Verdict.DELIVERED, "delivered"),
+    ("two different Content-Lengths", b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n"
+     b"Content-Length: 3\r\n\r\nok!", Verdict.RETRY, "connection_lost"),
+    ("503 status, then silence", _status_then_silence, Verdict.RETRY, "provider_5xx"),
+    ("503 reset mid-body", _reset_mid_body, Verdict.RETRY, "provider_5xx"),
+    ("closed without a byte", b"", Verdict.RETRY, "connection_lost"),
+]
+
+
+@pytest.mark.parametrize(("name", "answer", "verdict", "reason"), RAW_ANSWERS,
+                         ids=[row[0] for row in RAW_ANSWERS])
+async def test_raw_hostile_answers_are_classified_within_the_deadline_and_bounded_memory(
+    name, answer, verdict, reason
+):
+    async def handle(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        try:
+            await reader.readuntil(b"\r\n\r\n")
+            if callable(answer):
+                await answer(writer)
+            else:
+                writer.write(answer)
+                await writer.drain()
+        except (ConnectionError, asyncio.IncompleteReadError):
+            pass
+        finally:
+            writer.close()
+
+    port = free_port()
+    server = await asyncio.start_server(handle, "127.0.0.1", port)
+    deliverer = HttpDeliverer(f"http://127.0.0.1:{port}/receipts", timeout_seconds=3)
+    tracemalloc.start()
+    started = time.monotonic()
+    try:
+        outcome = await deliverer.deliver(Job(uuid.uuid4(), "order-raw", uuid.uuid4(), 1))
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+        await deliverer.aclose()
+        server.close()
+    assert (outcome.verdict, outcome.reason) == (verdict, reason), outcome
+    assert time.monotonic() - started < 3.5
+    assert peak < 4 * MB
+    assert len(outcome.detail) <= 250 and outcome.detail.isprintable()
+
+
 # -------------------------------------------------------------------- settings
 
 # variable (without prefix), value, message fragment

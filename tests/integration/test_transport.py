@@ -1,0 +1,419 @@
+"""The HTTP/1.1 transport on real sockets: framing, reuse, errors, bounds, and h11 agreement.
+
+A raw asyncio server answers each request with scripted bytes, so every
+framing rule and every broken answer can be produced exactly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass, field
+
+import h11
+import httpx
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from receipts.embedded import free_port
+from receipts.transport import HIGH_WATER_BYTES, MAX_HEAD_BYTES, Http11Transport
+
+Answer = Callable[[asyncio.StreamReader, asyncio.StreamWriter, bytes], Awaitable[None]]
+
+
+@dataclass
+class RawServer:
+    """A TCP server; each request (head + Content-Length body) gets ``answer``."""
+
+    answer: Answer | None = None
+    connections: int = 0
+    requests: list[bytes] = field(default_factory=list)
+    port: int = 0
+
+    @property
+    def url(self) -> str:
+        return f"http://127.0.0.1:{self.port}/receipts?x=1"
+
+    async def handle(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        self.connections += 1
+        try:
+            while True:
+                try:
+                    head = await reader.readuntil(b"\r\n\r\n")
+                except (asyncio.IncompleteReadError, ConnectionError):
+                    return
+                length = 0
+                for line in head.split(b"\r\n"):
+                    if line.lower().startswith(b"content-length:"):
+                        length = int(line.split(b":", 1)[1])
+                body = await reader.readexactly(length)
+                self.requests.append(head + body)
+                assert self.answer is not None
+                await self.answer(reader, writer, head + body)
+                if writer.is_closing():
+                    return
+        finally:
+            writer.close()
+
+
+@pytest.fixture
+async def raw() -> AsyncIterator[RawServer]:
+    server = RawServer(port=free_port())
+    listener = await asyncio.start_server(server.handle, "127.0.0.1", server.port)
+    try:
+        yield server
+    finally:
+        listener.close()
+        with contextlib.suppress(Exception):
+            await asyncio.wait_for(listener.wait_closed(), 2)
+
+
+def send(data: bytes, *, close: bool = False) -> Answer:
+    async def answer(_: asyncio.StreamReader, writer: asyncio.StreamWriter, __: bytes) -> None:
+        writer.write(data)
+        await writer.drain()
+        if close:
+            writer.close()
+    return answer
+
+
+async def exchange(transport: Http11Transport, url: str, *, method: str = "POST",
+                   body: bytes = b"{}", headers: list[tuple[bytes, bytes]] | None = None,
+                   timeouts: dict[str, float | None] | None = None) -> tuple[int, list, bytes]:
+    request = httpx.Request(method, url, headers=headers or [], stream=httpx.ByteStream(body),
+                            extensions={"timeout": timeouts or {"read": 5.0}})
+    response = await transport.handle_async_request(request)
+    try:
+        data = b"".join([chunk async for chunk in response.stream])
+    finally:
+        await response.aclose()
+    return response.status_code, response.headers.raw, data
+
+
+@pytest.fixture
+async def transport() -> AsyncIterator[Http11Transport]:
+    t = Http11Transport(max_connections=4)
+    yield t
+    await t.aclose()
+
+
+# ------------------------------------------------------------------ framing
+
+FRAMINGS = [
+    ("content-length", b"HTTP/1.1 201 Created\r\nContent-Length: 5\r\n\r\nhello", 201, b"hello",
+     True),
+    ("chunked with extension and trailer",
+     b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n3;ext=1\r\nhel\r\n2\r\nlo\r\n"
+     b"0\r\nX-Trailer: t\r\n\r\n", 200, b"hello", True),
+    ("no body for 204", b"HTTP/1.1 204 No Content\r\n\r\n", 204, b"", True),
+    ("until close", b"HTTP/1.1 200 OK\r\n\r\nhello", 200, b"hello", False),
+    ("HTTP/1.0", b"HTTP/1.0 200 OK\r\nContent-Length: 2\r\n\r\nok", 200, b"ok", False),
+    ("Connection: close", b"HTTP/1.1 200 OK\r\nConnection: close\r\nContent-Length: 2\r\n\r\nok",
+     200, b"ok", False),
+    ("interim answers skipped",
+     b"HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nLink: </a>\r\n\r\n"
+     b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok", 200, b"ok", True),
+    ("bare LF line ends", b"HTTP/1.1 200 OK\nContent-Length: 2\n\nok", 200, b"ok", True),
+    ("repeated equal Content-Length", b"HTTP/1.1 200 OK\r\nContent-Length: 2, 2\r\n\r\nok",
+     200, b"ok", True),
+    ("no reason phrase", b"HTTP/1.1 422\r\nContent-Length: 0\r\n\r\n", 422, b"", True),
+]
+
+
+@pytest.mark.parametrize(("name", "answer", "status", "body", "reused"), FRAMINGS,
+                         ids=[f[0] for f in FRAMINGS])
+async def test_each_framing_yields_the_body_and_reuses_the_connection_only_when_it_may(
+    raw, transport, name, answer, status, body, reused
+):
+    raw.answer = send(answer, close=not reused and b"Content-Length" not in answer)
+    assert (await exchange(transport, raw.url))[::2] == (status, body)
+    raw.answer = send(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+    assert (await exchange(transport, raw.url))[0] == 200
+    assert raw.connections == (1 if reused else 2)
+
+
+async def test_folded_header_lines_are_joined(raw, transport):
+    raw.answer = send(b"HTTP/1.1 200 OK\r\nX-Long: a\r\n  b\r\nContent-Length: 0\r\n\r\n")
+    _, headers, _ = await exchange(transport, raw.url)
+    assert (b"X-Long", b"a b") in headers
+
+
+BROKEN = [
+    ("invalid status line", b"HTTP/2 200 OK\r\n\r\n"),
+    ("garbage", b"\x16\x03\x01 not http\r\n\r\n"),
+    ("header without colon", b"HTTP/1.1 200 OK\r\nNoColon\r\n\r\n"),
+    ("conflicting Content-Length", b"HTTP/1.1 200 OK\r\nContent-Length: 1\r\n"
+                                   b"Content-Length: 2\r\n\r\nxx"),
+    ("non-numeric Content-Length", b"HTTP/1.1 200 OK\r\nContent-Length: 1e3\r\n\r\n"),
+    ("head too large", b"HTTP/1.1 200 OK\r\n" + b"X: " + b"y" * MAX_HEAD_BYTES + b"\r\n\r\n"),
+    ("invalid chunk size", b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\nzz\r\n"),
+    ("body shorter than its length", b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\nshort"),
+    ("closed before answering", b""),
+]
+
+
+@pytest.mark.parametrize(("name", "answer"), BROKEN, ids=[b[0] for b in BROKEN])
+async def test_a_broken_answer_is_a_remote_protocol_error_and_the_connection_is_dropped(
+    raw, transport, name, answer
+):
+    raw.answer = send(answer, close=True)
+    with pytest.raises(httpx.RemoteProtocolError):
+        await exchange(transport, raw.url)
+    assert transport.idle_connections == 0
+
+
+async def test_a_reset_after_the_request_was_sent_is_a_read_or_protocol_error(raw, transport):
+    async def reset(_: asyncio.StreamReader, writer: asyncio.StreamWriter, __: bytes) -> None:
+        writer.transport.abort()
+
+    raw.answer = reset
+    with pytest.raises((httpx.ReadError, httpx.RemoteProtocolError)):
+        await exchange(transport, raw.url)
+    assert raw.requests  # the request did reach the server: the outcome is unknown
+
+
+# -------------------------------------------------------------- the request
+
+
+async def test_the_request_bytes_are_exactly_the_request(raw, transport):
+    raw.answer = send(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+    headers = [(b"User-Agent", b"t/1"), (b"Idempotency-Key", "receipt:ørder".encode()),
+               (b"Transfer-Encoding", b"chunked")]
+    await exchange(transport, raw.url, body=b'{"a":1}', headers=headers)
+    assert raw.requests == [
+        b"POST /receipts?x=1 HTTP/1.1\r\nHost: 127.0.0.1:%d\r\nUser-Agent: t/1\r\n"
+        b"Idempotency-Key: receipt:\xc3\xb8rder\r\nContent-Length: 7\r\n\r\n{\"a\":1}" % raw.port
+    ]
+
+
+@pytest.mark.parametrize("value", [b"a\r\nX-Injected: 1", b"a\nb", b"a\rb", b"a\x00b"])
+async def test_a_header_value_that_would_inject_a_header_is_refused_before_connecting(
+    raw, transport, value
+):
+    with pytest.raises(httpx.LocalProtocolError):
+        await exchange(transport, raw.url, headers=[(b"X-Order", value)])
+    with pytest.raises(httpx.LocalProtocolError):
+        await exchange(transport, raw.url, headers=[(b"Bad Name", b"v")])
+    assert raw.connections == 0
+
+
+# ------------------------------------------------------------ connections
+
+
+async def test_sequential_requests_share_one_keep_alive_connection(raw, transport):
+    raw.answer = send(b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok")
+    for _ in range(20):
+        await exchange(transport, raw.url)
+    assert raw.connections == 1 and transport.idle_connections == 1
+
+
+async def test_concurrent_requests_never_exceed_max_connections(raw):
+    async def slow(_: asyncio.StreamReader, writer: asyncio.StreamWriter, __: bytes) -> None:
+        await asyncio.sleep(0.05)
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+
+    raw.answer = slow
+    transport = Http11Transport(max_connections=3)
+    try:
+        await asyncio.gather(*(exchange(transport, raw.url) for _ in range(12)))
+    finally:
+        await transport.aclose()
+    assert raw.connections == 3
+
+
+async def test_no_free_slot_within_the_pool_timeout_is_a_pool_timeout(raw):
+    raw.answer = send(b"HTTP/1.1 200 OK\r\nContent-Length: 10\r\n\r\n")  # body never comes
+    transport = Http11Transport(max_connections=1)
+    request = httpx.Request("POST", raw.url, stream=httpx.ByteStream(b""))
+    held = await transport.handle_async_request(request)
+    try:
+        with pytest.raises(httpx.PoolTimeout):
+            await exchange(transport, raw.url, timeouts={"pool": 0.1})
+    finally:
+        await held.aclose()
+        await transport.aclose()
+
+
+async def test_a_cancelled_wait_for_a_slot_does_not_lose_the_slot(raw):
+    raw.answer = send(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+    transport = Http11Transport(max_connections=1)
+    try:
+        held = await transport.handle_async_request(
+            httpx.Request("POST", raw.url, stream=httpx.ByteStream(b"")))
+        first = asyncio.create_task(exchange(transport, raw.url))
+        second = asyncio.create_task(exchange(transport, raw.url))
+        await asyncio.sleep(0.05)
+        first.cancel()
+        await held.aclose()  # the slot goes to the next live waiter
+        assert (await asyncio.wait_for(second, 5))[0] == 200
+        assert first.cancelled()
+        assert (await asyncio.wait_for(exchange(transport, raw.url), 5))[0] == 200
+    finally:
+        await transport.aclose()
+
+
+async def test_an_idle_connection_the_server_closed_is_not_reused(raw, transport):
+    raw.answer = send(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n", close=True)
+    await exchange(transport, raw.url)  # keep-alive by its headers, but closed by the server
+    await asyncio.sleep(0.05)  # the close reaches the client
+    raw.answer = send(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+    assert (await exchange(transport, raw.url))[0] == 200
+    assert raw.connections == 2
+
+
+async def test_an_idle_connection_older_than_the_keepalive_is_not_reused(raw):
+    raw.answer = send(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+    transport = Http11Transport(keepalive_seconds=0.05)
+    try:
+        await exchange(transport, raw.url)
+        await asyncio.sleep(0.1)
+        await exchange(transport, raw.url)
+    finally:
+        await transport.aclose()
+    assert raw.connections == 2
+
+
+async def test_a_response_closed_before_its_body_arrived_closes_its_connection(raw, transport):
+    async def late_body(_: asyncio.StreamReader, writer: asyncio.StreamWriter, __: bytes) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\n")
+        await writer.drain()
+        await asyncio.sleep(0.1)
+        with contextlib.suppress(ConnectionError):
+            writer.write(b"HTTP/")  # would be read as the next answer's start if reused
+            await writer.drain()
+
+    raw.answer = late_body
+    response = await transport.handle_async_request(
+        httpx.Request("POST", raw.url, stream=httpx.ByteStream(b"")))
+    await response.aclose()
+    assert transport.idle_connections == 0
+    raw.answer = send(b"HTTP/1.1 200 OK\r\nContent-Length: 0\r\n\r\n")
+    await asyncio.sleep(0.15)
+    assert (await exchange(transport, raw.url))[0] == 200
+    assert raw.connections == 2
+
+
+# ----------------------------------------------------------------- errors
+
+
+async def test_nothing_listening_is_a_connect_error():
+    transport = Http11Transport()
+    try:
+        with pytest.raises(httpx.ConnectError):
+            await exchange(transport, f"http://127.0.0.1:{free_port()}/")
+    finally:
+        await transport.aclose()
+
+
+async def test_a_connect_that_hangs_is_a_connect_timeout():
+    transport = Http11Transport()
+    try:
+        started = time.monotonic()
+        with pytest.raises((httpx.ConnectTimeout, httpx.ConnectError)):
+            # A non-routable address (TEST-NET-1): the SYN goes unanswered or is refused.
+            await exchange(transport, "http://192.0.2.1:81/", timeouts={"connect": 0.2})
+        assert time.monotonic() - started < 2
+    finally:
+        await transport.aclose()
+
+
+async def test_no_bytes_within_the_read_timeout_is_a_read_timeout(raw, transport):
+    async def silent(*_: object) -> None:
+        await asyncio.sleep(5)
+
+    raw.answer = silent
+    with pytest.raises(httpx.ReadTimeout):
+        await exchange(transport, raw.url, timeouts={"read": 0.1})
+
+
+async def test_https_without_a_tls_context_is_a_connect_error(transport):
+    with pytest.raises(httpx.ConnectError):
+        await exchange(transport, "https://127.0.0.1:1/")
+
+
+async def test_an_unsupported_scheme_is_refused(transport):
+    with pytest.raises(httpx.UnsupportedProtocol):
+        await exchange(transport, "ftp://127.0.0.1/")
+
+
+# ----------------------------------------------------------------- bounds
+
+
+async def test_reading_pauses_while_a_large_body_waits_unread(raw, transport):
+    total = 8 * HIGH_WATER_BYTES
+
+    async def big(_: asyncio.StreamReader, writer: asyncio.StreamWriter, __: bytes) -> None:
+        writer.write(b"HTTP/1.1 200 OK\r\nContent-Length: %d\r\n\r\n" % total)
+        with contextlib.suppress(ConnectionError):
+            for _ in range(total // 65536):
+                writer.write(b"x" * 65536)
+                await writer.drain()
+
+    raw.answer = big
+    response = await transport.handle_async_request(
+        httpx.Request("POST", raw.url, stream=httpx.ByteStream(b"")))
+    try:
+        await asyncio.sleep(0.3)  # the server keeps writing; the client does not read
+        stream = response.stream
+        assert isinstance(stream, httpx.AsyncByteStream)
+        conn = stream._conn  # type: ignore[attr-defined]
+        assert len(conn.buffer) <= HIGH_WATER_BYTES + 256 * 1024
+        seen = 0
+        async for chunk in stream:
+            seen += len(chunk)
+        assert seen == total  # reading resumed and the whole body arrived
+    finally:
+        await response.aclose()
+
+
+# ------------------------------------------------------- agreement with h11
+
+_token = st.text("abcdefghijklmnopqrstuvwxyz-", min_size=1, max_size=12).map(
+    lambda s: "x-" + s)
+_value = st.text(st.characters(min_codepoint=0x21, max_codepoint=0x7E), max_size=40)
+
+
+def _h11_answer(status: int, headers: list[tuple[str, str]], body: bytes, chunked: bool,
+                cuts: list[int]) -> bytes:
+    """What h11 (httpx's default parser) writes as a server for this answer."""
+    server = h11.Connection(h11.SERVER)
+    server.receive_data(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\n\r\n")
+    server.next_event()
+    server.next_event()
+    framing = [("Transfer-Encoding", "chunked")] if chunked else [
+        ("Content-Length", str(len(body)))]
+    out = server.send(h11.Response(status_code=status, headers=headers + framing))
+    assert out is not None
+    pieces = [body[a:b] for a, b in zip([0, *cuts], [*cuts, len(body)], strict=True)]
+    for piece in pieces:
+        if piece:
+            out += server.send(h11.Data(data=piece)) or b""
+    return out + (server.send(h11.EndOfMessage()) or b"")
+
+
+@settings(max_examples=60, deadline=None,
+          suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(status=st.integers(200, 599),
+       headers=st.lists(st.tuples(_token, _value), max_size=6),
+       body=st.binary(max_size=3000),
+       chunked=st.booleans(),
+       cuts=st.lists(st.integers(0, 3000), max_size=4))
+async def test_answers_written_by_h11_are_read_as_h11_wrote_them(
+    raw, status, headers, body, chunked, cuts
+):
+    cuts = sorted({min(c, len(body)) for c in cuts})
+    raw.answer = send(_h11_answer(status, headers, body, chunked, cuts))
+    raw.connections = 0
+    transport = Http11Transport()
+    try:
+        got_status, got_headers, got_body = await exchange(transport, raw.url)
+        got_status2, _, got_body2 = await exchange(transport, raw.url)
+    finally:
+        await transport.aclose()
+    assert (got_status, got_body) == (status, body) == (got_status2, got_body2)
+    sent = {(k.lower().encode(), v.encode()) for k, v in headers}
+    assert sent <= {(k.lower(), v) for k, v in got_headers}
+    assert raw.connections == 1  # read to its end: the connection was reused
