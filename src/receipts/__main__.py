@@ -1,7 +1,7 @@
-"""``python -m receipts`` runs the command line."""
+"""``python -m receipts`` runs the command line (see :mod:`receipts.console`)."""
 
 import sys
 
-from receipts.cli import main
+from receipts.console import main
 
 sys.exit(main())

@@ -13,10 +13,17 @@ round-trip time:
 * the *baseline* is the lowest normalised latency seen, allowed to drift up
   by ``BASELINE_DRIFT_PER_SECOND`` so it follows a database that has really
   become slower (more data, a bigger machine's neighbour);
-* a sample above ``tolerance × baseline`` (plus a small absolute floor for
-  timer noise) is congestion: the limit is multiplied by ``decrease``, at
-  most once per ``DECREASE_SPACING_SECONDS`` (one decision per round of
-  statements, not one per sample of the same round);
+* the samples are smoothed (an exponentially weighted moving average,
+  weight ``SMOOTHING``): one slow commit or a busy event loop is jitter, not
+  congestion;
+* a smoothed latency above ``tolerance × baseline`` plus ``NOISE_FLOOR_SECONDS``
+  is congestion: the limit is multiplied by ``decrease``, at most once per
+  ``DECREASE_SPACING_SECONDS`` (one decision per round of statements, not one
+  per sample of the same round). The floor is absolute because on an idle
+  server the baseline is well under a millisecond while an ordinary commit
+  (fsync) and the worker's own event loop add milliseconds: a drain that
+  only meets that jitter keeps its rate, a database that really slows down
+  (tens of milliseconds) is backed off from;
 * otherwise the limit grows additively by ``increase_per_second × elapsed``;
 * the limit stays within [``min_rate``, ``max_rate``] jobs/s: the floor
   means a backlog always drains, however busy the database.
@@ -36,8 +43,10 @@ from dataclasses import dataclass
 ROWS_SCALE = 20.0
 #: How fast the baseline may rise without a lower sample (per second, relative).
 BASELINE_DRIFT_PER_SECOND = 0.01
-#: Samples below this many seconds above the baseline never count as congestion.
-NOISE_FLOOR_SECONDS = 0.002
+#: Smoothed latency below this many seconds above the baseline is never congestion.
+NOISE_FLOOR_SECONDS = 0.008
+#: Weight of a new sample in the moving average.
+SMOOTHING = 0.1
 #: One multiplicative decrease per this many seconds at most.
 DECREASE_SPACING_SECONDS = 0.2
 #: The local bucket holds this many seconds of the current limit.
@@ -58,7 +67,7 @@ class AdmissionPolicy:
 
     min_rate: float = 50.0
     max_rate: float = 20_000.0
-    tolerance: float = 2.0
+    tolerance: float = 3.0
     decrease: float = 0.7
     increase_per_second: float = 200.0
 
@@ -78,6 +87,7 @@ class AdmissionController:
         now = clock()
         self.limit = policy.max_rate
         self.baseline: float | None = None
+        self.smoothed: float | None = None
         self._baseline_at = now
         self._last_sample = now
         self._last_decrease = -1e9
@@ -95,8 +105,10 @@ class AdmissionController:
             drift = (now - self._baseline_at) * BASELINE_DRIFT_PER_SECOND
             self.baseline *= 1 + min(drift, 1.0)
             self._baseline_at = now
+        self.smoothed = sample if self.smoothed is None else (
+            self.smoothed + SMOOTHING * (sample - self.smoothed))
         p = self.policy
-        congested = sample > self.baseline * p.tolerance + NOISE_FLOOR_SECONDS
+        congested = self.smoothed > self.baseline * p.tolerance + NOISE_FLOOR_SECONDS
         if congested:
             if now - self._last_decrease >= DECREASE_SPACING_SECONDS:
                 self.limit = max(p.min_rate, self.limit * p.decrease)

@@ -185,3 +185,12 @@ def test_the_lock_pins_every_requirement_the_image_installs() -> None:
     assert all(line.count("--hash=sha256:") <= 1 for line in
                (REPO / "requirements.lock").read_text().splitlines())
     assert (REPO / "requirements.lock").read_text().count("--hash=sha256:") >= len(pins)
+
+
+def test_the_command_without_the_worker_extra_says_which_extra_in_one_line(
+        base_venv: Path) -> None:
+    result = run([str(base_venv / "bin" / "receipts"), "--version"])
+    assert result.returncode == 2
+    assert result.stderr.strip() == ("receipts: error: the receipts command needs the worker "
+                                     "extra: pip install 'receipts-queue[worker,binary]'")
+    assert "Traceback" not in result.stderr

@@ -8,7 +8,7 @@ import pytest
 
 from receipts.admission import AdmissionController, AdmissionPolicy
 
-POLICY = AdmissionPolicy(min_rate=50, max_rate=5000, tolerance=2.0, decrease=0.7,
+POLICY = AdmissionPolicy(min_rate=50, max_rate=5000, tolerance=3.0, decrease=0.7,
                          increase_per_second=200)
 
 
@@ -27,10 +27,22 @@ def test_latency_above_the_baseline_cuts_the_limit_multiplicatively_down_to_the_
     trace = []
     for _ in range(40):
         clock.now += 0.25
-        ac.observe(0.020, 1)  # the database is 20x slower: congestion
+        ac.observe(0.060, 1)  # the database is 60x slower: congestion
         trace.append(ac.limit)
-    assert trace[0] == 5000 * 0.7 and all(b <= a for a, b in itertools.pairwise(trace))
+    cuts = [b / a for a, b in itertools.pairwise(trace) if b < a]
+    assert cuts and all(c == pytest.approx(0.7) for c in cuts[:-1])  # multiplicative
     assert trace[-1] == 50  # bounded below: a backlog always drains
+
+
+def test_commit_jitter_and_event_loop_lag_are_not_congestion():
+    """What a drain on an idle server looks like: 0.6 ms at best, 2 ms typical, spikes."""
+    clock = Clock()
+    ac = AdmissionController(POLICY, clock)
+    ac.observe(0.0006, 1)
+    for i in range(2000):
+        clock.now += 0.005
+        ac.observe(0.012 if i % 10 == 0 else 0.002, 10)  # p90 spikes of 12 ms
+    assert ac.decreases == 0 and ac.limit == 5000
 
 
 def test_decreases_are_spaced_so_one_round_of_slow_statements_counts_once():
@@ -51,10 +63,15 @@ def test_the_limit_grows_back_additively_when_latency_returns_to_the_baseline():
         clock.now += 0.25
         ac.observe(0.050, 1)
     low = ac.limit
+    for _ in range(40):  # the moving average settles back below the threshold
+        clock.now += 0.1
+        ac.observe(0.0011, 1)
+    settled = ac.limit
+    assert settled > low
     for _ in range(10):
         clock.now += 0.1
         ac.observe(0.0011, 1)
-    assert ac.limit == pytest.approx(low + 200 * 1.0)
+    assert ac.limit == pytest.approx(settled + 200 * 1.0)
 
 
 def test_bigger_statements_are_not_mistaken_for_congestion():
