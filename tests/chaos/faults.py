@@ -16,6 +16,7 @@ import math
 import random
 import time
 from collections import Counter
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import httpx
@@ -220,33 +221,35 @@ class FaultInjector:
                and time.monotonic() < deadline):
             await asyncio.sleep(0.05)
 
+    async def _cut(self, kind: str, cuts: list[Any], arm: Callable[[int], None]) -> bool:
+        """Arm one proxy cut of *kind* once the provider is quiet; True when it happened.
+
+        *cuts* is the proxy's record of that kind of cut, *arm* arms more (or,
+        with a negative count, disarms what did not fire within 15 s).
+        """
+        await self._quiet_provider(10)
+        self.faults[kind] += 1
+        before = len(cuts)
+        arm(1)
+        deadline = time.monotonic() + 15
+        while len(cuts) == before and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        if len(cuts) > before:
+            return True
+        arm(-1)
+        return False
+
     async def _fault_claim_cut(self) -> None:
         proxy = self.run.proxy
-        await self._quiet_provider(10)
-        self.faults["claim_cut"] += 1
-        before = len(proxy.cuts)
-        proxy.arm_cut(1)
-        deadline = time.monotonic() + 15
-        while len(proxy.cuts) == before and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        if len(proxy.cuts) > before:
+        if await self._cut("claim_cut", proxy.cuts, proxy.arm_cut):
             self.run.say(f"proxy cut a committed claim of {len(proxy.cuts[-1].rows)} job(s)")
 
     async def _fault_write_cut(self) -> None:
         """Let the proxied worker's next ack or reschedule commit; drop its answer."""
         proxy = self.run.proxy
-        await self._quiet_provider(10)
-        self.faults["write_cut"] += 1
-        before = len(proxy.write_cuts)
-        proxy.arm_cut_write(1)
-        deadline = time.monotonic() + 15
-        while len(proxy.write_cuts) == before and time.monotonic() < deadline:
-            await asyncio.sleep(0.02)
-        if len(proxy.write_cuts) > before:
+        if await self._cut("write_cut", proxy.write_cuts, proxy.arm_cut_write):
             self.effects["write_answers_cut"] += 1
             self.run.say("proxy cut the answer of a committed ack/reschedule")
-        else:
-            proxy.arm_cut_write(-proxy.writes_armed)
 
     async def _fault_half_open(self) -> None:
         """Hold every proxied connection half-open past the worker's statement deadline."""
