@@ -35,6 +35,7 @@ from receipts.settings import (
     package_version,
     redact_dsn,
 )
+from receipts.statements import DEFAULT_SCHEMA, SCHEMA_NAME
 
 if TYPE_CHECKING:
     from receipts.review import RetryResult
@@ -48,6 +49,7 @@ EXIT_PENDING, EXIT_UNKNOWN = 3, 4
 # One line of help per setting (defaults are read from Settings itself).
 SETTING_HELP: dict[str, str] = {
     "database_url": "PostgreSQL DSN, URI or key=value (secret)",
+    "database_schema": "schema of the receipts tables (default: the DSN's search_path; public)",
     "provider_url": "receipt provider endpoint (POST), http:// or https://",
     "provider_token": "bearer token sent to the provider (secret)",
     "concurrency": "delivery slots per process",
@@ -78,13 +80,15 @@ SETTING_HELP: dict[str, str] = {
     "auth_pause_seconds": "first claim pause after a 401/403 (doubles up to 10 min)",
     "application_name": "prefix of the connections' application_name",
 }
-_CONNECTION = ("database_url", "application_name", "pgbouncer", "statement_timeout_seconds",
-               "lock_timeout_seconds", "idle_in_transaction_timeout_seconds", "log_level")
+_CONNECTION = ("database_url", "database_schema", "application_name", "pgbouncer",
+               "statement_timeout_seconds", "lock_timeout_seconds",
+               "idle_in_transaction_timeout_seconds", "log_level")
 _RECOVERY_ONLY = ("recovery_delay_seconds", "recovery_batch_size", "retention_days",
                   "prune_batch_size", "pushgateway_url")
 # The settings each command reads; the worker reads every other one.
 COMMAND_SETTINGS: dict[str, tuple[str, ...]] = {
-    "migrate": ("database_url", "application_name", "log_level", "migrate_lock_timeout_seconds"),
+    "migrate": ("database_url", "database_schema", "application_name", "log_level",
+                "migrate_lock_timeout_seconds"),
     "recover": (*_CONNECTION, "max_attempts", *_RECOVERY_ONLY),
     "enqueue": _CONNECTION,
     "jobs": _CONNECTION,
@@ -171,7 +175,7 @@ async def _with_queue(settings: Settings, role: str,
     await pool.open(wait=False)
     try:
         queue = JobQueue(pool, lease_seconds=settings.lease_seconds,
-                         max_attempts=settings.max_attempts)
+                         max_attempts=settings.max_attempts, schema=settings.db_schema)
         return await body(queue)
     finally:
         await pool.close(timeout=2.0)
@@ -198,15 +202,21 @@ def cmd_migrate(settings: Settings | None, args: argparse.Namespace) -> int:
     if args.pending and not args.print_sql:
         raise UsageError("--pending goes with --print-sql")
     if args.print_sql and not args.pending:
-        sys.stdout.write(migrate.migration_sql())
+        # No database is read, so no settings are loaded: only the schema's name.
+        schema = os.environ.get("RECEIPTS_DATABASE_SCHEMA", "").strip() or DEFAULT_SCHEMA
+        if not SCHEMA_NAME.match(schema):
+            raise UsageError(f"RECEIPTS_DATABASE_SCHEMA {schema!r} is not a lower-case SQL "
+                             "identifier (letters, digits and _, at most 63)")
+        sys.stdout.write(migrate.migration_sql(schema=schema))
         return EXIT_OK
     assert settings is not None
     if args.print_sql or args.check:
         status = migrate.read_schema_status(settings.dsn,
-                                            application_name=settings.application_name)
+                                            application_name=settings.application_name,
+                                            schema=settings.db_schema)
         if args.print_sql:
             todo = [m for m in migrate.bundled_migrations() if m.version in status.pending]
-            sys.stdout.write(migrate.migration_sql(todo))
+            sys.stdout.write(migrate.migration_sql(todo, schema=settings.db_schema))
             return EXIT_OK
         print(status.describe())
         if status.unknown or status.changed:
@@ -214,7 +224,7 @@ def cmd_migrate(settings: Settings | None, args: argparse.Namespace) -> int:
         return EXIT_PENDING if status.pending else EXIT_OK
     applied = migrate.apply_migrations(
         settings.dsn, application_name=settings.application_name,
-        lock_timeout_seconds=settings.migrate_lock_timeout_seconds)
+        lock_timeout_seconds=settings.migrate_lock_timeout_seconds, schema=settings.db_schema)
     print(f"applied {len(applied)} migration(s)" + (f": {', '.join(applied)}" if applied
                                                      else "; schema is up to date"))
     return EXIT_OK
@@ -275,7 +285,7 @@ def cmd_enqueue(settings: Settings, args: argparse.Namespace) -> int:
     created = 0
     with transaction(settings, "cli") as conn:
         for order_id in args.order_ids:
-            created += enqueue(conn, order_id) is not None
+            created += enqueue(conn, order_id, schema=settings.db_schema) is not None
     dupes = len(args.order_ids) - created
     print(f"enqueued {created} job(s); {dupes} order(s) already had one")
     return EXIT_OK

@@ -38,8 +38,11 @@ def translate(exc: BaseException) -> QueueError:
     ``raise translate(exc) from exc`` so the driver error stays ``__cause__``.
     """
     if isinstance(exc, psycopg.errors.UndefinedTable):
+        # The server's words name the schema-qualified table that was looked up.
+        what = exc.diag.message_primary or "a receipts table does not exist"
         return SchemaMissing(
-            "table receipt_jobs does not exist; run `receipts migrate` first"
+            f"{what}; run `receipts migrate` first, or set RECEIPTS_DATABASE_SCHEMA to the "
+            "schema that holds the receipts tables"
         )
     if isinstance(exc, PoolTimeout | psycopg.OperationalError | psycopg.InterfaceError):
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]

@@ -200,7 +200,7 @@ async def psycopg_connection_async(conn: object) -> psycopg.AsyncConnection[Any]
 
 
 def _statement(
-    order_ids: Iterable[object], run_at: datetime | None, notify: bool
+    order_ids: Iterable[object], run_at: datetime | None, notify: bool, schema: str | None
 ) -> tuple[list[str], Any, dict[str, Any]]:
     """(texts, statement, parameters) of one enqueue of *order_ids*; all validated first."""
     if isinstance(order_ids, str | bytes):
@@ -216,9 +216,9 @@ def _statement(
     }
     traceparent = current_traceparent()
     if traceparent is None:
-        return texts, query("enqueue"), params
+        return texts, query("enqueue", schema), params
     params["traceparent"] = traceparent
-    return texts, query("enqueue_traced"), params
+    return texts, query("enqueue_traced", schema), params
 
 
 def _warn_if_autocommit(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
@@ -249,7 +249,8 @@ def _aligned(texts: Sequence[str], row: Sequence[Any] | None) -> list[uuid.UUID 
 
 
 def enqueue(
-    conn: Any, order_id: OrderId, *, run_at: datetime | None = None, notify: bool = True
+    conn: Any, order_id: OrderId, *, run_at: datetime | None = None, notify: bool = True,
+    schema: str | None = None,
 ) -> uuid.UUID | None:
     """Enqueue the receipt job of *order_id* inside the caller's transaction.
 
@@ -266,6 +267,12 @@ def enqueue(
         notify: wake listening workers when the transaction commits (one
             ``pg_notify``; PostgreSQL delivers identical notifications of one
             transaction once, however many jobs it enqueued).
+        schema: the schema of the receipts tables (``RECEIPTS_DATABASE_SCHEMA``
+            of the workers); None (default) leaves the table name to the
+            connection's ``search_path``, as the order's own statements are.
+            Name it when the connection may carry a foreign ``SET search_path``
+            (a transaction-pooling PgBouncer). ``ValueError`` for a name that
+            is not a lower-case identifier.
 
     Returns the new job's UUID, or None when the order already had a job
     (``ON CONFLICT (order_id) DO NOTHING``). Raises :class:`InvalidOrderId`
@@ -274,7 +281,7 @@ def enqueue(
     *run_at*, and psycopg errors as the caller's own statements would. Warns
     :class:`AutocommitWarning` on an autocommit connection outside a transaction.
     """
-    texts, statement, params = _statement((order_id,), run_at, notify)
+    texts, statement, params = _statement((order_id,), run_at, notify, schema)
     driver = psycopg_connection(conn)
     _warn_if_autocommit(driver)
     return _aligned(texts, driver.execute(statement, params, binary=True).fetchone())[0]
@@ -286,6 +293,7 @@ def enqueue_many(
     *,
     run_at: datetime | None = None,
     notify: bool = True,
+    schema: str | None = None,
 ) -> list[uuid.UUID | None]:
     """Enqueue many orders' receipt jobs in ONE statement, inside the caller's transaction.
 
@@ -299,7 +307,7 @@ def enqueue_many(
     the same order). ``sum(x is not None for x in result)`` is the number of
     jobs created. An empty *order_ids* sends nothing and returns ``[]``.
     """
-    texts, statement, params = _statement(order_ids, run_at, notify)
+    texts, statement, params = _statement(order_ids, run_at, notify, schema)
     if not texts:
         return []
     driver = psycopg_connection(conn)
@@ -308,10 +316,11 @@ def enqueue_many(
 
 
 async def enqueue_async(
-    conn: Any, order_id: OrderId, *, run_at: datetime | None = None, notify: bool = True
+    conn: Any, order_id: OrderId, *, run_at: datetime | None = None, notify: bool = True,
+    schema: str | None = None,
 ) -> uuid.UUID | None:
     """Async twin of :func:`enqueue` (``psycopg.AsyncConnection``, SQLAlchemy async)."""
-    texts, statement, params = _statement((order_id,), run_at, notify)
+    texts, statement, params = _statement((order_id,), run_at, notify, schema)
     driver = await psycopg_connection_async(conn)
     _warn_if_autocommit(driver)
     cur = await driver.execute(statement, params, binary=True)
@@ -324,9 +333,10 @@ async def enqueue_many_async(
     *,
     run_at: datetime | None = None,
     notify: bool = True,
+    schema: str | None = None,
 ) -> list[uuid.UUID | None]:
     """Async twin of :func:`enqueue_many` (same single statement, same result)."""
-    texts, statement, params = _statement(order_ids, run_at, notify)
+    texts, statement, params = _statement(order_ids, run_at, notify, schema)
     if not texts:
         return []
     driver = await psycopg_connection_async(conn)

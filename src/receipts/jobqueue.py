@@ -44,7 +44,7 @@ from receipts.model import (
     Reschedule,
     Verdict,
 )
-from receipts.statements import claim_query, query, statements
+from receipts.statements import DEFAULT_SCHEMA, claim_query, qualifier, query, statements
 
 
 def _age(created_at: datetime | None) -> float | None:
@@ -166,6 +166,9 @@ class JobQueue:
             attempt back (docs/design.md §11).
         deadline_seconds: client-side deadline of each statement, seconds
             (None: none); see :func:`receipts.db.borrow`.
+        schema: the schema that holds the tables; every statement names it,
+            so no session ``search_path`` applies (``ValueError`` for a name
+            that is not a lower-case identifier).
 
     Every method raises :class:`~receipts.errors.DatabaseUnavailable` when the
     database cannot be reached, :class:`~receipts.errors.SchemaMissing` before
@@ -182,14 +185,21 @@ class JobQueue:
         burst: float | None = None,
         max_in_progress: int = 20,
         deadline_seconds: float | None = None,
+        schema: str = DEFAULT_SCHEMA,
     ) -> None:
         self.pool = pool
+        qualifier(schema)  # a bad name fails here, not at the first statement
+        self.schema = schema
         self.deadline_seconds = deadline_seconds
         self.lease_seconds = float(lease_seconds)
         self.max_attempts = int(max_attempts)
         self.rate = float(rate_limit_per_second)
         self.burst = float(burst if burst is not None else max(1.0, self.rate))
         self.max_in_progress = int(max_in_progress)
+
+    def _q(self, name: str) -> sql.SQL:
+        """The named statement, its tables in this queue's schema."""
+        return query(name, self.schema)
 
     @asynccontextmanager
     async def _conn(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
@@ -224,7 +234,8 @@ class JobQueue:
         }
         if self.rate > 0:
             params |= {"rate": self.rate, "burst": self.burst}
-        rows = await self._rows(claim_query(limit, limited=self.rate > 0), params)
+        statement = claim_query(limit, limited=self.rate > 0, schema=self.schema)
+        rows = await self._rows(statement, params)
         claimed_at = time.monotonic()
         attempts = [
             Attempt(Job(id=r[0], order_id=r[1], token=r[2], attempt=r[3], traceparent=r[8]),
@@ -243,7 +254,7 @@ class JobQueue:
         if not pairs:
             return set()
         rows = await self._rows(
-            query("ack"), {"ids": [p[0] for p in pairs], "tokens": [p[1] for p in pairs]}
+            self._q("ack"), {"ids": [p[0] for p in pairs], "tokens": [p[1] for p in pairs]}
         )
         return {r[0] for r in rows}
 
@@ -259,7 +270,7 @@ class JobQueue:
         if not items:
             return {}
         rows = await self._rows(
-            query("reschedule"),
+            self._q("reschedule"),
             {
                 "ids": [i.attempt.job.id for i in items],
                 "tokens": [i.attempt.job.token for i in items],
@@ -288,7 +299,7 @@ class JobQueue:
         if not pairs:
             return {}
         rows = await self._rows(
-            query("resolve_writes"),
+            self._q("resolve_writes"),
             {"ids": [p[0] for p in pairs], "tokens": [p[1] for p in pairs]},
         )
         return {r[0]: JobState(r[1]) for r in rows}
@@ -298,7 +309,7 @@ class JobQueue:
     async def extend_pause(self, reason: PauseReason, seconds: float) -> FlowState:
         """Pause the fleet for at least *seconds* from now; never shortens a pause."""
         rows = await self._rows(
-            query("extend_pause"), {"reason": str(reason), "seconds": max(0.0, float(seconds))}
+            self._q("extend_pause"), {"reason": str(reason), "seconds": max(0.0, float(seconds))}
         )
         return _flow_state(rows[0][:2])
 
@@ -310,7 +321,7 @@ class JobQueue:
         the winner, None to everyone else (no pause, not due yet, or another
         pod won). *guard_seconds* is how long others wait if this pod dies.
         """
-        rows = await self._rows(query("begin_probe"), {"guard_seconds": float(guard_seconds)})
+        rows = await self._rows(self._q("begin_probe"), {"guard_seconds": float(guard_seconds)})
         if not rows:
             return None
         reason, until, pause_seconds = rows[0]
@@ -318,12 +329,12 @@ class JobQueue:
 
     async def resume(self, probe_until: datetime) -> bool:
         """End the pause after a probe the provider answered; False if extended since."""
-        return bool(await self._rows(query("resume"), {"probe_until": probe_until}))
+        return bool(await self._rows(self._q("resume"), {"probe_until": probe_until}))
 
     async def flow_state(self) -> FlowState:
         """The fleet-wide pause and the bucket's tokens now (tokens None without a limit)."""
         rows = await self._rows(
-            query("flow_state"), {"rate": self.rate, "burst": self.burst}
+            self._q("flow_state"), {"rate": self.rate, "burst": self.burst}
         )
         if not rows:
             return FlowState()
@@ -339,7 +350,7 @@ class JobQueue:
         crashed pod's jobs do not come back in one burst).
         """
         rows = await self._rows(
-            query("recover_expired"),
+            self._q("recover_expired"),
             {
                 "batch": min(int(batch), 100),
                 "delay_seconds": float(delay_seconds),
@@ -352,20 +363,20 @@ class JobQueue:
     async def fail_exhausted(self, *, batch: int) -> int:
         """Fail one batch of ready rows whose attempts reached max; returns the count."""
         rows = await self._rows(
-            query("fail_exhausted"), {"batch": int(batch), "max_attempts": self.max_attempts}
+            self._q("fail_exhausted"), {"batch": int(batch), "max_attempts": self.max_attempts}
         )
         return len(rows)
 
     async def prune(self, *, retention_seconds: float, batch: int) -> int:
         """Delete one batch of done/failed rows finished before the retention window."""
         rows = await self._rows(
-            query("prune"), {"retention_seconds": float(retention_seconds), "batch": int(batch)}
+            self._q("prune"), {"retention_seconds": float(retention_seconds), "batch": int(batch)}
         )
         return len(rows)
 
     async def queue_stats(self) -> QueueStats:
         """Read the queue gauges (one statement over the partial indexes)."""
-        rows = await self._rows(query("queue_stats"), {})
+        rows = await self._rows(self._q("queue_stats"), {})
         r = rows[0]
         return QueueStats(
             ready_due=int(r[0]),
@@ -388,13 +399,13 @@ class JobQueue:
     async def state_counts(self) -> dict[JobState, int]:
         """Exact rows by state (every state present, 0 when empty)."""
         counts = dict.fromkeys(JobState, 0)
-        for state, n in await self._rows(query("state_counts"), {}):
+        for state, n in await self._rows(self._q("state_counts"), {}):
             counts[JobState(state)] = int(n)
         return counts
 
     async def oldest_failed(self) -> datetime | None:
         """When the oldest failed job failed, or None when none has."""
-        rows = await self._rows(query("oldest_failed"), {})
+        rows = await self._rows(self._q("oldest_failed"), {})
         return rows[0][0] if rows else None
 
     async def list_jobs(
@@ -404,7 +415,7 @@ class JobQueue:
         async with self._conn() as conn:
             cur = conn.cursor(row_factory=dict_row)
             await cur.execute(
-                query("list_jobs"), {"state": str(state), "limit": int(limit), "since": since}
+                self._q("list_jobs"), {"state": str(state), "limit": int(limit), "since": since}
             )
             return await cur.fetchall()
 
@@ -417,7 +428,7 @@ class JobQueue:
         async with self._conn() as conn:
             cur = conn.cursor(row_factory=dict_row)
             for name, params in lookups:
-                await cur.execute(query(name), params)
+                await cur.execute(self._q(name), params)
                 row = await cur.fetchone()
                 if row is not None:
                     return row
@@ -430,7 +441,7 @@ class JobQueue:
         the ids that changed; ids in any other state are left alone.
         """
         rows = await self._rows(
-            query("retry_failed"), {"ids": None if ids is None else list(ids)}
+            self._q("retry_failed"), {"ids": None if ids is None else list(ids)}
         )
         return [r[0] for r in rows]
 
@@ -447,7 +458,7 @@ class JobQueue:
         if not records:
             return
         await self._rows(
-            query("record_attempts"),
+            self._q("record_attempts"),
             {
                 "job_ids": [r.job_id for r in records],
                 "attempts": [r.attempt for r in records],
@@ -470,7 +481,7 @@ class JobQueue:
         """
         async with self._conn() as conn:
             cur = conn.cursor(row_factory=dict_row)
-            await cur.execute(query("job_attempts"), {"id": job_id})
+            await cur.execute(self._q("job_attempts"), {"id": job_id})
             return await cur.fetchall()
 
     async def review_jobs(
@@ -491,12 +502,12 @@ class JobQueue:
         }
         async with self._conn() as conn:
             cur = conn.cursor(row_factory=dict_row)
-            await cur.execute(_review_query("review_jobs", view), params)
+            await cur.execute(_review_query("review_jobs", view, self.schema), params)
             return await cur.fetchall()
 
     async def review_count(self, view: ReviewFilter) -> int:
         """How many jobs match *view* now."""
-        rows = await self._rows(_review_query("review_count", view), view.params())
+        rows = await self._rows(_review_query("review_count", view, self.schema), view.params())
         return int(rows[0][0])
 
     async def retry_jobs(
@@ -527,17 +538,17 @@ class JobQueue:
         self, name: str, target: ReviewFilter | Sequence[uuid.UUID], expected: int
     ) -> list[uuid.UUID]:
         if isinstance(target, ReviewFilter):
-            statement = _action_query(name, target)
+            statement = _action_query(name, target, self.schema)
             params = target.params()
         else:
-            statement = _action_query(name, None)
+            statement = _action_query(name, None, self.schema)
             params = {"ids": list(dict.fromkeys(target)), "reason": None, "status": None}
         rows = await self._rows(statement, params | {"expected": int(expected)})
         return [r[0] for r in rows]
 
     async def job_states(self, ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, JobState]:
         """The current state of each of *ids* that exists."""
-        rows = await self._rows(query("job_states"), {"ids": list(ids)})
+        rows = await self._rows(self._q("job_states"), {"ids": list(ids)})
         return {r[0]: JobState(r[1]) for r in rows}
 
     async def provider_pause(self) -> dict[str, Any]:
@@ -549,7 +560,7 @@ class JobQueue:
         """
         async with self._conn() as conn:
             dcur = conn.cursor(row_factory=dict_row)
-            await dcur.execute(query("provider_pause"))
+            await dcur.execute(self._q("provider_pause"))
             row = await dcur.fetchone()
         return row or {"pause_reason": None, "paused_until": None, "pause_seconds": None,
                        "remaining_seconds": 0.0}
@@ -589,20 +600,20 @@ class ReviewFilter:
                 "until": self.until, "order_contains": self.order_contains or None}
 
 
-def _matching(view: ReviewFilter) -> sql.Composed:
-    return sql.SQL(statements()["review_matching"]).format(  # type: ignore[arg-type,unused-ignore]
+def _matching(view: ReviewFilter, schema: str) -> sql.Composed:
+    return sql.SQL(statements(schema)["review_matching"]).format(  # type: ignore[arg-type,unused-ignore]
         state=sql.Literal(str(view.state)), key=sql.Identifier(view.key)
     )
 
 
-def _review_query(name: str, view: ReviewFilter) -> sql.Composed:
+def _review_query(name: str, view: ReviewFilter, schema: str) -> sql.Composed:
     """A review statement with *view*'s fragment composed in (a handful per page)."""
-    return sql.SQL(statements()[name]).format(  # type: ignore[arg-type,unused-ignore]
-        matching=_matching(view), key=sql.Identifier(view.key)
+    return sql.SQL(statements(schema)[name]).format(  # type: ignore[arg-type,unused-ignore]
+        matching=_matching(view, schema), key=sql.Identifier(view.key)
     )
 
 
-def _action_query(name: str, view: ReviewFilter | None) -> sql.Composed:
+def _action_query(name: str, view: ReviewFilter | None, schema: str) -> sql.Composed:
     """retry_jobs/discard_jobs on ids (*view* None) or on *view*'s filter."""
-    target = sql.SQL("j.id = ANY(%(ids)s::uuid[])") if view is None else _matching(view)
-    return sql.SQL(statements()[name]).format(target=target)  # type: ignore[arg-type,unused-ignore]
+    target = sql.SQL("j.id = ANY(%(ids)s::uuid[])") if view is None else _matching(view, schema)
+    return sql.SQL(statements(schema)[name]).format(target=target)  # type: ignore[arg-type,unused-ignore]

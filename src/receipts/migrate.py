@@ -34,7 +34,7 @@ LOCK_KEY = int.from_bytes(hashlib.sha256(b"receipts.migrate").digest()[:8], "big
 _NAME = re.compile(r"^(\d{4})_[a-z0-9_]+\.sql$")
 
 _TRACKING = """
-CREATE TABLE IF NOT EXISTS receipts_schema_migrations (
+CREATE TABLE IF NOT EXISTS {schema}.receipts_schema_migrations (
   version     TEXT PRIMARY KEY,
   checksum    TEXT NOT NULL,
   applied_at  TIMESTAMPTZ NOT NULL DEFAULT now()
@@ -53,6 +53,25 @@ class Migration:
     def checksum(self) -> str:
         """SHA-256 of the file text, recorded to detect edited migrations."""
         return hashlib.sha256(self.sql.encode()).hexdigest()
+
+
+def _qualified(schema: str) -> str:
+    """``"schema".`` for SQL text; ``ValueError`` for a name that is not an identifier."""
+    from receipts.statements import qualifier
+
+    return qualifier(schema)
+
+
+def _tracking(schema: str) -> str:
+    return _TRACKING.replace("{schema}.", _qualified(schema))
+
+
+def _resolve(dsn: str, schema: str | None) -> str:
+    if schema is not None:
+        return schema
+    from receipts.settings import schema_for
+
+    return schema_for(dsn)
 
 
 class MigrationError(Exception):
@@ -108,9 +127,14 @@ def _lock_message(seconds: float) -> str:
 def apply_migrations(
     dsn: str, *, migrations: list[Migration] | None = None, application_name: str = "receipts",
     connect_timeout_seconds: float = 10.0, lock_timeout_seconds: float = 120.0,
-    statement_timeout_seconds: float = 1800.0,
+    statement_timeout_seconds: float = 1800.0, schema: str | None = None,
 ) -> list[str]:
-    """Apply every pending migration to the database at *dsn*.
+    """Apply every pending migration to the database at *dsn*, in *schema*.
+
+    *schema* (default: :func:`receipts.settings.schema_for` of *dsn*) is
+    created when missing; each file runs with ``SET LOCAL search_path`` to it
+    alone, so whatever search_path the session has, the tables land where
+    the workers' qualified statements look for them.
 
     Needs the ``worker`` extra (errors are translated by :mod:`receipts.db`).
     Returns the versions applied by this call (empty when up to date).
@@ -124,6 +148,8 @@ def apply_migrations(
     for), each statement by *statement_timeout_seconds*.
     """
     todo = bundled_migrations() if migrations is None else migrations
+    schema = _resolve(dsn, schema)
+    prefix = _qualified(schema)
     applied: list[str] = []
     try:
         with psycopg.connect(
@@ -133,12 +159,17 @@ def apply_migrations(
         ) as conn:
             with conn.transaction():
                 conn.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK_KEY,))
-                conn.execute(_TRACKING)
+                exists = conn.execute("SELECT FROM pg_namespace WHERE nspname = %s",
+                                      (schema,)).fetchone()
+                if exists is None:
+                    conn.execute(f"CREATE SCHEMA IF NOT EXISTS {prefix[:-1]}".encode())
+                conn.execute(_tracking(schema).encode())
             for migration in todo:
                 with conn.transaction():
                     conn.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK_KEY,))
                     row = conn.execute(
-                        "SELECT checksum FROM receipts_schema_migrations WHERE version = %s",
+                        f"SELECT checksum FROM {prefix}receipts_schema_migrations"  # type: ignore[arg-type,unused-ignore]
+                        " WHERE version = %s",
                         (migration.version,),
                     ).fetchone()
                     if row is not None:
@@ -148,6 +179,7 @@ def apply_migrations(
                                 "applied; add a new migration instead"
                             )
                         continue
+                    conn.execute(f"SET LOCAL search_path TO {prefix[:-1]}".encode())
                     try:
                         conn.execute(migration.sql.encode())
                     except psycopg.errors.LockNotAvailable as exc:
@@ -157,8 +189,8 @@ def apply_migrations(
                             raise
                         raise MigrationError(f"{migration.version} failed: {exc}") from exc
                     conn.execute(
-                        "INSERT INTO receipts_schema_migrations (version, checksum)"
-                        " VALUES (%s, %s)",
+                        f"INSERT INTO {prefix}receipts_schema_migrations"  # type: ignore[arg-type,unused-ignore]
+                        " (version, checksum) VALUES (%s, %s)",
                         (migration.version, migration.checksum),
                     )
                     applied.append(migration.version)
@@ -176,8 +208,12 @@ def apply_migrations(
 # ------------------------------------------------------------ schema version
 
 
-_HAS_TRACKING = "SELECT to_regclass('receipts_schema_migrations') IS NOT NULL"
-_APPLIED = "SELECT version, checksum FROM receipts_schema_migrations ORDER BY version"
+_HAS_TRACKING = "SELECT to_regclass('{schema}.receipts_schema_migrations') IS NOT NULL"
+_APPLIED = "SELECT version, checksum FROM {schema}.receipts_schema_migrations ORDER BY version"
+# Where else a receipts schema lives (for the hint when *schema* has none).
+_ELSEWHERE = ("SELECT n.nspname FROM pg_class AS c JOIN pg_namespace AS n"
+              " ON n.oid = c.relnamespace WHERE c.relname = 'receipts_schema_migrations'"
+              " AND c.relkind = 'r' ORDER BY 1")
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +228,10 @@ class SchemaStatus:
         changed: applied versions whose recorded checksum differs from the
             shipped file's.
         expected: the newest shipped version (what this package needs), or None.
+        schema: the schema that was looked in.
+        database: the database's name (for messages).
+        elsewhere: other schemas of this database that hold a receipts
+            schema (read only when *schema* holds none), for the hint.
     """
 
     applied: tuple[str, ...]
@@ -199,6 +239,9 @@ class SchemaStatus:
     unknown: tuple[str, ...]
     changed: tuple[str, ...]
     expected: str | None
+    schema: str = "public"
+    database: str = ""
+    elsewhere: tuple[str, ...] = ()
 
     @property
     def version(self) -> str | None:
@@ -223,8 +266,15 @@ class SchemaStatus:
             return (f"schema migration(s) {', '.join(self.changed)} differ from the ones "
                     f"{ours} ships: the database was migrated by a different build")
         if self.pending and not self.applied:
-            return (f"no receipts schema in this database ({ours} expects {self.expected}): "
-                    "run `receipts migrate`")
+            where = f'schema "{self.schema}" of database "{self.database}"'
+            hint = "run `receipts migrate`"
+            if self.elsewhere:
+                found = ", ".join(self.elsewhere)
+                hint = (f"it is in schema {found}: set RECEIPTS_DATABASE_SCHEMA={self.elsewhere[0]}"
+                        f", or {hint} to create one in {self.schema}")
+            return (f"no receipts schema in {where} (looked up "
+                    f"{self.schema}.receipts_schema_migrations; {ours} expects "
+                    f"{self.expected}): {hint}")
         if self.pending:
             return (f"schema version {self.version}, {ours} expects {self.expected}: "
                     f"{len(self.pending)} migration(s) pending ({', '.join(self.pending)}); "
@@ -232,7 +282,8 @@ class SchemaStatus:
         return f"schema version {self.version} (up to date)"
 
 
-def _status(rows: list[tuple[str, str]], shipped: list[Migration]) -> SchemaStatus:
+def _status(rows: list[tuple[str, str]], shipped: list[Migration], *, schema: str,
+            database: str, elsewhere: tuple[str, ...]) -> SchemaStatus:
     recorded = dict(rows)
     known = {m.version: m for m in shipped}
     return SchemaStatus(
@@ -242,36 +293,48 @@ def _status(rows: list[tuple[str, str]], shipped: list[Migration]) -> SchemaStat
         changed=tuple(sorted(v for v, checksum in recorded.items()
                              if v in known and known[v].checksum != checksum)),
         expected=shipped[-1].version if shipped else None,
+        schema=schema, database=database, elsewhere=elsewhere,
     )
 
 
 def schema_status(
-    conn: psycopg.Connection[Any], *, migrations: list[Migration] | None = None
+    conn: psycopg.Connection[Any], *, migrations: list[Migration] | None = None,
+    schema: str = "public",
 ) -> SchemaStatus:
-    """Compare the database behind *conn* with the shipped (or given) *migrations*.
+    """Compare *schema* of the database behind *conn* with the shipped (or given) *migrations*.
 
-    Reads only (two statements; a database without the tracking table is
-    "nothing applied", not an error), so it is safe on any connection.
-    psycopg errors propagate.
+    Reads only (two statements, three when *schema* has no tracking table:
+    that is "nothing applied", not an error), so it is safe on any
+    connection. psycopg errors propagate; ``ValueError`` for a bad *schema*.
     """
     shipped = bundled_migrations() if migrations is None else migrations
-    row = conn.execute(_HAS_TRACKING).fetchone()
-    rows = conn.execute(_APPLIED).fetchall() if row and row[0] else []
-    return _status([(str(v), str(c)) for v, c in rows], shipped)
+    has, applied = (q.replace("{schema}.", _qualified(schema)) for q in (_HAS_TRACKING, _APPLIED))
+    row = conn.execute(has.encode()).fetchone()
+    rows = conn.execute(applied.encode()).fetchall() if row and row[0] else []
+    elsewhere = () if rows else tuple(
+        str(r[0]) for r in conn.execute(_ELSEWHERE).fetchall() if r[0] != schema)
+    return _status([(str(v), str(c)) for v, c in rows], shipped, schema=schema,
+                   database=conn.info.dbname, elsewhere=elsewhere)
 
 
 async def schema_status_async(
-    conn: psycopg.AsyncConnection[Any], *, migrations: list[Migration] | None = None
+    conn: psycopg.AsyncConnection[Any], *, migrations: list[Migration] | None = None,
+    schema: str = "public",
 ) -> SchemaStatus:
     """Async twin of :func:`schema_status` (same statements, same result)."""
     shipped = bundled_migrations() if migrations is None else migrations
-    row = await (await conn.execute(_HAS_TRACKING)).fetchone()
-    rows = await (await conn.execute(_APPLIED)).fetchall() if row and row[0] else []
-    return _status([(str(v), str(c)) for v, c in rows], shipped)
+    has, applied = (q.replace("{schema}.", _qualified(schema)) for q in (_HAS_TRACKING, _APPLIED))
+    row = await (await conn.execute(has.encode())).fetchone()
+    rows = await (await conn.execute(applied.encode())).fetchall() if row and row[0] else []
+    elsewhere = () if rows else tuple(
+        str(r[0]) for r in await (await conn.execute(_ELSEWHERE)).fetchall() if r[0] != schema)
+    return _status([(str(v), str(c)) for v, c in rows], shipped, schema=schema,
+                   database=conn.info.dbname, elsewhere=elsewhere)
 
 
 def check_schema(
-    conn: psycopg.Connection[Any], *, migrations: list[Migration] | None = None
+    conn: psycopg.Connection[Any], *, migrations: list[Migration] | None = None,
+    schema: str = "public",
 ) -> SchemaStatus:
     """Return the :class:`SchemaStatus` when it is current; raise otherwise.
 
@@ -280,24 +343,28 @@ def check_schema(
     package does not ship (a newer receipts migrated it) or when an applied
     migration differs from the shipped file. psycopg errors propagate.
     """
-    status = schema_status(conn, migrations=migrations)
+    status = schema_status(conn, migrations=migrations, schema=schema)
     if not status.current:
         raise SchemaMismatch(status.describe())
     return status
 
 
 async def check_schema_async(
-    conn: psycopg.AsyncConnection[Any], *, migrations: list[Migration] | None = None
+    conn: psycopg.AsyncConnection[Any], *, migrations: list[Migration] | None = None,
+    schema: str = "public",
 ) -> SchemaStatus:
     """Async twin of :func:`check_schema`, for the worker's start-up."""
-    status = await schema_status_async(conn, migrations=migrations)
+    status = await schema_status_async(conn, migrations=migrations, schema=schema)
     if not status.current:
         raise SchemaMismatch(status.describe())
     return status
 
 
-def read_schema_status(dsn: str, *, application_name: str = "receipts") -> SchemaStatus:
-    """Connect to *dsn*, read its :class:`SchemaStatus`, disconnect (``worker`` extra).
+def read_schema_status(dsn: str, *, application_name: str = "receipts",
+                       schema: str | None = None) -> SchemaStatus:
+    """Connect to *dsn*, read *schema*'s :class:`SchemaStatus`, disconnect (``worker`` extra).
+
+    *schema* defaults to :func:`receipts.settings.schema_for` of *dsn*.
 
     Raises ``DatabaseUnavailable`` (or another ``QueueError``) when the
     database cannot be read; the message is redacted.
@@ -307,15 +374,20 @@ def read_schema_status(dsn: str, *, application_name: str = "receipts") -> Schem
             dsn, autocommit=True, application_name=f"{application_name}-migrate",
             connect_timeout=10, options=_timeouts(dsn, 10.0, 30.0),
         ) as conn:
-            return schema_status(conn)
+            return schema_status(conn, schema=_resolve(dsn, schema))
     except psycopg.Error as exc:
         from receipts.db import translate
 
         raise translate(exc) from exc
 
 
-def migration_sql(migrations: list[Migration] | None = None) -> str:
+def migration_sql(migrations: list[Migration] | None = None, *, schema: str = "public") -> str:
     """The SQL text of *migrations* (default: all shipped), for teams that own migrations.
+
+    Every part starts with ``SET LOCAL search_path TO`` *schema* (so apply it
+    in a transaction: outside one, PostgreSQL ignores ``SET LOCAL`` with a
+    warning) and names *schema* in the tracking statements, like
+    :func:`apply_migrations`; the schema must exist.
 
     Starts with the tracking table (``CREATE TABLE IF NOT EXISTS``); each file
     follows with the ``INSERT`` that records its version and checksum, exactly
@@ -327,17 +399,19 @@ def migration_sql(migrations: list[Migration] | None = None) -> str:
 
     todo = bundled_migrations() if migrations is None else migrations
     names = ", ".join(m.version for m in todo) or "none"
+    prefix = _qualified(schema)
     parts = [
-        f"-- receipts {__version__}: schema migrations {names}\n"
-        "-- Generated by `receipts migrate --print-sql`; apply in order. Each part records\n"
-        "-- its version in receipts_schema_migrations, which workers check at start-up.\n"
-        f"{_TRACKING.strip()};\n"
+        f"-- receipts {__version__}: schema migrations {names}, in schema {schema}\n"
+        "-- Generated by `receipts migrate --print-sql`; apply in order, in a transaction.\n"
+        "-- Each part records its version in receipts_schema_migrations, which workers\n"
+        "-- check at start-up.\n"
+        f"{_tracking(schema).strip()};\n"
     ]
     for m in todo:
         literal = "'" + m.version.replace("'", "''") + "'"
         parts.append(
-            f"-- ---- {m.version}\n{m.sql.strip()}\n"
-            "INSERT INTO receipts_schema_migrations (version, checksum)\n"
+            f"-- ---- {m.version}\nSET LOCAL search_path TO {prefix[:-1]};\n{m.sql.strip()}\n"
+            f"INSERT INTO {prefix}receipts_schema_migrations (version, checksum)\n"
             f"VALUES ({literal}, '{m.checksum}');\n"
         )
     return "\n".join(parts)

@@ -65,6 +65,7 @@ def make_queue(settings: Settings, pool: AsyncConnectionPool) -> JobQueue:
         burst=settings.burst,
         max_in_progress=settings.max_in_progress_answers,
         deadline_seconds=statement_deadline(settings),
+        schema=settings.db_schema,
     )
 
 
@@ -163,12 +164,14 @@ async def check_database(settings: Settings) -> None:
     async with conn:
         await check_encoding(conn)
         try:
-            status = await schema_status_async(conn)
+            status = await schema_status_async(conn, schema=settings.db_schema)
         except Exception as exc:  # psycopg errors reading the tracking table: judge later
             log.debug("schema_status_unread", extra={"error": str(exc)[:200]})
             return
         if status.unknown or status.changed:
             raise SchemaMismatch(status.describe())
+        if not status.applied:  # says where it looked, and where the tables are instead
+            log.warning("schema_missing", extra={"detail": status.describe()})
 
 
 def watch_pool(pool: AsyncConnectionPool, metrics: Metrics) -> None:

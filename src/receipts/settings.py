@@ -24,6 +24,8 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
+from receipts.statements import DEFAULT_SCHEMA, SCHEMA_NAME
+
 ENV_PREFIX = "RECEIPTS_"
 MASK = "***"
 
@@ -94,6 +96,32 @@ def check_dsn(dsn: str) -> None:
             raise ValueError("has an invalid port (a number from 1 to 65535 for each host)")
 
 
+def schema_for(dsn: str) -> str:
+    """The schema of the receipts tables when ``RECEIPTS_DATABASE_SCHEMA`` is unset.
+
+    The first schema of a ``search_path`` that the DSN's own ``options`` set
+    (``options=-c search_path=shop,public`` → ``shop``; ``"$user"`` is
+    skipped), else ``public``. It is decided from the configuration, never
+    from a session: a pooled server connection may carry another client's
+    ``SET search_path``. Returns a lower-case name; an ``options`` value that
+    cannot be parsed gives ``public``.
+    """
+    from psycopg.conninfo import conninfo_to_dict
+
+    try:
+        options = conninfo_to_dict(dsn).get("options") or ""
+    except Exception:  # check_dsn reports a bad DSN; here it counts as no search_path
+        return DEFAULT_SCHEMA
+    found = re.search(r"(?:-c\s*|--)search_path\s*=\s*((?:\\\s|[^\s])+)", str(options))
+    if not found:
+        return DEFAULT_SCHEMA
+    for part in found.group(1).replace("\\ ", " ").split(","):
+        name = part.strip()
+        if name and name != '"$user"' and name != "$user":
+            return name[1:-1] if name.startswith('"') and name.endswith('"') else name.lower()
+    return DEFAULT_SCHEMA
+
+
 def safe_dsn(dsn: str) -> str:
     """*dsn* as key=value pairs without its password, for logs and messages.
 
@@ -137,6 +165,12 @@ class Settings(BaseSettings):
 
     database_url: SecretStr = Field(
         description="libpq DSN of the database that holds receipt_jobs (required).",
+    )
+    database_schema: str | None = Field(
+        default=None,
+        description="Schema that holds the receipts tables; every statement names it, "
+                    "so a leaked SET search_path cannot redirect the worker. Default: "
+                    "the first schema of a search_path in the DSN's options, else public.",
     )
     provider_url: str = Field(
         default="",
@@ -259,6 +293,17 @@ class Settings(BaseSettings):
         check_dsn(value.get_secret_value())
         return value
 
+    @field_validator("database_schema", mode="before")
+    @classmethod
+    def _valid_schema(cls, value: object) -> object:
+        if isinstance(value, str) and not value.strip():
+            return None
+        if isinstance(value, str) and not SCHEMA_NAME.match(value):
+            raise ValueError(f"{value!r} is not a lower-case SQL identifier "
+                             "(letters, digits and _, at most 63; PostgreSQL folds "
+                             "unquoted names to lower case)")
+        return value
+
     @field_validator("provider_token", "ui_admin_token", mode="before")
     @classmethod
     def _empty_token_is_none(cls, value: object) -> object:
@@ -322,6 +367,11 @@ class Settings(BaseSettings):
             raise ValueError(
                 "RECEIPTS_RETRY_CAP_SECONDS must be at least RECEIPTS_RETRY_BASE_SECONDS"
             )
+        if self.database_schema is None and not SCHEMA_NAME.match(self.db_schema):
+            raise ValueError(
+                f"the DSN's search_path starts with {self.db_schema!r}, which is not a lower-case "
+                "SQL identifier; set RECEIPTS_DATABASE_SCHEMA to the schema of the receipts tables"
+            )
         return self
 
     @property
@@ -347,6 +397,11 @@ class Settings(BaseSettings):
     def dsn(self) -> str:
         """The database DSN in clear text, for the driver only; never log it."""
         return self.database_url.get_secret_value()
+
+    @property
+    def db_schema(self) -> str:
+        """The schema every statement names (see :func:`schema_for`)."""
+        return self.database_schema or schema_for(self.dsn)
 
     @property
     def safe_provider_url(self) -> str:

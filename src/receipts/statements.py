@@ -4,6 +4,12 @@ Each runtime statement is a ``-- name: NAME`` block in one file; a method of
 :class:`receipts.jobqueue.JobQueue` (or :mod:`receipts.enqueue`) carries the
 name of the block it runs, so a reader goes from the method to the SQL
 without a search. This module needs only psycopg's ``sql`` composer.
+
+Every table is written ``{schema}.receipt_jobs`` in the file and qualified
+here with the configured schema (:func:`receipts.settings.schema_for`), so a
+``SET search_path`` that another client leaked onto a pooled server
+connection (PgBouncer transaction pooling) cannot send a statement to another
+table, or to none (docs/design.md, "Schema").
 """
 
 from __future__ import annotations
@@ -14,11 +20,39 @@ from importlib import resources
 
 from psycopg import sql
 
+#: The schema the tables are created in when nothing else is configured.
+DEFAULT_SCHEMA = "public"
+#: A schema name as receipts accepts it: an unquoted lower-case identifier
+#: (PostgreSQL folds unquoted names to lower case; at most 63 bytes).
+SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+
+
+def qualifier(schema: str | None) -> str:
+    """The text that prefixes a table name: ``"schema".``, or ``""`` for *None*.
+
+    *None* leaves names unqualified (resolved by the session's search_path);
+    only the enqueue API offers it, for callers whose transaction decides.
+    Raises ``ValueError`` for a name that is not a plain lower-case identifier
+    (so the text needs no further quoting).
+    """
+    if schema is None:
+        return ""
+    if not SCHEMA_NAME.match(schema):
+        raise ValueError(f"schema {schema!r} is not a lower-case SQL identifier "
+                         "(letters, digits, _; at most 63)")
+    return f'"{schema}".'
+
 
 @cache
-def statements() -> dict[str, str]:
-    """All named statements of ``sql/queries.sql`` keyed by name (loaded once)."""
+def statements(schema: str | None = DEFAULT_SCHEMA) -> dict[str, str]:
+    """All named statements of ``sql/queries.sql`` keyed by name, tables in *schema*.
+
+    Loaded once per schema. Raises ``ValueError`` for a bad schema name
+    (:func:`qualifier`).
+    """
+    prefix = qualifier(schema)
     text = resources.files("receipts").joinpath("sql/queries.sql").read_text("utf-8")
+    text = text.replace("{schema}.", prefix)
     blocks: dict[str, str] = {}
     for chunk in re.split(r"^-- name: ", text, flags=re.M)[1:]:
         name, _, body = chunk.partition("\n")
@@ -28,19 +62,20 @@ def statements() -> dict[str, str]:
 
 
 @cache
-def query(name: str) -> sql.SQL:
+def query(name: str, schema: str | None = DEFAULT_SCHEMA) -> sql.SQL:
     """The named statement as a composable, built once (ack and reschedule are hot).
 
     Raises ``KeyError`` for a name that ``sql/queries.sql`` does not define.
     """
-    return sql.SQL(statements()[name])  # type: ignore[arg-type,unused-ignore]
+    return sql.SQL(statements(schema)[name])  # type: ignore[arg-type,unused-ignore]
 
 
 @cache
-def claim_query(limit: int, *, limited: bool = False) -> sql.Composed:
+def claim_query(limit: int, *, limited: bool = False,
+                schema: str | None = DEFAULT_SCHEMA) -> sql.Composed:
     """The claim statement with *limit* as a literal (docs/design.md §10: no bind LIMIT).
 
     *limited* selects the variant that charges the fleet-wide token bucket.
     """
     name = "claim_limited" if limited else "claim"
-    return sql.SQL(statements()[name]).format(limit=sql.Literal(limit))  # type: ignore[arg-type,unused-ignore]
+    return sql.SQL(statements(schema)[name]).format(limit=sql.Literal(limit))  # type: ignore[arg-type,unused-ignore]

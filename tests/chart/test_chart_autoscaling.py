@@ -35,7 +35,7 @@ from typing import Any
 import psycopg
 import pytest
 import yaml
-from chartkit import one, render
+from chartkit import one, render, template
 
 from receipts.embedded import free_port
 from receipts.enqueue import enqueue_async
@@ -384,3 +384,31 @@ async def test_keda_formula_on_the_rendered_query_under_poisson_load(
         assert s.replicas <= max(1, math.ceil(s.running / SLOTS)), s
     # Once nothing is due or in flight, the fleet may go to zero.
     assert sampler.samples[-1].replicas == 0
+
+
+def test_a_configured_schema_qualifies_the_keda_query_and_reaches_the_pods(
+    pg18: Server, tmp_path: Path
+):
+    docs = render(sets=("config.databaseSchema=public", "autoscaling.enabled=true",
+                        "autoscaling.keda.enabled=true"))
+    (trigger,) = one(docs, "ScaledObject")["spec"]["triggers"]
+    query = trigger["metadata"]["query"]
+    assert '"public".receipt_jobs' in query and '"public".receipt_flow' in query
+    config = one(docs, "ConfigMap")["data"]
+    assert config["RECEIPTS_DATABASE_SCHEMA"] == "public"
+    dsn = pg18.new_database()
+    try:
+        enqueue_count = 3
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            for i in range(enqueue_count):
+                conn.execute("INSERT INTO receipt_jobs (id, order_id) VALUES"
+                             " (gen_random_uuid(), %s)", (f"k-{i}",))
+            conn.execute("CREATE SCHEMA decoy")  # a leaked search_path points here
+            conn.execute("SET search_path = decoy")
+            with pytest.raises(psycopg.errors.UndefinedTable):
+                conn.execute(rendered_trigger(tmp_path).query)  # unqualified: lost
+            assert conn.execute(query).fetchone() == (enqueue_count,)
+    finally:
+        pg18.drop_database(dsn)
+    refused = template(sets=("config.databaseSchema=Bad;Name",))
+    assert refused.returncode != 0 and "databaseSchema" in refused.stderr

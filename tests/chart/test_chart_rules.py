@@ -42,6 +42,7 @@ REQUIRED_ALERTS = {
     "ReceiptsExpiredLeasesNotRecovered",  # expired leases not being recovered
     "ReceiptsRecoveryNotRunning",  # recovery CronJob's last success too old
     "ReceiptsLongTransaction",  # the xmin horizon held back
+    "ReceiptsXminHorizonHeld",  # ... by any holder: prepared transactions, replication slots
     "ReceiptsWorkersDown",  # no worker being scraped
 }
 

@@ -174,3 +174,72 @@ async def test_workers_deliver_every_job_through_pgbouncer_transaction_pooling(
         assert "recovered 0 expired lease(s)" in result.stdout
     finally:
         pg18.drop_database(direct)
+
+
+def _poison_search_path(pooled: str, servers: int) -> None:
+    """Leave ``search_path = nowhere`` on *servers* pooled server connections.
+
+    Each client holds a transaction open at the same time (so each gets its
+    own server connection) and runs a session-level SET: in transaction
+    pooling the setting outlives the client's transaction and is handed to
+    whoever gets that server connection next. That is the leak.
+    """
+    conns = [psycopg.connect(pooled, prepare_threshold=None) for _ in range(servers)]
+    try:
+        for conn in conns:
+            conn.execute("SET search_path = nowhere")
+        for conn in conns:
+            conn.commit()
+    finally:
+        for conn in conns:
+            conn.close()
+
+
+async def test_a_search_path_leaked_by_another_pooler_client_redirects_nothing(
+    pg18: Server, pgbouncer: int, provider, tmp_path: Path
+):
+    direct = pg18.new_database()
+    name = psycopg.conninfo.conninfo_to_dict(direct)["dbname"]
+    pooled = f"postgresql://postgres@127.0.0.1:{pgbouncer}/{name}"
+    try:
+        _poison_search_path(pooled, servers=4)  # default_pool_size above: every server
+        with psycopg.connect(pooled, prepare_threshold=None, autocommit=True) as conn:
+            assert conn.execute("SHOW search_path").fetchone() == ("nowhere",)
+            with pytest.raises(psycopg.errors.UndefinedTable):  # unqualified: redirected
+                conn.execute("SELECT count(*) FROM receipt_jobs")
+        orders = [f"leak-{i:03d}" for i in range(60)]
+        with psycopg.connect(pooled, prepare_threshold=None) as conn:
+            for order_id in orders:  # the enqueue API names the schema when asked to
+                enqueue(conn, order_id, schema="public")
+        with Supervisor(tmp_path) as sup:
+            port = free_port()
+            worker = sup.start("worker", ["worker"],
+                               _worker_env(pooled, provider.url, port, "leak"), port=port)
+            await asyncio.to_thread(worker.wait_healthy)
+            deadline = time.monotonic() + 60
+            done = 0
+            while time.monotonic() < deadline and worker.running:
+                done = fetch_rows(
+                    direct, "SELECT count(*) FROM receipt_jobs WHERE state = 'done'")[0][0]
+                if done == len(orders):
+                    break
+                await asyncio.sleep(0.2)
+            metrics = await asyncio.to_thread(worker.scrape)
+            codes = await asyncio.to_thread(sup.stop_all)
+        assert done == len(orders), worker.tail()
+        assert list(codes.values()) == [0]
+        assert metrics.total("receipts_acks_total") == len(orders)
+        assert metrics.total("receipts_db_errors_total") == 0
+        assert worker.log_path is not None
+        assert not read_events(worker.log_path, {"claim_failed", "write_failed"})
+        env = {"RECEIPTS_DATABASE_URL": pooled, "RECEIPTS_PGBOUNCER": "true"}
+        stats = await asyncio.to_thread(run_command, ["jobs", "stats"], env,
+                                        timeout_seconds=30)
+        assert stats.returncode == 0, stats.stderr
+        recover = await asyncio.to_thread(run_command, ["recover"], env, timeout_seconds=30)
+        assert recover.returncode == 0, recover.stderr
+        with psycopg.connect(pooled, prepare_threshold=None, autocommit=True) as conn:
+            assert conn.execute("SHOW search_path").fetchone() == ("nowhere",)  # still leaked
+    finally:
+        pg18.drop_database(direct)
+

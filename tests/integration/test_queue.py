@@ -261,10 +261,12 @@ async def test_the_dsn_options_such_as_a_search_path_are_kept(server):
         apply_migrations(scoped)
         enqueue_many(scoped, ["order-in-shop"])
         settings = make_settings(scoped)
+        assert settings.db_schema == "shop"  # the DSN's search_path names the schema
         pool = make_pool(settings, "test")
         await pool.open()
         try:
-            (job,) = await claim_jobs(JobQueue(pool, lease_seconds=30, max_attempts=5), 1)
+            queue = JobQueue(pool, lease_seconds=30, max_attempts=5, schema=settings.db_schema)
+            (job,) = await claim_jobs(queue, 1)
             async with pool.connection() as conn:
                 cur = await conn.execute("SHOW statement_timeout")
                 assert (await cur.fetchone())[0] == "5s"

@@ -50,8 +50,10 @@ def check(dsn: str):
         return check_schema(conn)
 
 
-def receipts(*args: str, dsn: str | None) -> subprocess.CompletedProcess[str]:
-    env = {k: v for k, v in os.environ.items() if not k.startswith("RECEIPTS_")}
+def receipts(*args: str, dsn: str | None,
+             env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("RECEIPTS_")}
+    env = clean | (env or {})
     if dsn is not None:
         env["RECEIPTS_DATABASE_URL"] = dsn
     return subprocess.run([sys.executable, "-m", "receipts", *args], env=env,
@@ -198,3 +200,67 @@ def test_migrate_check_exit_codes(dsn, empty_dsn):
 def test_pending_without_print_sql_is_bad_usage(dsn):
     result = receipts("migrate", "--pending", dsn=dsn)
     assert result.returncode == 2 and "--pending goes with --print-sql" in result.stderr
+
+
+# ------------------------------------------------------------ the configured schema
+
+
+def test_the_missing_table_hint_says_what_was_looked_up_and_where(empty_dsn):
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        conn.execute("CREATE SCHEMA shop")
+    assert apply_migrations(empty_dsn, schema="shop")  # public stays empty
+    stats = receipts("jobs", "stats", dsn=empty_dsn)
+    assert stats.returncode == 1
+    assert 'relation "public.receipt_jobs" does not exist' in stats.stderr
+    assert "RECEIPTS_DATABASE_SCHEMA" in stats.stderr
+    checked = receipts("migrate", "--check", dsn=empty_dsn)
+    assert checked.returncode == 3, checked.stdout + checked.stderr
+    assert 'schema "public" of database' in checked.stdout
+    assert "set RECEIPTS_DATABASE_SCHEMA=shop" in checked.stdout
+    env = {"RECEIPTS_DATABASE_SCHEMA": "shop"}
+    assert receipts("migrate", "--check", dsn=empty_dsn, env=env).returncode == 0
+    fixed = receipts("enqueue", "in-shop", dsn=empty_dsn, env=env)
+    assert fixed.returncode == 0, fixed.stderr
+    assert fetch_rows(empty_dsn, "SELECT order_id FROM shop.receipt_jobs") == [("in-shop",)]
+
+
+def test_a_bad_schema_name_is_refused_in_one_line(empty_dsn):
+    result = receipts("jobs", "stats", dsn=empty_dsn, env={"RECEIPTS_DATABASE_SCHEMA": "Shop;"})
+    assert result.returncode == 2
+    assert "lower-case SQL identifier" in result.stderr
+    assert len(result.stderr.strip().splitlines()) == 1
+
+
+def test_migrations_and_statements_ignore_the_sessions_search_path(empty_dsn):
+    from psycopg.conninfo import make_conninfo
+
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        conn.execute("CREATE SCHEMA elsewhere")
+    # The session's search_path points at another schema; the tables still go to
+    # (and are found in) the configured one, and none appears in the other.
+    misled = make_conninfo(empty_dsn, options="-c search_path=elsewhere")
+    apply_migrations(misled, schema="public")
+    env = {"RECEIPTS_DATABASE_SCHEMA": "public"}
+    assert receipts("enqueue", "o-1", "o-2", dsn=misled, env=env).returncode == 0
+    assert receipts("migrate", "--check", dsn=misled, env=env).returncode == 0
+    assert fetch_rows(empty_dsn, "SELECT count(*) FROM public.receipt_jobs") == [(2,)]
+    assert fetch_rows(empty_dsn, "SELECT count(*) FROM pg_class WHERE relnamespace ="
+                                 " 'elsewhere'::regnamespace") == [(0,)]
+    # The SQL function keeps the schema it was created in, whatever the caller's path.
+    with psycopg.connect(misled, autocommit=True) as conn:
+        conn.execute("SELECT public.receipts_enqueue('o-3')")
+    assert fetch_rows(empty_dsn, "SELECT count(*) FROM public.receipt_jobs") == [(3,)]
+
+
+def test_print_sql_in_a_configured_schema_applies_there(empty_dsn):
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        conn.execute("CREATE SCHEMA shop")
+    printed = receipts("migrate", "--print-sql", dsn=None,
+                       env={"RECEIPTS_DATABASE_SCHEMA": "shop"})
+    assert printed.returncode == 0, printed.stderr
+    assert printed.stdout == migration_sql(schema="shop")
+    applied = psql_file(empty_dsn, printed.stdout)
+    assert applied.returncode == 0, applied.stderr
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        assert check_schema(conn, schema="shop").version == NEWEST
+        assert conn.execute("SELECT to_regclass('public.receipt_jobs')").fetchone() == (None,)

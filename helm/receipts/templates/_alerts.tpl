@@ -224,6 +224,20 @@ Queue gauges are identical on every worker (max over pods); counters are summed.
           {{`{{ $value | humanizeDuration }}`}} old. An old snapshot keeps dead index entries
           alive and makes every claim slower (≈70× in measurements).
         runbook_url: {{ printf "%sreceiptslongtransaction" $runbook }}
+    - alert: ReceiptsXminHorizonHeld
+      expr: max by (namespace, job, holder) (receipts_xmin_horizon_age_transactions{ {{- $s -}} }) > {{ $a.xminHorizonTransactions | int }}
+      for: {{ $a.xminHorizonFor }}
+      labels:
+        severity: warning
+        {{- with $labels }}{{ toYaml . | nindent 8 }}{{ end }}
+      annotations:
+        summary: A {{`{{ $labels.holder }}`}} holds back the xmin horizon of the queue's database.
+        description: >-
+          A {{`{{ $labels.holder }}`}} (open transaction, prepared transaction or replication
+          slot) keeps the xmin horizon {{`{{ $value | humanize }}`}} transaction IDs back. Dead
+          rows of receipt_jobs cannot be removed while it does, so claims slow down and the
+          table bloats; a prepared transaction or a replication slot has no age in seconds.
+        runbook_url: {{ printf "%sreceiptsxminhorizonheld" $runbook }}
     - alert: ReceiptsWorkersDown
       {{- if and .Values.autoscaling.enabled .Values.autoscaling.keda.enabled (eq (.Values.autoscaling.minReplicas | int) 0) }}
       # Scaled to zero is normal: alert only when the Deployment wants pods (kube-state-metrics).

@@ -131,6 +131,9 @@ RECEIPTS_LOG_LEVEL: {{ $c.logLevel | quote }}
 RECEIPTS_POOL_MAX_SIZE: {{ $c.poolMaxSize | int | quote }}
 RECEIPTS_LISTEN_NOTIFY: {{ and $c.listenNotify (not $c.pgbouncer) | toString | quote }}
 RECEIPTS_PGBOUNCER: {{ $c.pgbouncer | toString | quote }}
+{{- with $c.databaseSchema }}
+RECEIPTS_DATABASE_SCHEMA: {{ . | quote }}
+{{- end }}
 RECEIPTS_SHUTDOWN_GRACE_SECONDS: {{ $c.shutdownGraceSeconds | toString | quote }}
 RECEIPTS_RETRY_BASE_SECONDS: {{ $c.retryBaseSeconds | toString | quote }}
 RECEIPTS_RETRY_CAP_SECONDS: {{ $c.retryCapSeconds | toString | quote }}
@@ -250,23 +253,26 @@ While the fleet is paused (a receipt_flow row with a pause_reason) due jobs do n
 running jobs count at the target's share of a pod, ceil(running × target / slots), so the
 fleet keeps the pods that hold them and asks for no more, and at least 1 while jobs wait,
 so one pod stays to see the pause end. Each count stops at maxReplicas × target: more
-would not change KEDA's answer, and the statement's cost stays bounded by it.
+would not change KEDA's answer, and the statement's cost stays bounded by it. Tables are
+qualified with config.databaseSchema when it is set (else KEDA's DSN's search_path applies).
 */}}
 {{- define "receipts.kedaQuery" -}}
 {{- $target := include "receipts.kedaTarget" . | int -}}
 {{- $slots := .Values.config.concurrency | int -}}
 {{- $cap := mul (.Values.autoscaling.maxReplicas | int) $target -}}
+{{- $s := "" -}}
+{{- with .Values.config.databaseSchema }}{{ $s = printf "%q." . }}{{ end -}}
 WITH flow AS (
-  SELECT EXISTS (SELECT FROM receipt_flow WHERE pause_reason IS NOT NULL) AS paused
+  SELECT EXISTS (SELECT FROM {{ $s }}receipt_flow WHERE pause_reason IS NOT NULL) AS paused
 ), due AS (
   SELECT count(*) AS n FROM (
-    SELECT FROM receipt_jobs
+    SELECT FROM {{ $s }}receipt_jobs
     WHERE state = 'ready' AND run_at <= statement_timestamp() AND attempts < {{ .Values.config.maxAttempts | int }}
     LIMIT CASE WHEN (SELECT paused FROM flow) THEN 1 ELSE {{ $cap }} END
   ) AS d
 ), busy AS (
   SELECT count(*) AS n FROM (
-    SELECT FROM receipt_jobs
+    SELECT FROM {{ $s }}receipt_jobs
     WHERE state = 'running' AND lease_until > statement_timestamp()
     LIMIT {{ $cap }}
   ) AS b

@@ -27,7 +27,7 @@ WITH seed AS MATERIALIZED (
            & 4611686018427387903 AS tail
   FROM (SELECT replace(gen_random_uuid()::text, '-', '') AS r) AS g
 ), new AS (
-  INSERT INTO receipt_jobs (id, order_id, run_at)
+  INSERT INTO {schema}.receipt_jobs (id, order_id, run_at)
   SELECT (s.head || to_hex(((s.tail + o.n) & 4611686018427387903)
                            | -9223372036854775808))::uuid,
          o.order_id, coalesce(%(run_at)s::timestamptz, now())
@@ -52,7 +52,7 @@ WITH seed AS MATERIALIZED (
            & 4611686018427387903 AS tail
   FROM (SELECT replace(gen_random_uuid()::text, '-', '') AS r) AS g
 ), new AS (
-  INSERT INTO receipt_jobs (id, order_id, run_at, traceparent)
+  INSERT INTO {schema}.receipt_jobs (id, order_id, run_at, traceparent)
   SELECT (s.head || to_hex(((s.tail + o.n) & 4611686018427387903)
                            | -9223372036854775808))::uuid,
          o.order_id, coalesce(%(run_at)s::timestamptz, now()), %(traceparent)s
@@ -81,10 +81,10 @@ WITH flow AS (
   SELECT CASE WHEN pause_reason = 'retry_after' AND paused_until <= statement_timestamp()
               THEN NULL ELSE pause_reason END AS pause_reason,
          extract(epoch FROM paused_until - statement_timestamp())::float8 AS pause_left
-  FROM receipt_flow WHERE id = 1
+  FROM {schema}.receipt_flow WHERE id = 1
 ), candidate AS (
   SELECT id
-  FROM receipt_jobs
+  FROM {schema}.receipt_jobs
   WHERE state = 'ready'
     AND run_at <= statement_timestamp()
     AND attempts < %(max_attempts)s
@@ -93,7 +93,7 @@ WITH flow AS (
   FOR UPDATE SKIP LOCKED
   LIMIT {limit}
 ), claimed AS (
-  UPDATE receipt_jobs AS j
+  UPDATE {schema}.receipt_jobs AS j
   SET state = 'running',
       attempts = j.attempts + 1,
       lease_token = gen_random_uuid(),
@@ -118,11 +118,11 @@ WITH flow AS MATERIALIZED (
          extract(epoch FROM paused_until - statement_timestamp())::float8 AS pause_left,
          least(%(burst)s::float8, tokens + %(rate)s::float8
                * extract(epoch FROM statement_timestamp() - tokens_at)::float8) AS tokens
-  FROM receipt_flow WHERE id = 1
+  FROM {schema}.receipt_flow WHERE id = 1
   FOR UPDATE
 ), candidate AS (
   SELECT id, run_at
-  FROM receipt_jobs
+  FROM {schema}.receipt_jobs
   WHERE state = 'ready'
     AND run_at <= statement_timestamp()
     AND attempts < %(max_attempts)s
@@ -134,7 +134,7 @@ WITH flow AS MATERIALIZED (
   SELECT id FROM candidate ORDER BY run_at, id
   LIMIT (SELECT greatest(floor(tokens), 0)::int FROM flow)
 ), claimed AS (
-  UPDATE receipt_jobs AS j
+  UPDATE {schema}.receipt_jobs AS j
   SET state = 'running',
       attempts = j.attempts + 1,
       lease_token = gen_random_uuid(),
@@ -143,7 +143,7 @@ WITH flow AS MATERIALIZED (
   WHERE j.id = a.id
   RETURNING j.id, j.order_id, j.lease_token, j.attempts, j.created_at, j.traceparent
 ), spent AS (
-  UPDATE receipt_flow
+  UPDATE {schema}.receipt_flow
   SET tokens = (SELECT tokens FROM flow) - (SELECT count(*) FROM claimed),
       tokens_at = statement_timestamp()
   WHERE id = 1
@@ -157,7 +157,7 @@ FROM flow AS f CROSS JOIN spent AS s LEFT JOIN claimed AS c ON true;
 -- Many (id, token) pairs in one statement. The guard is id + token + unexpired
 -- lease: the CHECK constraint makes a matching non-null token imply 'running',
 -- and leaving state out keeps the planner on the primary key (docs/design.md §10).
-UPDATE receipt_jobs AS j
+UPDATE {schema}.receipt_jobs AS j
 SET state = 'done',
     lease_token = NULL,
     lease_until = NULL,
@@ -185,13 +185,13 @@ WITH r AS (
   FROM unnest(%(ids)s::uuid[], %(tokens)s::uuid[], %(delays)s::float8[], %(errors)s::text[],
               %(permanent)s::bool[], %(refund)s::bool[], %(in_progress)s::bool[])
          AS r(id, token, delay, error, permanent, refund, in_progress)
-  JOIN receipt_jobs AS j ON j.id = r.id
+  JOIN {schema}.receipt_jobs AS j ON j.id = r.id
   CROSS JOIN LATERAL (
     SELECT (NOT r.permanent AND (r.refund OR (r.in_progress
             AND j.in_progress_count < %(max_in_progress)s)))::int AS back
   ) AS b
 )
-UPDATE receipt_jobs AS j
+UPDATE {schema}.receipt_jobs AS j
 SET state = CASE WHEN r.final THEN 'failed' ELSE 'ready' END,
     attempts = j.attempts - r.back,
     in_progress_count = j.in_progress_count + r.in_progress::int,
@@ -214,7 +214,7 @@ RETURNING j.id, j.state;
 -- reschedule records its token as last_token in the same statement, so a row
 -- carrying our token was written by us; any other row was not.
 SELECT j.id, j.state
-FROM receipt_jobs AS j
+FROM {schema}.receipt_jobs AS j
 JOIN unnest(%(ids)s::uuid[], %(tokens)s::uuid[]) AS a(id, token) ON j.id = a.id
 WHERE j.last_token = a.token;
 
@@ -223,7 +223,7 @@ WHERE j.last_token = a.token;
 -- %(reason)s. Never shortens a pause: the later end wins, and with it its
 -- reason; pause_seconds (the length a failed probe doubles) only grows. A
 -- probe in flight loses its claim to resume: the provider failed again.
-UPDATE receipt_flow
+UPDATE {schema}.receipt_flow
 SET pause_reason = CASE
       WHEN paused_until IS NULL
         OR statement_timestamp() + make_interval(secs => %(seconds)s) > paused_until
@@ -241,7 +241,7 @@ RETURNING pause_reason, extract(epoch FROM paused_until - statement_timestamp())
 -- claim one probe job (the row lock serialises contenders, and a loser re-checks the WHERE
 -- against the winner's probe_until). If the winner dies, another pod may
 -- probe once %(guard_seconds)s have passed.
-UPDATE receipt_flow
+UPDATE {schema}.receipt_flow
 SET probe_until = statement_timestamp() + make_interval(secs => %(guard_seconds)s)
 WHERE id = 1
   AND pause_reason IN ('outage', 'auth')
@@ -253,7 +253,7 @@ RETURNING pause_reason, probe_until, pause_seconds;
 -- The provider answered the probe properly: end the pause, unless another pod
 -- has extended it since (paused_until moved into the future, or the probe
 -- was taken over after its guard ran out).
-UPDATE receipt_flow
+UPDATE {schema}.receipt_flow
 SET pause_reason = NULL, paused_until = NULL, pause_seconds = 0, probe_until = NULL
 WHERE id = 1
   AND pause_reason IS NOT NULL
@@ -268,7 +268,7 @@ SELECT pause_reason,
        pause_seconds,
        least(%(burst)s::float8, tokens + %(rate)s::float8
              * extract(epoch FROM statement_timestamp() - tokens_at)::float8)
-FROM receipt_flow WHERE id = 1;
+FROM {schema}.receipt_flow WHERE id = 1;
 
 -- name: recover_expired
 -- One bounded batch of abandoned attempts; the caller commits each batch.
@@ -277,14 +277,14 @@ FROM receipt_flow WHERE id = 1;
 -- no status or duration: nobody saw the attempt end).
 WITH expired AS (
   SELECT id
-  FROM receipt_jobs
+  FROM {schema}.receipt_jobs
   WHERE state = 'running'
     AND lease_until <= statement_timestamp()
   ORDER BY lease_until, id
   FOR UPDATE SKIP LOCKED
   LIMIT %(batch)s
 ), moved AS (
-  UPDATE receipt_jobs AS j
+  UPDATE {schema}.receipt_jobs AS j
   SET state = CASE WHEN j.attempts >= %(max_attempts)s THEN 'failed' ELSE 'ready' END,
       run_at = statement_timestamp()
                + make_interval(secs => %(delay_seconds)s * (0.5 + random() / 2)),
@@ -296,13 +296,13 @@ WITH expired AS (
   WHERE j.id = e.id
   RETURNING j.id, j.state, j.attempts
 ), recorded AS (
-  INSERT INTO receipt_attempts AS h (job_id, slot, seq, attempt, reason, error, worker)
+  INSERT INTO {schema}.receipt_attempts AS h (job_id, slot, seq, attempt, reason, error, worker)
   SELECT m.id, mod(s.seq - 1, 20), s.seq, m.attempts, 'lease_expired', 'lease expired',
          left(current_setting('application_name'), 100)
   FROM moved AS m
   CROSS JOIN LATERAL (
     SELECT coalesce(max(p.seq), 0) + 1 AS seq
-    FROM receipt_attempts AS p WHERE p.job_id = m.id
+    FROM {schema}.receipt_attempts AS p WHERE p.job_id = m.id
   ) AS s
   ON CONFLICT (job_id, slot) DO UPDATE
   SET seq = excluded.seq, attempt = excluded.attempt, at = excluded.at,
@@ -317,13 +317,13 @@ SELECT state FROM moved;
 -- so that none waits forever.
 WITH exhausted AS (
   SELECT id
-  FROM receipt_jobs
+  FROM {schema}.receipt_jobs
   WHERE state = 'ready' AND attempts >= %(max_attempts)s
   ORDER BY run_at, id
   FOR UPDATE SKIP LOCKED
   LIMIT %(batch)s
 )
-UPDATE receipt_jobs AS j
+UPDATE {schema}.receipt_jobs AS j
 SET state = 'failed',
     finished_at = statement_timestamp(),
     last_error = coalesce(j.last_error || '; ', '') || 'attempts exhausted (max lowered)'
@@ -337,7 +337,7 @@ RETURNING j.id;
 -- through its own partial index), with their attempt histories.
 WITH old AS (
   SELECT id
-  FROM receipt_jobs
+  FROM {schema}.receipt_jobs
   WHERE state IN ('done', 'failed')
     AND finished_at < statement_timestamp() - make_interval(secs => %(retention_seconds)s)
   ORDER BY finished_at, id
@@ -345,19 +345,19 @@ WITH old AS (
   LIMIT %(batch)s
 ), old_discarded AS (
   SELECT id
-  FROM receipt_jobs
+  FROM {schema}.receipt_jobs
   WHERE state = 'discarded'
     AND finished_at < statement_timestamp() - make_interval(secs => %(retention_seconds)s)
   ORDER BY finished_at, id
   FOR UPDATE SKIP LOCKED
   LIMIT %(batch)s
 ), deleted AS (
-  DELETE FROM receipt_jobs AS j
+  DELETE FROM {schema}.receipt_jobs AS j
   USING (SELECT id FROM old UNION ALL SELECT id FROM old_discarded) AS o
   WHERE j.id = o.id
   RETURNING j.id
 ), history AS (
-  DELETE FROM receipt_attempts AS h
+  DELETE FROM {schema}.receipt_attempts AS h
   USING deleted AS d
   WHERE h.job_id = d.id
 )
@@ -367,7 +367,7 @@ SELECT id FROM deleted;
 -- Operator retry: failed -> ready, attempts reset, due now; %(ids)s NULL means
 -- every failed job. last_error is kept (prefixed) so why it failed survives
 -- until the next attempt writes its own.
-UPDATE receipt_jobs
+UPDATE {schema}.receipt_jobs
 SET state = 'ready',
     attempts = 0,
     run_at = statement_timestamp(),
@@ -392,23 +392,23 @@ WITH ready AS MATERIALIZED (
          count(*) FILTER (WHERE run_at <= statement_timestamp()) AS ready_due,
          min(run_at) FILTER (WHERE run_at <= statement_timestamp()) AS oldest_due,
          min(created_at) AS oldest_created
-  FROM receipt_jobs WHERE state = 'ready'
+  FROM {schema}.receipt_jobs WHERE state = 'ready'
 ), running AS MATERIALIZED (
   SELECT count(*) AS running,
          count(*) FILTER (WHERE lease_until <= statement_timestamp()) AS expired,
          min(created_at) AS oldest_created
-  FROM receipt_jobs WHERE state = 'running'
+  FROM {schema}.receipt_jobs WHERE state = 'running'
 ), failed AS MATERIALIZED (
-  SELECT count(*) AS failed FROM receipt_jobs WHERE state = 'failed'
+  SELECT count(*) AS failed FROM {schema}.receipt_jobs WHERE state = 'failed'
 ), discarded AS MATERIALIZED (
-  SELECT count(*) AS discarded FROM receipt_jobs WHERE state = 'discarded'
+  SELECT count(*) AS discarded FROM {schema}.receipt_jobs WHERE state = 'discarded'
 )
 SELECT
   r.ready_due, r.ready, n.running, n.expired, f.failed,
   coalesce(extract(epoch FROM statement_timestamp() - r.oldest_due), 0) AS lag_seconds,
-  greatest(pg_stat_get_live_tuples('receipt_jobs'::regclass) - r.ready - n.running - f.failed
+  greatest(pg_stat_get_live_tuples('{schema}.receipt_jobs'::regclass) - r.ready - n.running - f.failed
            - d.discarded, 0) AS done_estimate,
-  pg_stat_get_dead_tuples('receipt_jobs'::regclass) AS dead_tuples,
+  pg_stat_get_dead_tuples('{schema}.receipt_jobs'::regclass) AS dead_tuples,
   greatest(
     (SELECT coalesce(extract(epoch FROM statement_timestamp() - min(xact_start)), 0)
        FROM pg_stat_activity
@@ -435,14 +435,14 @@ FROM ready AS r, running AS n, failed AS f, discarded AS d;
 -- name: state_counts
 -- Exact rows by state, for `receipts jobs stats` (an operator command; it
 -- counts every done row).
-SELECT state, count(*) FROM receipt_jobs GROUP BY state;
+SELECT state, count(*) FROM {schema}.receipt_jobs GROUP BY state;
 
 -- name: oldest_failed
-SELECT min(finished_at) FROM receipt_jobs WHERE state = 'failed';
+SELECT min(finished_at) FROM {schema}.receipt_jobs WHERE state = 'failed';
 
 -- name: list_jobs
 SELECT id, order_id, state, attempts, run_at, lease_until, last_error, created_at, finished_at
-FROM receipt_jobs
+FROM {schema}.receipt_jobs
 WHERE state = %(state)s
   AND (%(since)s::timestamptz IS NULL OR coalesce(finished_at, created_at) >= %(since)s)
 ORDER BY coalesce(finished_at, run_at) DESC, id
@@ -451,13 +451,13 @@ LIMIT %(limit)s;
 -- name: show_job
 SELECT id, order_id, state, attempts, run_at, lease_token, lease_until, last_error,
        created_at, finished_at
-FROM receipt_jobs
+FROM {schema}.receipt_jobs
 WHERE id = %(id)s;
 
 -- name: show_job_by_order
 SELECT id, order_id, state, attempts, run_at, lease_token, lease_until, last_error,
        created_at, finished_at
-FROM receipt_jobs
+FROM {schema}.receipt_jobs
 WHERE order_id = %(order_id)s;
 
 -- ------------------------------------------------------------------------
@@ -480,16 +480,16 @@ WITH given AS (
               %(workers)s::text[])
        WITH ORDINALITY AS a(job_id, attempt, reason, status, error, duration_seconds,
                             worker, ord)
-  WHERE EXISTS (SELECT 1 FROM receipt_jobs AS j WHERE j.id = a.job_id)
+  WHERE EXISTS (SELECT 1 FROM {schema}.receipt_jobs AS j WHERE j.id = a.job_id)
 )
-INSERT INTO receipt_attempts AS h
+INSERT INTO {schema}.receipt_attempts AS h
   (job_id, slot, seq, attempt, reason, status, error, duration_seconds, worker)
 SELECT g.job_id, mod(s.seq - 1, 20), s.seq, greatest(g.attempt, 0), left(g.reason, 64),
        g.status, left(g.error, 500), greatest(g.duration_seconds, 0), left(g.worker, 100)
 FROM given AS g
 CROSS JOIN LATERAL (
   SELECT g.k + coalesce(max(p.seq), 0) AS seq
-  FROM receipt_attempts AS p WHERE p.job_id = g.job_id
+  FROM {schema}.receipt_attempts AS p WHERE p.job_id = g.job_id
 ) AS s
 WHERE g.k > g.n - 20
 ON CONFLICT (job_id, slot) DO UPDATE
@@ -501,7 +501,7 @@ WHERE h.seq < excluded.seq;
 -- name: job_attempts
 -- One job's kept attempt records, newest first (at most 20).
 SELECT seq, attempt, at, reason, status, error, duration_seconds, worker
-FROM receipt_attempts
+FROM {schema}.receipt_attempts
 WHERE job_id = %(id)s
 ORDER BY seq DESC;
 
@@ -524,9 +524,9 @@ AND (%(order_contains)s::text IS NULL OR strpos(j.order_id, %(order_contains)s::
 -- cursor (after_at, after_id) when given. {matching} is review_matching.
 SELECT j.id, j.order_id, j.state, j.attempts, j.run_at, j.last_error, j.created_at,
        j.finished_at, j.{key} AS sort_at, la.reason, la.status
-FROM receipt_jobs AS j
+FROM {schema}.receipt_jobs AS j
 LEFT JOIN LATERAL (
-  SELECT h.reason, h.status FROM receipt_attempts AS h
+  SELECT h.reason, h.status FROM {schema}.receipt_attempts AS h
   WHERE h.job_id = j.id ORDER BY h.seq DESC LIMIT 1
 ) AS la ON true
 WHERE {matching}
@@ -538,9 +538,9 @@ LIMIT %(limit)s;
 -- name: review_count
 -- The latest attempt is only read when the filter asks for its reason or status.
 SELECT count(*)
-FROM receipt_jobs AS j
+FROM {schema}.receipt_jobs AS j
 LEFT JOIN LATERAL (
-  SELECT h.reason, h.status FROM receipt_attempts AS h
+  SELECT h.reason, h.status FROM {schema}.receipt_attempts AS h
   WHERE h.job_id = j.id AND (%(reason)s::text IS NOT NULL OR %(status)s::int IS NOT NULL)
   ORDER BY h.seq DESC LIMIT 1
 ) AS la ON true
@@ -554,16 +554,16 @@ WHERE {matching};
 -- is re-checked. Effect as retry_failed.
 WITH target AS MATERIALIZED (
   SELECT j.id
-  FROM receipt_jobs AS j
+  FROM {schema}.receipt_jobs AS j
   LEFT JOIN LATERAL (
-    SELECT h.reason, h.status FROM receipt_attempts AS h
+    SELECT h.reason, h.status FROM {schema}.receipt_attempts AS h
     WHERE h.job_id = j.id AND (%(reason)s::text IS NOT NULL OR %(status)s::int IS NOT NULL)
     ORDER BY h.seq DESC LIMIT 1
   ) AS la ON true
   WHERE j.state = 'failed' AND {target}
   FOR UPDATE OF j
 )
-UPDATE receipt_jobs AS j
+UPDATE {schema}.receipt_jobs AS j
 SET state = 'ready',
     attempts = 0,
     run_at = statement_timestamp(),
@@ -581,16 +581,16 @@ RETURNING j.id;
 -- state with finished_at set that keeps the row, so the order id stays taken.
 WITH target AS MATERIALIZED (
   SELECT j.id
-  FROM receipt_jobs AS j
+  FROM {schema}.receipt_jobs AS j
   LEFT JOIN LATERAL (
-    SELECT h.reason, h.status FROM receipt_attempts AS h
+    SELECT h.reason, h.status FROM {schema}.receipt_attempts AS h
     WHERE h.job_id = j.id AND (%(reason)s::text IS NOT NULL OR %(status)s::int IS NOT NULL)
     ORDER BY h.seq DESC LIMIT 1
   ) AS la ON true
   WHERE j.state IN ('ready', 'failed') AND {target}
   FOR UPDATE OF j
 )
-UPDATE receipt_jobs AS j
+UPDATE {schema}.receipt_jobs AS j
 SET state = 'discarded',
     finished_at = statement_timestamp()
 FROM target AS t
@@ -601,12 +601,12 @@ RETURNING j.id;
 
 -- name: job_states
 -- The current state of each given id (absent ids are missing from the result).
-SELECT id, state FROM receipt_jobs WHERE id = ANY(%(ids)s::uuid[]);
+SELECT id, state FROM {schema}.receipt_jobs WHERE id = ANY(%(ids)s::uuid[]);
 
 -- name: provider_pause
 -- The provider pause as the workers' flow control recorded it.
 SELECT pause_reason, paused_until, pause_seconds,
        greatest(extract(epoch FROM paused_until - statement_timestamp())::float8, 0)
          AS remaining_seconds
-FROM receipt_flow
+FROM {schema}.receipt_flow
 WHERE id = 1;

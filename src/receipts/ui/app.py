@@ -521,7 +521,7 @@ async def run_ui(settings: Settings) -> None:
 
     pool = make_pool(settings, "ui", max_size=2)
     queue = JobQueue(pool, lease_seconds=settings.lease_seconds,
-                     max_attempts=settings.max_attempts)
+                     max_attempts=settings.max_attempts, schema=settings.db_schema)
     token = settings.ui_admin_token.get_secret_value() if settings.ui_admin_token else None
     app = make_app(queue, admin_token=token, loopback_only=is_loopback(settings.ui_host))
     stop = asyncio.Event()
