@@ -94,6 +94,24 @@ def check_dsn(dsn: str) -> None:
     for port in str(info.get("port") or "").split(","):
         if port and not (port.isascii() and port.isdigit() and 0 < int(port) < 65_536):
             raise ValueError("has an invalid port (a number from 1 to 65535 for each host)")
+    for key, allowed in _DSN_CHOICES.items():
+        value = info.get(key)
+        if value is not None and str(value) not in allowed:
+            # libpq would refuse it only when connecting; the value is not a secret.
+            raise ValueError(f"has an invalid {key} {str(value)[:40]!r} "
+                             f"(one of: {', '.join(allowed)})")
+
+
+#: Keywords whose values libpq checks only when it connects (libpq's
+#: documentation, "Parameter Key Words"): checked here so a typo is bad
+#: usage (exit 2) at start, not a connection error later.
+_DSN_CHOICES: dict[str, tuple[str, ...]] = {
+    "sslmode": ("disable", "allow", "prefer", "require", "verify-ca", "verify-full"),
+    "target_session_attrs": ("any", "read-write", "read-only", "primary", "standby",
+                             "prefer-standby"),
+    "gssencmode": ("disable", "prefer", "require"),
+    "load_balance_hosts": ("disable", "random"),
+}
 
 
 def schema_for(dsn: str) -> str:

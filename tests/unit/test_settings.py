@@ -137,6 +137,27 @@ def test_an_invalid_dsn_is_refused_without_any_part_of_it(bad):
     assert "hunter2" not in message and "se cret" not in message and "unterminated" not in message
 
 
+@pytest.mark.parametrize("dsn, key", [
+    ("postgresql://u:hunter2@h/d?sslmode=bogus", "sslmode"),
+    ("host=h password=hunter2 target_session_attrs=writable", "target_session_attrs"),
+])
+def test_a_keyword_value_libpq_checks_only_when_connecting_is_refused_at_start(dsn, key):
+    with pytest.raises(SettingsError) as info:
+        load_settings(database_url=dsn)
+    assert f"invalid {key}" in str(info.value) and "hunter2" not in str(info.value)
+
+
+@pytest.mark.parametrize("dsn, schema", [
+    ("postgresql://u@h/d", "public"),
+    ("postgresql://u@h/d?options=-c%20search_path%3Dshop,public", "shop"),
+    ("host=h options='-c search_path=\"$user\",app'", "app"),
+    ("host=h options='-csearch_path=Shop -c statement_timeout=5'", "shop"),
+])
+def test_the_schema_comes_from_the_dsns_search_path_else_public(dsn, schema):
+    assert load_settings(database_url=dsn).db_schema == schema
+    assert load_settings(database_url=dsn, database_schema="orders").db_schema == "orders"
+
+
 def test_the_provider_url_is_logged_without_userinfo_or_query():
     settings = load_settings(database_url="postgresql://u@h/d",
                              provider_url="https://user:s3cr3t@api.example:8443/r?token=abc#x")
