@@ -368,8 +368,9 @@ def table(doc: dict[str, Any]) -> str:
                                               else ", admission off")
             rate = (f", drain {_mm(v['drain_jobs_per_second'])} jobs/s"
                     if "drain_jobs_per_second" in v else "")
+            tag = "" if key == "checkout" else f" [{key}]"
             rows.append((f"checkout txn p50 / p99, worker ({v['concurrency']} slots{how}) "
-                         f"{phase}",
+                         f"{phase}{tag}",
                          f"{_mm(v['p50_ms'], '.2f')} / {_mm(v['p99_ms'], '.2f')} ms{rate}"))
             if "limit_trace" in v:
                 rows.append((f"claim-rate limit, {phase} (jobs/s; python -m bench.report "
