@@ -117,12 +117,14 @@ def run_receipts(args: argparse.Namespace) -> None:
         claim_batch_max=args.batch,
         listen_notify=not args.no_listen,
         poll_interval_seconds=args.poll_seconds,
-        metrics_port=0,
+        metrics_port=args.metrics_port,
         log_level="WARNING",
         pool_max_size=args.pool,
         application_name=args.app_name,
         shutdown_grace_seconds=10.0,
         admission_control=not args.no_admission,
+        provider_rate_limit_per_second=args.rate_limit,
+        provider_burst=args.burst,
     )
     record: dict[str, float] | None = {} if args.record else None
     deliverer: Any
@@ -235,6 +237,12 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--no-admission", action="store_true",
                    help="receipts: admission control off (capacity drains)")
     p.add_argument("--uvloop", action="store_true", help="receipts: run on uvloop")
+    p.add_argument("--metrics-port", type=int, default=0,
+                   help="receipts: serve /metrics on this port (default 0: not served)")
+    p.add_argument("--rate-limit", type=float, default=0.0,
+                   help="receipts: fleet-wide provider rate limit, jobs/s (default 0: none)")
+    p.add_argument("--burst", type=float, default=None,
+                   help="receipts: token bucket capacity, jobs (default: 1 s of the limit)")
     p.add_argument("--profile", help="receipts: py-spy raw profile to this file")
     p.add_argument("--profile-seconds", type=float, default=6.0)
     args = p.parse_args(argv)

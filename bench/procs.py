@@ -30,16 +30,20 @@ class Children:
     """Child processes of ``bench.child`` that start together on :meth:`go`.
 
     Each prints ``ready`` once it has imported and set up what it needs, then
-    waits for one line on stdin; raises ``RuntimeError`` (with the child's
+    waits for one line on stdin. *ports*: where each serves ``/metrics`` once
+    released (a receipts worker given ``--metrics-port``), for
+    ``procs[i].scrape()``; None when it serves nothing. Raises ``RuntimeError`` (with the child's
     output) when one exits or stays silent for ``START_TIMEOUT_SECONDS``.
     """
 
-    def __init__(self, argvs: Sequence[Sequence[str]]) -> None:
+    def __init__(self, argvs: Sequence[Sequence[str]],
+                 ports: Sequence[int | None] | None = None) -> None:
         self._sup = Supervisor(cwd=ROOT, stop_timeout_seconds=30.0)
+        ports = list(ports) if ports is not None else [None] * len(argvs)
         try:
             self.procs = [self._sup.start(f"child-{i}", argv, _env(), module="bench.child",
-                                          stdin=True)
-                          for i, argv in enumerate(argvs)]
+                                          stdin=True, port=port)
+                          for i, (argv, port) in enumerate(zip(argvs, ports, strict=True))]
             for proc in self.procs:
                 proc.wait_for_output("ready\n", timeout_seconds=START_TIMEOUT_SECONDS)
         except ChildError as exc:
@@ -96,6 +100,19 @@ class Provider:
     def url(self) -> str:
         """Where the workers POST receipts."""
         return self._sup["provider"].url("/receipts")
+
+    def set_faults(self, **faults: Any) -> None:
+        """``PUT /faults`` (any :class:`receipts.provider.Faults` field; None resets one)."""
+        self._sup["provider"].request("PUT", "/faults", json=faults).raise_for_status()
+
+    def answers(self) -> list[tuple[float, int]]:
+        """(monotonic seconds, HTTP status) of every answer so far, in order.
+
+        The provider's ``time.monotonic()``: the machine's clock, comparable
+        with this process's.
+        """
+        return [(float(t), int(s)) for t, s in
+                self._sup["provider"].get_json("/answers", timeout_seconds=30.0)]
 
     def stop(self) -> None:
         """SIGTERM, wait ≤ 10 s, then SIGKILL."""

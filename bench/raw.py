@@ -28,16 +28,50 @@ MAX_ATTEMPTS = 5
 LEASE_SECONDS = 60
 
 
-def pgbench_script(batch: int) -> str:
-    """The pgbench script: claim *batch* jobs, then ack them in one statement."""
-    claim = statements()["claim"].format(limit=batch)
+def strip_flow_check(claim: str) -> str:
+    """The ``claim`` statement without its fleet-pause check (the ``flow`` CTE).
+
+    Derived from the statement text, so it follows queries.sql: the ``flow``
+    CTE, the candidate's ``NOT EXISTS (… flow …)`` condition and the final
+    SELECT's join on ``flow`` go; everything else stays byte for byte. It is
+    what the claim would cost if it did not read ``receipt_flow`` once per
+    statement (the rate-limit scenario's "overhead with no limit set").
+    Raises ``RuntimeError`` when the statement no longer has that shape.
+    """
+    head, sep, rest = claim.partition("WITH flow AS (")
+    _, sep2, tail = rest.partition("), candidate AS (")
+    if not sep or not sep2:
+        raise RuntimeError("the claim statement no longer starts with the flow CTE")
+    stripped = f"{head}WITH candidate AS ({tail}"
+    stripped, n = re.subn(r"\n\s*AND \(%\(probe\)s OR NOT EXISTS \(SELECT 1 FROM flow"
+                          r" WHERE pause_reason IS NOT NULL\)\)", "", stripped)
+    if n != 1:
+        raise RuntimeError("the claim statement no longer has one pause condition")
+    # The final SELECT reads flow too; pgbench_script replaces it anyway.
+    last = stripped.rpartition("\nSELECT c.id")
+    return last[0] + "\nSELECT c.id FROM claimed AS c" if last[1] else stripped
+
+
+def pgbench_script(batch: int, *, name: str = "claim", strip_flow: bool = False,
+                   rate_per_second: float = 0.0, burst: float = 0.0) -> str:
+    """The pgbench script: claim *batch* jobs, then ack them in one statement.
+
+    *name*: ``claim`` or ``claim_limited`` (the fleet-wide token bucket, at
+    *rate_per_second* jobs/s and *burst* jobs). *strip_flow*: ``claim``
+    without its pause check (:func:`strip_flow_check`).
+    """
+    claim = statements()[name].format(limit=batch)
+    if strip_flow:
+        claim = strip_flow_check(claim)
     claim = claim.replace("%(max_attempts)s", str(MAX_ATTEMPTS))
     claim = claim.replace("%(lease_seconds)s", str(LEASE_SECONDS))
     claim = claim.replace("%(probe)s", "false")  # no fleet pause in a benchmark
-    # Keep every CTE (the flow check, candidate, claimed); replace only the final
-    # SELECT by one that hands the ids and tokens to the ack through \gset.
+    claim = claim.replace("%(rate)s", repr(float(rate_per_second)))
+    claim = claim.replace("%(burst)s", repr(float(burst)))
+    # Keep every CTE (the flow check, candidate, claimed, spent); replace only the
+    # final SELECT by one that hands the ids and tokens to the ack through \gset.
     head, sep, _ = claim.rpartition("\nSELECT c.id")
-    if not sep or "claimed AS (" not in head:
+    if not sep or "claimed AS (" not in head or "%(" in head:
         raise RuntimeError("the claim statement no longer has the expected shape")
     claim_sql = (
         f"{head}\n"
@@ -57,33 +91,66 @@ def _done(dsn: str) -> int:
         return int(row[0]) if row else 0
 
 
+def flow_row_stats(dsn: str) -> dict[str, Any]:
+    """Update counters of the one-row ``receipt_flow`` table (pg_stat_user_tables).
+
+    Waits (≤ 30 s) until every other session of the database has ended: a
+    backend flushes its pending statistics when it exits, before it leaves
+    ``pg_stat_activity``, so then they are all in. ``hot_share`` is HOT updates /
+    updates (None without updates).
+    """
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        deadline = time.monotonic() + 30.0
+        while conn.execute(
+                "SELECT count(*) FROM pg_stat_activity WHERE datname = current_database()"
+                " AND pid <> pg_backend_pid()").fetchone() != (0,):
+            if time.monotonic() > deadline:
+                raise TimeoutError("sessions of the benchmark database did not end")
+            time.sleep(0.05)
+        row = conn.execute(
+            "SELECT n_tup_upd, n_tup_hot_upd, n_dead_tup, n_live_tup,"
+            " pg_relation_size('receipt_flow') FROM pg_stat_user_tables"
+            " WHERE relname = 'receipt_flow'").fetchone()
+    upd, hot, dead, live, size = (int(v) for v in row) if row else (0, 0, 0, 0, 0)
+    return {"n_tup_upd": upd, "n_tup_hot_upd": hot, "n_dead_tup": dead, "n_live_tup": live,
+            "table_bytes": size, "hot_share": hot / upd if upd else None}
+
+
 def run_pgbench(bench: Bench, *, batch: int, clients: int, seconds: float,
-                fill: int) -> dict[str, Any]:
-    """One pgbench run on a fresh database holding *fill* ready jobs."""
+                fill: int, script: dict[str, Any] | None = None,
+                flow_stats: bool = False) -> dict[str, Any]:
+    """One pgbench run (*seconds* s) on a fresh database holding *fill* ready jobs.
+
+    *script*: keyword arguments of :func:`pgbench_script` (the statement
+    variant); *flow_stats*: also return :func:`flow_row_stats` after the run.
+    """
     with bench.database("raw") as dsn:
         fill_ready(dsn, fill)
         settle(dsn, "receipt_jobs")
         with tempfile.NamedTemporaryFile("w", suffix=".sql", delete=False) as fh:
-            fh.write(pgbench_script(batch))
-            script = fh.name
+            fh.write(pgbench_script(batch, **(script or {})))
+            script_path = fh.name
         info = psycopg.conninfo.conninfo_to_dict(dsn)
         cmd = [
             str(Path(bench.bin_dir) / "pgbench"), "-n", "-M", "prepared",
             "-h", "127.0.0.1", "-p", str(bench.port), "-U", "postgres",
             "-c", str(clients), "-j", str(min(clients, 2)), "-T", str(int(seconds)),
-            "-f", script, str(info["dbname"]),
+            "-f", script_path, str(info["dbname"]),
         ]
         start = time.monotonic()
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 120)
         elapsed = time.monotonic() - start
-        Path(script).unlink(missing_ok=True)
+        Path(script_path).unlink(missing_ok=True)
         if result.returncode != 0:
             raise RuntimeError(f"pgbench failed: {result.stderr.strip()[-600:]}")
         done = _done(dsn)
         match = re.search(r"tps = ([0-9.]+) \(without initial connection time\)", result.stdout)
         tps = float(match.group(1)) if match else 0.0
         failed = re.search(r"number of failed transactions: (\d+)", result.stdout)
+        flow = flow_row_stats(dsn) if flow_stats else None
     return {
+        **({"flow_row": flow} if flow is not None else {}),
+        "script": script or {},
         "batch": batch,
         "clients": clients,
         "jobs_per_second": done / seconds,

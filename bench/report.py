@@ -13,6 +13,10 @@ POLL_BOUND_MS = 1000 * 1.25  # poll interval 1 s + its 25 % jitter
 RAW_RATIO_GOAL = 0.8  # no-op receipts / raw pgbench limit, batch 100
 LITTLE_RATIO_GOAL = 0.9  # 400 slots @ 200 ms / Little's bound
 HTTP_CPU_GOAL_US = 200.0  # worker CPU per HTTP delivery, µs
+CHECKOUT_P99_GOAL = 1.5  # checkout p99 under a drain / idle
+ADMISSION_RATE_GOAL = 0.5  # drain rate with admission control on / off (default settings)
+RATE_LIMIT_TOLERANCE = 0.10  # requests/s per window within ±10 % of the fleet limit
+FLOW_CHECK_GOAL = 0.95  # claim with the pause check / without it (jobs/s)
 
 
 def stat(values: Sequence[float]) -> dict[str, float]:
@@ -94,14 +98,37 @@ def build(results: dict[str, list[Any]], *, plan: dict[str, Any], machine: dict[
     for key in ("checkout", "checkout:slots32"):
         if key not in results:
             continue
-        runs = results[key]
-        s[key] = {
-            phase: {q: _at(runs, phase, q) for q in ("p50_ms", "p99_ms")}
-            for phase in ("idle", "drain")
+        s[key] = _checkout_summary(results[key])
+    if "outage" in results:
+        runs = results["outage"]
+        s["outage"] = {f: stat([r[f] for r in runs if r[f] is not None])
+                       for f in ("failed", "requests_during_outage", "resume_seconds",
+                                 "drained_seconds", "wall_seconds", "max_attempts")}
+        s["outage"].update(jobs=runs[0]["jobs"], outage_seconds=runs[0]["outage_seconds"],
+                           concurrency=runs[0]["concurrency"])
+    if "ratelimit:accuracy" in results:
+        runs = results["ratelimit:accuracy"]
+        s["ratelimit_accuracy"] = {
+            "limit_per_second": runs[0]["limit_per_second"],
+            "processes": runs[0]["processes"],
+            "window_seconds": runs[0]["window_seconds"],
+            "mean_per_second": _over(runs, lambda r: r["mean_per_second"]),
+            # The worst window of every round (largest deviation either way).
+            "worst_deviation": max((r["worst_deviation"] for r in runs), key=abs),
+            "windows": [w for r in runs for w in r["window_rates"]],
+            "flow_row": runs[-1]["flow_row"],
         }
-        s[key]["drain_still_running"] = all(r["drain"]["jobs_left_at_end"] > 0 for r in runs)
-        s[key]["concurrency"] = runs[0]["concurrency"]
-        s[key]["batch"] = runs[0]["batch"]
+    if "ratelimit:overhead" in results:
+        runs = results["ratelimit:overhead"]
+        s["ratelimit_overhead"] = {
+            "clients": runs[0]["clients"], "batch": runs[0]["batch"],
+            "with_check": _at(runs, "with_check", "jobs_per_second"),
+            "without_check": _at(runs, "without_check", "jobs_per_second"),
+            "ratio": _over(runs, lambda r: r["ratio"]),
+            "limited": {n: _at(runs, "limited", n, "jobs_per_second")
+                        for n in runs[0]["limited"]},
+            "flow_row": runs[-1]["flow_row"],
+        }
     return {
         "started": started.isoformat(timespec="seconds"),
         "finished": finished.isoformat(timespec="seconds"),
@@ -111,6 +138,30 @@ def build(results: dict[str, list[Any]], *, plan: dict[str, Any], machine: dict[
         "targets": targets(s),
         "runs": results,
     }
+
+
+def _checkout_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """p50/p99 (ms) per phase; for drains their rate (jobs/s) and whether they lasted;
+    the last run's claim-rate limit trace (admission-on phase)."""
+    out: dict[str, Any] = {}
+    phases = [k for k, v in runs[0].items() if isinstance(v, dict) and "p99_ms" in v]
+    for phase in phases:
+        first = runs[0][phase]
+        v: dict[str, Any] = {q: _at(runs, phase, q) for q in ("p50_ms", "p99_ms")}
+        v["concurrency"] = first.get("concurrency", runs[0]["concurrency"])
+        v["batch"] = first.get("batch", runs[0]["batch"])
+        v["admission"] = first.get("admission", True)
+        if "drain_jobs_per_second" in first:
+            v["drain_jobs_per_second"] = _at(runs, phase, "drain_jobs_per_second")
+            v["still_running"] = all(r[phase]["jobs_left_at_end"] > 0 for r in runs)
+        if "limit_trace" in first:
+            v["limit_trace"] = runs[-1][phase]["limit_trace"]
+            v["window_start_seconds"] = runs[-1][phase]["window_start_seconds"]
+        out[phase] = v
+    out["drain_still_running"] = all(r["drain"]["jobs_left_at_end"] > 0 for r in runs)
+    out["concurrency"] = out["drain"]["concurrency"]
+    out["batch"] = out["drain"]["batch"]
+    return out
 
 
 def capacity(results: dict[str, list[Any]]) -> dict[str, Any]:
@@ -219,11 +270,52 @@ def targets(s: dict[str, Any]) -> list[dict[str, Any]]:
     for key in ("checkout", "checkout:slots32"):
         chk = s.get(key)
         if chk:
-            ratio = chk["drain"]["p99_ms"]["median"] / max(chk["idle"]["p99_ms"]["median"], 1e-9)
+            idle = max(chk["idle"]["p99_ms"]["median"], 1e-9)
+            ratio = chk["drain"]["p99_ms"]["median"] / idle
+            off = "admission off" if not chk["drain"]["admission"] else "admission on"
             out.append(_check(
                 f"checkout p99 under drain / idle ({chk['concurrency']} slots, claim "
-                f"{chk['batch']})", ratio, "<= 1.5", ratio <= 1.5,
-                f"drain lasted the whole window: {chk['drain_still_running']}"))
+                f"{chk['batch']})", ratio, f"<= {CHECKOUT_P99_GOAL:g}",
+                ratio <= CHECKOUT_P99_GOAL,
+                f"{off}; drain lasted the whole window: {chk['drain_still_running']}"))
+            on, offp = chk.get("drain_on"), chk.get("drain_off")
+            if on and offp:
+                ratio = on["p99_ms"]["median"] / idle
+                out.append(_check(
+                    "checkout p99 under drain, admission on (defaults) / idle", ratio,
+                    f"<= {CHECKOUT_P99_GOAL:g}", ratio <= CHECKOUT_P99_GOAL,
+                    f"{on['concurrency']} slots, claim {on['batch']}; admission off: "
+                    f"{offp['p99_ms']['median'] / idle:.2f}"))
+                r_on = on["drain_jobs_per_second"]["median"]
+                r_off = offp["drain_jobs_per_second"]["median"]
+                ratio = r_on / max(r_off, 1e-9)
+                out.append(_check(
+                    "drain rate admission on / off (defaults)", ratio,
+                    f">= {ADMISSION_RATE_GOAL:g}", ratio >= ADMISSION_RATE_GOAL,
+                    f"{r_on:,.0f} vs {r_off:,.0f} jobs/s; drains lasted the window: "
+                    f"{on['still_running'] and offp['still_running']}"))
+    outage = s.get("outage")
+    if outage:
+        failed = outage["failed"]["max"]
+        out.append(_check(f"jobs failed after a {outage['outage_seconds']:g} s provider outage",
+                          failed, "== 0", failed == 0,
+                          f"{outage['jobs']:,} jobs queued; worst round"))
+    acc = s.get("ratelimit_accuracy")
+    if acc:
+        worst = acc["worst_deviation"]
+        out.append(_check(
+            f"fleet rate limit, worst {acc['window_seconds']:g} s window / limit - 1",
+            worst, f"±{RATE_LIMIT_TOLERANCE:.0%}", abs(worst) <= RATE_LIMIT_TOLERANCE,
+            f"limit {acc['limit_per_second']:g}/s, {acc['processes']} processes, mean "
+            f"{acc['mean_per_second']['median']:.1f}/s"))
+    ovh = s.get("ratelimit_overhead")
+    if ovh:
+        ratio = ovh["ratio"]["median"]
+        out.append(_check(
+            "claim with pause check / without (no limit set)", ratio,
+            f">= {FLOW_CHECK_GOAL:g}", ratio >= FLOW_CHECK_GOAL,
+            f"pgbench claim {ovh['batch']} + ack, {ovh['clients']} clients: "
+            f"{ovh['with_check']['median']:,.0f} vs {ovh['without_check']['median']:,.0f} jobs/s"))
     return out
 
 
@@ -269,10 +361,47 @@ def table(doc: dict[str, Any]) -> str:
     for key in ("checkout", "checkout:slots32"):
         if key not in s:
             continue
-        for phase in ("idle", "drain"):
-            v = s[key][phase]
-            rows.append((f"checkout txn p50 / p99, worker ({s[key]['concurrency']} slots) {phase}",
-                         f"{_mm(v['p50_ms'], '.2f')} / {_mm(v['p99_ms'], '.2f')} ms"))
+        for phase, v in s[key].items():
+            if not isinstance(v, dict) or "p99_ms" not in v:
+                continue
+            how = "" if phase == "idle" else (", admission on" if v["admission"]
+                                              else ", admission off")
+            rate = (f", drain {_mm(v['drain_jobs_per_second'])} jobs/s"
+                    if "drain_jobs_per_second" in v else "")
+            tag = "" if key == "checkout" else f" [{key}]"
+            rows.append((f"checkout txn p50 / p99, worker ({v['concurrency']} slots{how}) "
+                         f"{phase}{tag}",
+                         f"{_mm(v['p50_ms'], '.2f')} / {_mm(v['p99_ms'], '.2f')} ms{rate}"))
+            if "limit_trace" in v:
+                rows.append((f"claim-rate limit, {phase} (jobs/s; python -m bench.report "
+                             "--trace)", _trace_brief(v["limit_trace"])))
+    if "outage" in s:
+        v = s["outage"]
+        rows.append((f"outage {v['outage_seconds']:g} s, {v['jobs']:,} jobs, 1 worker "
+                     "(defaults)",
+                     f"failed {v['failed']['median']:.0f}, {_mm(v['requests_during_outage'])} "
+                     f"requests during it, first delivery {_mm(v['resume_seconds'], '.1f')} s "
+                     f"/ all {_mm(v['drained_seconds'], '.1f')} s after recovery, wall "
+                     f"{_mm(v['wall_seconds'], '.1f')} s"))
+    if "ratelimit_accuracy" in s:
+        v = s["ratelimit_accuracy"]
+        rows.append((f"rate limit {v['limit_per_second']:g}/s, {v['processes']} processes, "
+                     f"per {v['window_seconds']:g} s window",
+                     f"mean {_mm(v['mean_per_second'], '.1f')} req/s, worst "
+                     f"{v['worst_deviation']:+.1%}, windows "
+                     f"{', '.join(f'{w:.0f}' for w in v['windows'])}"))
+        rows.append(("receipt_flow after the rate-limited drain", _flow_row(v["flow_row"])))
+    if "ratelimit_overhead" in s:
+        v = s["ratelimit_overhead"]
+        for label, st in (("with pause check", v["with_check"]),
+                          ("without pause check", v["without_check"])):
+            rows.append((f"pgbench claim {v['batch']} + ack, {v['clients']} clients, {label}",
+                         _mm(st) + " jobs/s"))
+        for n, st in v["limited"].items():
+            rows.append((f"pgbench claim_limited (never binds) {v['batch']} + ack, {n} clients",
+                         _mm(st) + " jobs/s"))
+        rows.append(("receipt_flow after claim_limited, "
+                     f"{max(v['limited'], key=int)} clients", _flow_row(v["flow_row"])))
     width = max((len(a) for a, _ in rows), default=10)
     lines = [f"{'figure (median (min–max) over rounds)':<{width}}  value", "-" * (width + 50)]
     lines += [f"{a:<{width}}  {b}" for a, b in rows]
@@ -288,3 +417,74 @@ def table(doc: dict[str, Any]) -> str:
               f"{pg.get('synchronous_commit')}, rounds={doc['plan']['rounds']}, load average "
               f"at start {tuple(round(x, 2) for x in m.get('load_average_at_start', ()))}"]
     return "\n".join(lines)
+
+
+def _flow_row(f: dict[str, Any]) -> str:
+    share = "-" if f["hot_share"] is None else f"{f['hot_share']:.1%}"
+    return (f"{f['n_tup_upd']:,} updates, HOT {share}, dead tuples {f['n_dead_tup']:,}, "
+            f"{f['table_bytes']:,} bytes")
+
+
+def per_second(trace: Sequence[Sequence[float]]) -> list[tuple[int, float]]:
+    """A limit trace ([seconds, jobs/s] pairs) as its last value in each whole second."""
+    out: dict[int, float] = {}
+    for t, value in trace:
+        out[int(t)] = value
+    return sorted(out.items())
+
+
+def _trace_brief(trace: Sequence[Sequence[float]], points: int = 6) -> str:
+    """A few evenly spaced (second, limit) pairs and the last value."""
+    secs = per_second(trace)
+    if not secs:
+        return "(no samples)"
+    step = max(1, len(secs) // points)
+    shown = secs[::step]
+    if shown[-1] != secs[-1]:
+        shown.append(secs[-1])
+    return ", ".join(f"{t} s: {v:,.0f}" for t, v in shown)
+
+
+def trace_lines(doc: dict[str, Any]) -> list[str]:
+    """Every claim-rate limit trace of *doc*'s runs, one line per second: t (s), limit (jobs/s)."""
+    lines: list[str] = []
+    for key, runs in doc.get("runs", {}).items():
+        if not key.startswith("checkout"):
+            continue
+        for i, run in enumerate(runs):
+            for phase, v in run.items():
+                if not isinstance(v, dict) or "limit_trace" not in v:
+                    continue
+                lines.append(f"{key} round {i + 1} {phase}: {v['concurrency']} slots, claim "
+                             f"{v['batch']}; checkout window from {v['window_start_seconds']:g} s"
+                             f" for {v['seconds']:g} s")
+                lines.append(f"{'t (s)':>6}  limit (jobs/s)")
+                lines += [f"{t:>6}  {value:,.0f}" for t, value in per_second(v["limit_trace"])]
+    return lines
+
+
+def main(argv: list[str] | None = None) -> int:
+    """``python -m bench.report [FILE] [--trace]``: the table (or the limit traces) of a
+    result file (default bench/results/latest.json)."""
+    import argparse
+    import json
+    from pathlib import Path
+
+    p = argparse.ArgumentParser(prog="python -m bench.report",
+                                description="Print a benchmark result file's table.")
+    p.add_argument("file", nargs="?", type=Path,
+                   default=Path(__file__).resolve().parent / "results" / "latest.json")
+    p.add_argument("--trace", action="store_true",
+                   help="print the claim-rate limit traces, one line per second")
+    args = p.parse_args(argv)
+    doc = json.loads(args.file.read_text())
+    if args.trace:
+        lines = trace_lines(doc)
+        print("\n".join(lines) if lines else "no limit trace in this file")
+    else:
+        print(table(doc))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

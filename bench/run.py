@@ -51,6 +51,13 @@ class Plan:
     checkout_seconds: float = 5.0
     checkout_rate: float = 100.0
     vacuum_wait_seconds: float = 75.0
+    checkout_admission_seconds: float = 20.0
+    checkout_admission_jobs: int = 400_000
+    outage_jobs: int = 1_000
+    outage_seconds: float = 60.0
+    rate_limit_per_second: float = 200.0
+    rate_limit_seconds: float = 20.0
+    rate_limit_window_seconds: float = 5.0
     peers: dict[str, str | None] = field(default_factory=peers.available)
 
     @classmethod
@@ -59,7 +66,10 @@ class Plan:
                    pgbench_batches=(1, 100), pgbench_clients=(1, 4), receipts_processes=(1,),
                    receipts_concurrency=100, pickup_jobs=40, pickup_rate=100.0,
                    scale_done=20_000, scale_ready=2_000, claims=50, updated=2_000,
-                   checkout_seconds=1.0, checkout_rate=50.0, vacuum_wait_seconds=1.0)
+                   checkout_seconds=1.0, checkout_rate=50.0, vacuum_wait_seconds=1.0,
+                   checkout_admission_seconds=2.0, checkout_admission_jobs=20_000,
+                   outage_jobs=1_000, outage_seconds=5.0, rate_limit_seconds=4.0,
+                   rate_limit_window_seconds=1.0)
 
 
 def _fill_for(batch: int, seconds: int) -> int:
@@ -125,13 +135,26 @@ def run_round(bench: Bench, plan: Plan, results: dict[str, list[Any]], only: set
         record("vacuum", scenarios.vacuum_after_update, bench,
                template=bench.scale_template or "", updated=plan.updated, claims=plan.claims,
                wait_seconds=plan.vacuum_wait_seconds)
-    # Full speed (the drain configuration), then the knob: the default 32 slots.
+    # Idle; full speed (the drain configuration, admission off); then the default
+    # settings with admission control off and on (issue 11's goal, limit traced).
     record("checkout", scenarios.checkout_impact, bench, drain_jobs=2 * max(plan.jobs, 2_000),
            seconds=plan.checkout_seconds, rate=plan.checkout_rate, processes=1,
-           concurrency=plan.receipts_concurrency)
+           concurrency=plan.receipts_concurrency,
+           phases=scenarios.checkout_phases(
+               full_speed_concurrency=plan.receipts_concurrency,
+               full_speed_seconds=plan.checkout_seconds,
+               full_speed_jobs=2 * max(plan.jobs, 2_000),
+               seconds=plan.checkout_admission_seconds, jobs=plan.checkout_admission_jobs))
     record("checkout:slots32", scenarios.checkout_impact, bench,
            drain_jobs=2 * max(plan.jobs, 2_000), seconds=plan.checkout_seconds,
            rate=plan.checkout_rate, processes=1, concurrency=32, batch=32)
+    record("outage", scenarios.outage, bench, jobs=plan.outage_jobs,
+           outage_seconds=plan.outage_seconds)
+    record("ratelimit:accuracy", scenarios.rate_limit_accuracy, bench,
+           limit_per_second=plan.rate_limit_per_second, processes=2,
+           seconds=plan.rate_limit_seconds, window_seconds=plan.rate_limit_window_seconds)
+    record("ratelimit:overhead", scenarios.rate_limit_overhead, bench,
+           seconds=plan.pgbench_seconds, batch=100, clients=8, contention_clients=(1, 8))
 
 
 def machine() -> dict[str, Any]:
@@ -165,7 +188,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, help="jobs per drain (default 100,000)")
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one round (CI)")
     p.add_argument("--only", default="", help="comma-separated scenario keys (raw, receipts, "
-                   "pgqueuer, procrastinate, connections, admission, pickup, claim, checkout)")
+                   "pgqueuer, procrastinate, connections, admission, pickup, claim, checkout, "
+                   "outage, ratelimit)")
     p.add_argument("--out", type=Path, default=None,
                    help="JSON output (default bench/results/latest.json; --smoke: none)")
     args = p.parse_args(argv)

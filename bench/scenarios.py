@@ -9,24 +9,32 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import statistics
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
 from functools import partial
 from typing import Any
 
+import httpx
 import psycopg
 
-from bench import peers
+from bench import peers, raw
 from bench.pg import Bench, execute, fill_ready, remaining_jobs, settle, wait_until
 from bench.procs import Children, ConnectionSampler, Provider
 from receipts.db import make_pool
+from receipts.embedded import free_port
 from receipts.enqueue import enqueue
 from receipts.jobqueue import JobQueue
-from receipts.settings import load_settings
+from receipts.settings import Settings, load_settings
 
 PROBE: dict[str, Any] = {"autocommit": True, "application_name": "bench-probe"}
+#: The service's defaults (settings.py): "default settings" scenarios run with these.
+DEFAULT_CONCURRENCY: int = Settings.model_fields["concurrency"].default
+DEFAULT_BATCH: int = Settings.model_fields["claim_batch_max"].default
 
 
 def percentile(values: Sequence[float], q: float) -> float:
@@ -354,32 +362,146 @@ def _workers_started(probe: psycopg.Connection[Any], processes: int,
     return _sessions(probe) >= processes and (jobs is None or remaining_jobs(probe) < jobs)
 
 
+@dataclass(frozen=True)
+class CheckoutPhase:
+    """One phase of :func:`checkout_impact`: the workers' settings while checkout runs.
+
+    Attributes:
+        name: its key in the result (``idle``, ``drain``, ``drain_off``, ``drain_on``).
+        drain: the workers drain a backlog (else they idle on an empty queue).
+        concurrency: delivery slots per worker.
+        batch: claim batch.
+        admission: admission control on (the service's default) or off.
+        trace: sample the worker's ``receipts_claim_rate_limit`` every
+            ``TRACE_INTERVAL_SECONDS`` from its release to the window's end.
+        seconds: the checkout window, seconds (None: the call's *seconds*).
+        jobs: the backlog of a drain (None: the call's *drain_jobs*).
+    """
+
+    name: str
+    drain: bool = False
+    concurrency: int = DEFAULT_CONCURRENCY
+    batch: int = DEFAULT_BATCH
+    admission: bool = True
+    trace: bool = False
+    seconds: float | None = None
+    jobs: int | None = None
+
+
+#: How often the admission-on phase scrapes the claim-rate limit, seconds.
+TRACE_INTERVAL_SECONDS = 0.5
+
+
+def checkout_phases(*, full_speed_concurrency: int, full_speed_seconds: float,
+                    full_speed_jobs: int, seconds: float, jobs: int) -> list[CheckoutPhase]:
+    """The bench's checkout phases: idle; a full-speed drain (*full_speed_concurrency*
+    slots, admission off, a *full_speed_seconds* window); and, for the admission
+    target, the default settings (slots, claim batch) with admission control off,
+    then on (traced), over a *seconds* window with *jobs* queued."""
+    return [
+        CheckoutPhase("idle", seconds=seconds),
+        CheckoutPhase("drain", drain=True, concurrency=full_speed_concurrency,
+                      admission=False, seconds=full_speed_seconds, jobs=full_speed_jobs),
+        CheckoutPhase("drain_off", drain=True, admission=False, seconds=seconds, jobs=jobs),
+        CheckoutPhase("drain_on", drain=True, admission=True, trace=True, seconds=seconds,
+                      jobs=jobs),
+    ]
+
+
+class _LimitTrace:
+    """Scrapes one worker's ``receipts_claim_rate_limit`` in a thread.
+
+    ``points``: (seconds since *start*, jobs/s) every *interval_seconds*; a
+    scrape that fails (the metrics server not up yet) is skipped.
+    """
+
+    def __init__(self, children: Children, start: float,
+                 interval_seconds: float = TRACE_INTERVAL_SECONDS) -> None:
+        self.points: list[tuple[float, float]] = []
+        self._child = children.procs[0]
+        self._start = start
+        self._interval = interval_seconds
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        tick = self._start
+        while not self._stop.is_set():
+            try:
+                value = self._child.scrape(timeout_seconds=1.0).value(
+                    "receipts_claim_rate_limit")
+                self.points.append((round(time.monotonic() - self._start, 2), value))
+            except (httpx.HTTPError, KeyError, RuntimeError):
+                pass
+            tick += self._interval
+            self._stop.wait(max(0.0, tick - time.monotonic()))
+
+    def stop(self) -> list[tuple[float, float]]:
+        self._stop.set()
+        self._thread.join(5)
+        return self.points
+
+
 def checkout_impact(bench: Bench, *, drain_jobs: int, seconds: float, rate: float,
                     processes: int = 1, concurrency: int = 200, batch: int = 100,
-                    ) -> dict[str, Any]:
-    """Checkout p50/p99 with the workers idle vs. draining at full speed."""
+                    phases: Sequence[CheckoutPhase] | None = None) -> dict[str, Any]:
+    """Checkout p50/p99 (ms) at *rate*/s for *seconds* while the workers idle or drain.
+
+    Without *phases*: ``idle`` and ``drain`` (*drain_jobs* at full speed) with
+    *concurrency* slots and claim *batch*, admission control at its default.
+    Each phase gets a fresh database and its own workers. For a drain phase
+    also ``drain_jobs_per_second``: jobs done during the checkout window (the
+    ready + running count at its start, plus the receipts checkout enqueued,
+    minus the count at its end) per second of the window. A traced phase adds
+    ``limit_trace``: [seconds since the workers' release, claim-rate limit
+    (jobs/s)] every 0.5 s, and ``window_start_seconds`` on the same clock.
+    """
+    if phases is None:
+        phases = [CheckoutPhase("idle", concurrency=concurrency, batch=batch),
+                  CheckoutPhase("drain", drain=True, concurrency=concurrency, batch=batch)]
     out: dict[str, Any] = {"rate": rate, "seconds": seconds, "processes": processes,
                            "concurrency": concurrency, "batch": batch}
-    for phase in ("idle", "drain"):
+    for phase in phases:
+        window = phase.seconds if phase.seconds is not None else seconds
+        jobs = (phase.jobs if phase.jobs is not None else drain_jobs) if phase.drain else None
+        result: dict[str, Any] = {**asdict(phase), "seconds": window, "jobs": jobs}
         with bench.database("chk") as dsn:
-            if phase == "drain":
-                fill_ready(dsn, drain_jobs)
+            if jobs:
+                fill_ready(dsn, jobs)
             settle(dsn, "receipt_jobs", "bench_orders")
-            argv = _receipts_argv(dsn, concurrency=concurrency, batch=batch)
-            children = Children([argv] * processes)
+            ports = [free_port() if phase.trace else None for _ in range(processes)]
+            argvs = [_receipts_argv(dsn, concurrency=phase.concurrency, batch=phase.batch,
+                                    no_admission=not phase.admission, metrics_port=port)
+                     for port in ports]
+            children = Children(argvs, ports=ports)
+            trace: _LimitTrace | None = None
             try:
-                children.go()
+                started = children.go()
+                if phase.trace:
+                    trace = _LimitTrace(children, started)
                 with psycopg.connect(dsn, **PROBE) as probe:
-                    wait_until(partial(_workers_started, probe, processes,
-                                       drain_jobs if phase == "drain" else None),
+                    wait_until(partial(_workers_started, probe, processes, jobs),
                                timeout_seconds=30)
-                lat = _checkout(dsn, seconds, rate)
-                with psycopg.connect(dsn, **PROBE) as probe:
+                    left_at_start = remaining_jobs(probe)
+                    window_start = time.monotonic()
+                    lat = _checkout(dsn, window, rate)
+                    elapsed = time.monotonic() - window_start
                     left = remaining_jobs(probe)
+                points = trace.stop() if trace else None
             finally:
+                if trace:
+                    trace.stop()
                 children.stop()
-        out[phase] = {"p50_ms": percentile(lat, 50), "p99_ms": percentile(lat, 99),
-                      "samples": len(lat), "jobs_left_at_end": left}
+        result.update(p50_ms=percentile(lat, 50), p99_ms=percentile(lat, 99),
+                      samples=len(lat), jobs_left_at_end=left)
+        if jobs:
+            done = left_at_start + len(lat) - left
+            result.update(jobs_done_in_window=done, drain_jobs_per_second=done / elapsed)
+        if points is not None:
+            result.update(limit_trace=points,
+                          window_start_seconds=round(window_start - started, 2))
+        out[phase.name] = result
     return out
 
 
@@ -438,4 +560,187 @@ def vacuum_after_update(bench: Bench, *, template: str, updated: int, claims: in
     finally:
         for dsn in dsns.values():
             bench.drop_database(dsn)
+    return out
+
+
+# ------------------------------------------------------------ provider outage
+
+
+def _states(probe: psycopg.Connection[Any]) -> dict[str, int]:
+    rows = probe.execute("SELECT state, count(*) FROM receipt_jobs GROUP BY state").fetchall()
+    return {str(state): int(n) for state, n in rows}
+
+
+def outage(bench: Bench, *, jobs: int = 1_000, outage_seconds: float = 60.0,
+           timeout_seconds: float = 600.0) -> dict[str, Any]:
+    """A provider outage: every POST answered 503 for *outage_seconds*, then healthy.
+
+    *jobs* queued, one worker process with the default settings (slots,
+    claim batch, admission control, flow control), the reference provider at
+    0 ms. The outage starts when the worker is released and ends after
+    *outage_seconds* (the one fixed wait: the outage itself); then the run
+    waits until no job is ready or running (≤ *timeout_seconds*).
+
+    Returns the jobs ``failed`` and ``done`` at the end; ``requests_during_outage``
+    (503 answers, from the provider's ``/answers``); ``resume_seconds``: the
+    provider's recovery → its first 2xx answer; ``drained_seconds``: recovery →
+    its last 2xx answer; ``wall_seconds``: release → every job done or failed;
+    ``probes`` (the worker's ``receipts_provider_probes_total``) and the most
+    attempts of any job. Times in seconds.
+    """
+    provider = Provider(0)
+    try:
+        provider.set_faults(status=503)
+        with bench.database("outage") as dsn:
+            fill_ready(dsn, jobs)
+            settle(dsn, "receipt_jobs")
+            port = free_port()
+            argv = _receipts_argv(dsn, concurrency=DEFAULT_CONCURRENCY, batch=DEFAULT_BATCH,
+                                  provider_url=provider.url, metrics_port=port)
+            children = Children([argv], ports=[port])
+            try:
+                with psycopg.connect(dsn, **PROBE) as probe:
+                    start = children.go()
+                    wait_until(lambda: bool(provider.answers()) or not children.alive(),
+                               timeout_seconds=60, interval_seconds=0.1)
+                    time.sleep(max(0.0, start + outage_seconds - time.monotonic()))
+                    provider.set_faults(status=None)
+                    recovered = time.monotonic()
+                    end = wait_until(lambda: remaining_jobs(probe) == 0 or not children.alive(),
+                                     timeout_seconds=timeout_seconds)
+                    states = _states(probe)
+                    row = probe.execute("SELECT max(attempts) FROM receipt_jobs").fetchone()
+                    max_attempts = int(row[0]) if row and row[0] is not None else 0
+                try:
+                    probes: float | None = children.procs[0].scrape().total(
+                        "receipts_provider_probes_total")
+                except (httpx.HTTPError, RuntimeError):
+                    probes = None
+            finally:
+                tails = children.stop()
+        answers = provider.answers()
+    finally:
+        provider.stop()
+    if states.get("ready", 0) + states.get("running", 0):
+        raise RuntimeError(f"outage run ended with jobs left {states}: {tails}")
+    ok = [t for t, status in answers if status < 300]
+    after = [t for t in ok if t >= recovered]
+    return {
+        "jobs": jobs,
+        "outage_seconds": outage_seconds,
+        "concurrency": DEFAULT_CONCURRENCY,
+        "batch": DEFAULT_BATCH,
+        "failed": states.get("failed", 0),
+        "done": states.get("done", 0),
+        "states": states,
+        "requests_during_outage": sum(1 for _, status in answers if status == 503),
+        "requests_total": len(answers),
+        "resume_seconds": round(after[0] - recovered, 3) if after else None,
+        "drained_seconds": round(after[-1] - recovered, 3) if after else None,
+        "wall_seconds": round(end - start, 3),
+        "probes": probes,
+        "max_attempts": max_attempts,
+    }
+
+
+# ------------------------------------------------------------- rate limit
+
+
+def _window_counts(times: Sequence[float], start: float, window_seconds: float,
+                   windows: int) -> list[int]:
+    return [sum(1 for t in times if start + k * window_seconds <= t
+                < start + (k + 1) * window_seconds) for k in range(windows)]
+
+
+def rate_limit_accuracy(bench: Bench, *, limit_per_second: float = 200.0, processes: int = 2,
+                        seconds: float = 20.0, window_seconds: float = 5.0,
+                        ) -> dict[str, Any]:
+    """Requests/s at the provider under the fleet-wide limit (*limit_per_second*).
+
+    *processes* workers (default slots and batch, admission control on,
+    ``--rate-limit``, burst: the default, one second's worth), the reference
+    provider at 0 ms, a backlog three times what the limit lets through. From
+    the provider's first answer: one window of *window_seconds* (the initial
+    burst; not counted), then *seconds* measured in windows of *window_seconds*.
+    Returns each window's requests/s, their mean and the worst deviation from
+    the limit (relative), and ``flow_row``: ``receipt_flow``'s update
+    statistics once the workers' sessions have ended.
+    """
+    windows = max(1, round(seconds / window_seconds))
+    jobs = int(3 * limit_per_second * (windows + 1) * window_seconds)
+    provider = Provider(0)
+    try:
+        with bench.database("rlim") as dsn:
+            fill_ready(dsn, jobs)
+            settle(dsn, "receipt_jobs")
+            argv = _receipts_argv(dsn, concurrency=DEFAULT_CONCURRENCY, batch=DEFAULT_BATCH,
+                                  provider_url=provider.url, rate_limit=limit_per_second)
+            children = Children([argv] * processes)
+            try:
+                children.go()
+                wait_until(lambda: bool(provider.answers()) or not children.alive(),
+                           timeout_seconds=60, interval_seconds=0.1)
+                first = provider.answers()[0][0]
+                end = first + (windows + 1) * window_seconds
+                # The measured interval itself (the provider's clock is this machine's).
+                time.sleep(max(0.0, end - time.monotonic()) + 0.2)
+                alive = children.alive()
+            finally:
+                tails = children.stop()
+            if not alive:
+                raise RuntimeError(f"a rate-limited worker exited: {tails}")
+            flow = raw.flow_row_stats(dsn)
+        times = sorted(t for t, _ in provider.answers())
+    finally:
+        provider.stop()
+    counts = _window_counts(times, first + window_seconds, window_seconds, windows)
+    rates = [n / window_seconds for n in counts]
+    deviations = [r / limit_per_second - 1.0 for r in rates]
+    return {
+        "limit_per_second": limit_per_second,
+        "processes": processes,
+        "window_seconds": window_seconds,
+        "first_window_per_second": _window_counts(times, first, window_seconds, 1)[0]
+        / window_seconds,
+        "window_rates": rates,
+        "mean_per_second": statistics.fmean(rates),
+        "mean_deviation": statistics.fmean(rates) / limit_per_second - 1.0,
+        "worst_deviation": max(deviations, key=abs),
+        "jobs_queued": jobs,
+        "flow_row": flow,
+    }
+
+
+def rate_limit_overhead(bench: Bench, *, seconds: float, batch: int = 100, clients: int = 8,
+                        contention_clients: Sequence[int] = (1, 8),
+                        never_binding: float = 1e9) -> dict[str, Any]:
+    """What the flow machinery costs the claim, measured with pgbench (``bench.raw``).
+
+    ``claim`` (with its one-row pause check on ``receipt_flow``) vs. the same
+    statement with the check removed (:func:`bench.raw.strip_flow_check`),
+    each claim *batch* + ack with *clients* for *seconds*; then
+    ``claim_limited`` at a limit and burst of *never_binding* jobs/s (it never
+    binds: what remains is the locked, updated bucket row) with each of
+    *contention_clients*. jobs/s each; ``flow_row``: ``receipt_flow``'s update
+    statistics after the last ``claim_limited`` run.
+    """
+    fill = 60_000 * max(1, int(seconds))
+
+    def run(clients: int, flow_stats: bool = False, **script: Any) -> dict[str, Any]:
+        return raw.run_pgbench(bench, batch=batch, clients=clients, seconds=seconds,
+                               fill=fill, script=script, flow_stats=flow_stats)
+
+    out: dict[str, Any] = {"batch": batch, "clients": clients, "seconds": seconds}
+    out["with_check"] = run(clients)
+    out["without_check"] = run(clients, strip_flow=True)
+    out["ratio"] = (out["with_check"]["jobs_per_second"]
+                    / max(out["without_check"]["jobs_per_second"], 1e-9))
+    out["limited"] = {}
+    for n in contention_clients:
+        out["limited"][str(n)] = run(n, flow_stats=True, name="claim_limited",
+                                     rate_per_second=never_binding, burst=never_binding)
+    last = out["limited"][str(contention_clients[-1])]
+    out["flow_row"] = last.pop("flow_row")
+    for r in out["limited"].values():
+        r.pop("flow_row", None)
     return out
