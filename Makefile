@@ -25,7 +25,7 @@ tools:
 test: $(STAMP) tools
 	PATH="$(CURDIR)/.tools/bin:$(CURDIR)/$(BIN):$$PATH" $(BIN)/pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
-## The side-by-side benchmark (bench/README.md); ~32 min on 2 cores.
+## The side-by-side benchmark (bench/README.md); ~38 min on 2 cores.
 bench:
 	bash bench/run.sh $(BENCH_ARGS)
 
