@@ -62,6 +62,11 @@ class Cut:
     rows: list[CutRow]
 
 
+def _gone(reader: asyncio.StreamReader) -> bool:
+    """The peer has closed its side (EOF received), whatever is still buffered."""
+    return bool(getattr(reader, "_eof", False))
+
+
 def _is_claim(query: bytes) -> bool:
     return all(marker in query for marker in CLAIM_MARKERS)
 
@@ -249,6 +254,11 @@ class PgProxy:
             if wait > 0:
                 await asyncio.sleep(wait)
             await self._held()
+            if _gone(reader):
+                # The client gave up and closed while this request was held: a
+                # half-open path delivers nothing more. Forwarding it now would
+                # run (and commit) a claim whose answer nobody reads, unrecorded.
+                return
             if kind == b"P":
                 name, pos = _cstring(body, 0)
                 query, _ = _cstring(body, pos)
