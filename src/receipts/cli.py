@@ -34,8 +34,9 @@ from receipts.settings import (
     load_settings,
     package_version,
     redact_dsn,
+    schema_for,
 )
-from receipts.statements import DEFAULT_SCHEMA, SCHEMA_NAME
+from receipts.statements import DEFAULT_SCHEMA, SCHEMA_NAME, SCHEMA_RULE
 
 if TYPE_CHECKING:
     from receipts.review import RetryResult
@@ -202,11 +203,16 @@ def cmd_migrate(settings: Settings | None, args: argparse.Namespace) -> int:
     if args.pending and not args.print_sql:
         raise UsageError("--pending goes with --print-sql")
     if args.print_sql and not args.pending:
-        # No database is read, so no settings are loaded: only the schema's name.
-        schema = os.environ.get("RECEIPTS_DATABASE_SCHEMA", "").strip() or DEFAULT_SCHEMA
+        # No database is read, so no settings are loaded: only the schema's name,
+        # chosen as the worker chooses it (the setting, else the DSN's search_path).
+        schema = os.environ.get("RECEIPTS_DATABASE_SCHEMA", "").strip()
+        source = "RECEIPTS_DATABASE_SCHEMA"
+        if not schema:
+            dsn = os.environ.get("RECEIPTS_DATABASE_URL", "").strip()
+            schema = schema_for(dsn) if dsn else DEFAULT_SCHEMA
+            source = "the DSN's search_path"
         if not SCHEMA_NAME.match(schema):
-            raise UsageError(f"RECEIPTS_DATABASE_SCHEMA {schema!r} is not a lower-case SQL "
-                             "identifier (letters, digits and _, at most 63)")
+            raise UsageError(f"schema {schema!r} (from {source}) is not {SCHEMA_RULE}")
         sys.stdout.write(migrate.migration_sql(schema=schema))
         return EXIT_OK
     assert settings is not None
@@ -224,7 +230,8 @@ def cmd_migrate(settings: Settings | None, args: argparse.Namespace) -> int:
         return EXIT_PENDING if status.pending else EXIT_OK
     applied = migrate.apply_migrations(
         settings.dsn, application_name=settings.application_name,
-        lock_timeout_seconds=settings.migrate_lock_timeout_seconds, schema=settings.db_schema)
+        lock_timeout_seconds=settings.migrate_lock_timeout_seconds, schema=settings.db_schema,
+        beside_existing=settings.database_schema is not None)
     print(f"applied {len(applied)} migration(s)" + (f": {', '.join(applied)}" if applied
                                                      else "; schema is up to date"))
     return EXIT_OK
@@ -394,14 +401,17 @@ def cmd_jobs(settings: Settings, args: argparse.Namespace) -> int:
             if args.json:
                 print(json.dumps(stats.as_dict()))
             else:
-                for state in JobState:
-                    print(f"{state:<8} {stats.jobs[state]}")
-                print(f"due now  {stats.ready_due}")
-                print(f"lag      {stats.queue_lag_seconds:.1f}s")
-                print(f"oldest undelivered  {stats.oldest_undelivered_age_seconds:.1f}s "
-                      "since enqueue")
-                print(f"expired leases awaiting recovery  {stats.expired_leases}")
-                print(f"oldest failed  {review.jsonable(stats.oldest_failed_at) or '-'}")
+                table = [(str(state), str(stats.jobs[state])) for state in JobState] + [
+                    ("due now", str(stats.ready_due)),
+                    ("lag", f"{stats.queue_lag_seconds:.1f}s"),
+                    ("oldest undelivered",
+                     f"{stats.oldest_undelivered_age_seconds:.1f}s since enqueue"),
+                    ("expired leases", f"{stats.expired_leases} (awaiting recovery)"),
+                    ("oldest failed", str(review.jsonable(stats.oldest_failed_at) or "-")),
+                ]
+                width = max(len(label) for label, _ in table)
+                for label, value in table:
+                    print(f"{label:<{width}}  {value}")
             return EXIT_OK
         if args.jobs_command == "list":
             rows = await review.list_jobs(queue, JobState(args.state), limit=args.limit,

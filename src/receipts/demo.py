@@ -201,7 +201,9 @@ def _scratch_schema(dsn: str, schema: str) -> str:
 
 def _demo(run: _Run) -> bool:
     opts = run.opts
-    applied = apply_migrations(run.dsn)
+    # With --dsn the demo's queue lives in its own scratch schema, beside any
+    # queue the database already has: a second queue is intended here.
+    applied = apply_migrations(run.dsn, beside_existing=True)
     _say(f"migrated ({len(applied)} migration(s) applied)")
     with psycopg.connect(run.dsn, autocommit=True) as conn:
         conn.execute("CREATE TABLE IF NOT EXISTS demo_orders ("

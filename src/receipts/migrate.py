@@ -128,6 +128,7 @@ def apply_migrations(
     dsn: str, *, migrations: list[Migration] | None = None, application_name: str = "receipts",
     connect_timeout_seconds: float = 10.0, lock_timeout_seconds: float = 120.0,
     statement_timeout_seconds: float = 1800.0, schema: str | None = None,
+    beside_existing: bool = False,
 ) -> list[str]:
     """Apply every pending migration to the database at *dsn*, in *schema*.
 
@@ -135,6 +136,14 @@ def apply_migrations(
     created when missing; each file runs with ``SET LOCAL search_path`` to it
     alone, so whatever search_path the session has, the tables land where
     the workers' qualified statements look for them.
+
+    A *new* queue is not created in *schema* while another schema of the
+    database already holds one (its tables were found through a role's or a
+    session's search_path before receipts named its schema): that would
+    split producers and workers between two queues. :class:`MigrationError`
+    names the schema(s) found and the setting that picks one, unless
+    *beside_existing* says a second queue is intended (the CLI passes it
+    when ``RECEIPTS_DATABASE_SCHEMA`` is set explicitly).
 
     Needs the ``worker`` extra (errors are translated by :mod:`receipts.db`).
     Returns the versions applied by this call (empty when up to date).
@@ -161,6 +170,8 @@ def apply_migrations(
                 conn.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK_KEY,))
                 exists = conn.execute("SELECT FROM pg_namespace WHERE nspname = %s",
                                       (schema,)).fetchone()
+                if not beside_existing:
+                    _refuse_second_queue(conn, schema)
                 if exists is None:
                     conn.execute(f"CREATE SCHEMA IF NOT EXISTS {prefix[:-1]}".encode())
                 conn.execute(_tracking(schema).encode())
@@ -203,6 +214,24 @@ def apply_migrations(
 
         raise translate(exc) from exc
     return applied
+
+
+def _refuse_second_queue(conn: psycopg.Connection[Any], schema: str) -> None:
+    """:class:`MigrationError` when *schema* holds no receipts queue but another schema does."""
+    has = _HAS_TRACKING.replace("{schema}.", _qualified(schema))
+    row = conn.execute(has.encode()).fetchone()
+    if row is not None and row[0]:
+        return
+    others = [str(r[0]) for r in conn.execute(_ELSEWHERE).fetchall() if r[0] != schema]
+    if not others:
+        return
+    found = ", ".join(f'"{name}"' for name in others)
+    picks = " or ".join(f"RECEIPTS_DATABASE_SCHEMA={name}" for name in others)
+    raise MigrationError(
+        f'the receipts queue of this database is in schema {found}, not in "{schema}" '
+        f"(the schema chosen from the DSN; the tables were probably found through a role's "
+        f"search_path until now); nothing was created. Set {picks} to migrate that queue, "
+        f"or RECEIPTS_DATABASE_SCHEMA={schema} to create a second, separate queue")
 
 
 # ------------------------------------------------------------ schema version
@@ -269,10 +298,13 @@ class SchemaStatus:
             where = f'schema "{self.schema}" of database "{self.database}"'
             hint = "run `receipts migrate`"
             if self.elsewhere:
-                found = ", ".join(self.elsewhere)
-                hint = (f"it is in schema {found}: set RECEIPTS_DATABASE_SCHEMA={self.elsewhere[0]}"
-                        f", or {hint} to create one in {self.schema}")
-            return (f"no receipts schema in {where} (looked up "
+                found = ", ".join(f'"{name}"' for name in self.elsewhere)
+                picks = " or ".join(f"RECEIPTS_DATABASE_SCHEMA={name}"
+                                    for name in self.elsewhere)
+                hint = (f"the queue is in schema {found}: set {picks}, or "
+                        f"RECEIPTS_DATABASE_SCHEMA={self.schema} and {hint} to create a "
+                        f"second one in {self.schema}")
+            return (f"no receipts tables in {where} (looked up "
                     f"{self.schema}.receipts_schema_migrations; {ours} expects "
                     f"{self.expected}): {hint}")
         if self.pending:
@@ -387,7 +419,8 @@ def migration_sql(migrations: list[Migration] | None = None, *, schema: str = "p
     Every part starts with ``SET LOCAL search_path TO`` *schema* (so apply it
     in a transaction: outside one, PostgreSQL ignores ``SET LOCAL`` with a
     warning) and names *schema* in the tracking statements, like
-    :func:`apply_migrations`; the schema must exist.
+    :func:`apply_migrations`. A *schema* other than ``public`` is created
+    first (``CREATE SCHEMA IF NOT EXISTS``), as ``receipts migrate`` does.
 
     Starts with the tracking table (``CREATE TABLE IF NOT EXISTS``); each file
     follows with the ``INSERT`` that records its version and checksum, exactly
@@ -405,7 +438,8 @@ def migration_sql(migrations: list[Migration] | None = None, *, schema: str = "p
         "-- Generated by `receipts migrate --print-sql`; apply in order, in a transaction.\n"
         "-- Each part records its version in receipts_schema_migrations, which workers\n"
         "-- check at start-up.\n"
-        f"{_tracking(schema).strip()};\n"
+        + (f"CREATE SCHEMA IF NOT EXISTS {prefix[:-1]};\n" if schema != "public" else "")
+        + f"{_tracking(schema).strip()};\n"
     ]
     for m in todo:
         literal = "'" + m.version.replace("'", "''") + "'"

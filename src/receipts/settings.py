@@ -24,7 +24,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from receipts.statements import DEFAULT_SCHEMA, SCHEMA_NAME
+from receipts.statements import DEFAULT_SCHEMA, SCHEMA_NAME, SCHEMA_RULE
 
 ENV_PREFIX = "RECEIPTS_"
 MASK = "***"
@@ -188,7 +188,8 @@ class Settings(BaseSettings):
         default=None,
         description="Schema that holds the receipts tables; every statement names it, "
                     "so a leaked SET search_path cannot redirect the worker. Default: "
-                    "the first schema of a search_path in the DSN's options, else public.",
+                    "the first schema of a search_path in the DSN's options, else public "
+                    "(an empty value counts as unset).",
     )
     provider_url: str = Field(
         default="",
@@ -317,9 +318,8 @@ class Settings(BaseSettings):
         if isinstance(value, str) and not value.strip():
             return None
         if isinstance(value, str) and not SCHEMA_NAME.match(value):
-            raise ValueError(f"{value!r} is not a lower-case SQL identifier "
-                             "(letters, digits and _, at most 63; PostgreSQL folds "
-                             "unquoted names to lower case)")
+            raise ValueError(f"{value!r} is not {SCHEMA_RULE}; PostgreSQL folds "
+                             "unquoted names to lower case")
         return value
 
     @field_validator("provider_token", "ui_admin_token", mode="before")
@@ -387,8 +387,9 @@ class Settings(BaseSettings):
             )
         if self.database_schema is None and not SCHEMA_NAME.match(self.db_schema):
             raise ValueError(
-                f"the DSN's search_path starts with {self.db_schema!r}, which is not a lower-case "
-                "SQL identifier; set RECEIPTS_DATABASE_SCHEMA to the schema of the receipts tables"
+                f"the DSN's search_path starts with {self.db_schema!r}, which is not "
+                f"{SCHEMA_RULE}; set RECEIPTS_DATABASE_SCHEMA to the schema of the receipts "
+                "tables"
             )
         return self
 

@@ -23,8 +23,12 @@ from psycopg import sql
 #: The schema the tables are created in when nothing else is configured.
 DEFAULT_SCHEMA = "public"
 #: A schema name as receipts accepts it: an unquoted lower-case identifier
-#: (PostgreSQL folds unquoted names to lower case; at most 63 bytes).
-SCHEMA_NAME = re.compile(r"^[a-z_][a-z0-9_]{0,62}$")
+#: (PostgreSQL folds unquoted names to lower case; at most 63 bytes), and not
+#: one PostgreSQL reserves for itself (``pg_…``, ``information_schema``).
+SCHEMA_NAME = re.compile(r"^(?!pg_|information_schema$)[a-z_][a-z0-9_]{0,62}$")
+#: What :data:`SCHEMA_NAME` accepts, for messages.
+SCHEMA_RULE = ("a lower-case SQL identifier (letters, digits and _, at most 63), "
+               "not pg_… or information_schema (reserved by PostgreSQL)")
 
 
 def qualifier(schema: str | None) -> str:
@@ -38,8 +42,7 @@ def qualifier(schema: str | None) -> str:
     if schema is None:
         return ""
     if not SCHEMA_NAME.match(schema):
-        raise ValueError(f"schema {schema!r} is not a lower-case SQL identifier "
-                         "(letters, digits, _; at most 63)")
+        raise ValueError(f"schema {schema!r} is not {SCHEMA_RULE}")
     return f'"{schema}".'
 
 

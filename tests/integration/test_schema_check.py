@@ -82,7 +82,7 @@ def test_an_empty_database_is_refused_in_one_line(empty_dsn):
     with pytest.raises(SchemaMismatch) as refused:
         check(empty_dsn)
     message = str(refused.value)
-    assert "no receipts schema" in message and "run `receipts migrate`" in message
+    assert "no receipts tables" in message and "run `receipts migrate`" in message
     assert "\n" not in message
     assert status_of(empty_dsn).version is None
 
@@ -121,7 +121,7 @@ async def test_the_async_check_gives_the_same_answers(dsn, empty_dsn):
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
         assert (await check_schema_async(conn)).version == NEWEST
     async with await psycopg.AsyncConnection.connect(empty_dsn, autocommit=True) as conn:
-        with pytest.raises(SchemaMismatch, match="no receipts schema"):
+        with pytest.raises(SchemaMismatch, match="no receipts tables"):
             await check_schema_async(conn)
 
 
@@ -187,7 +187,7 @@ def test_migrate_check_exit_codes(dsn, empty_dsn):
         0, f"schema version {NEWEST} (up to date)")
 
     pending = receipts("migrate", "--check", dsn=empty_dsn)
-    assert pending.returncode == 3 and "no receipts schema" in pending.stdout
+    assert pending.returncode == 3 and "no receipts tables" in pending.stdout
     assert fetch_rows(empty_dsn, "SELECT to_regclass('receipts_schema_migrations')") == [(None,)]
 
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -264,3 +264,49 @@ def test_print_sql_in_a_configured_schema_applies_there(empty_dsn):
     with psycopg.connect(empty_dsn, autocommit=True) as conn:
         assert check_schema(conn, schema="shop").version == NEWEST
         assert conn.execute("SELECT to_regclass('public.receipt_jobs')").fetchone() == (None,)
+
+
+def test_migrate_refuses_to_split_the_queue_when_its_tables_are_in_another_schema(empty_dsn):
+    # An existing installation whose tables were found through a role's
+    # search_path: they live in "shop", the DSN names no schema.
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        conn.execute("CREATE SCHEMA shop")
+    apply_migrations(empty_dsn, schema="shop")
+    refused = receipts("migrate", dsn=empty_dsn)
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert 'schema "shop"' in refused.stderr
+    assert "RECEIPTS_DATABASE_SCHEMA=shop" in refused.stderr
+    assert "RECEIPTS_DATABASE_SCHEMA=public" in refused.stderr
+    assert fetch_rows(empty_dsn, "SELECT to_regclass('public.receipts_schema_migrations')") == [
+        (None,)]
+    # Naming the schema upgrades that queue; naming public on purpose makes a second one.
+    upgraded = receipts("migrate", dsn=empty_dsn, env={"RECEIPTS_DATABASE_SCHEMA": "shop"})
+    assert upgraded.returncode == 0 and "up to date" in upgraded.stdout, upgraded.stderr
+    second = receipts("migrate", dsn=empty_dsn, env={"RECEIPTS_DATABASE_SCHEMA": "public"})
+    assert second.returncode == 0, second.stderr
+    assert check(empty_dsn).current
+
+
+def test_print_sql_takes_the_schema_from_the_dsn_and_creates_it(empty_dsn):
+    from psycopg.conninfo import make_conninfo
+
+    in_shop = make_conninfo(empty_dsn, options="-c search_path=shop,public")
+    printed = receipts("migrate", "--print-sql", dsn=in_shop)
+    assert printed.returncode == 0, printed.stderr
+    assert printed.stdout == migration_sql(schema="shop")
+    assert 'CREATE SCHEMA IF NOT EXISTS "shop";' in printed.stdout
+    # The schema does not exist yet: the printed text creates it.
+    applied = psql_file(empty_dsn, printed.stdout)
+    assert applied.returncode == 0, applied.stderr
+    with psycopg.connect(empty_dsn, autocommit=True) as conn:
+        assert check_schema(conn, schema="shop").version == NEWEST
+    assert "CREATE SCHEMA" not in migration_sql(schema="public")
+
+
+@pytest.mark.parametrize("name", ["pg_catalog", "pg_temp", "information_schema"])
+def test_schemas_reserved_by_postgresql_are_refused(empty_dsn, name):
+    result = receipts("migrate", dsn=empty_dsn, env={"RECEIPTS_DATABASE_SCHEMA": name})
+    assert result.returncode == 2, result.stdout + result.stderr
+    assert "reserved by PostgreSQL" in result.stderr
+    printed = receipts("migrate", "--print-sql", dsn=None, env={"RECEIPTS_DATABASE_SCHEMA": name})
+    assert printed.returncode == 2 and "reserved by PostgreSQL" in printed.stderr
