@@ -20,10 +20,17 @@ START_TIMEOUT_SECONDS = 60.0  # a child imports its queue library before "ready"
 
 
 def _env() -> dict[str, str]:
-    """What the children need besides the supervisor's clean environment."""
+    """What the children need besides the supervisor's clean environment.
+
+    ``RECEIPTS_ADMISSION_*`` variables of the bench's own environment pass
+    through, so an experiment can pin admission control's bounds (the same
+    min and max: a fixed claim rate) without a new option.
+    """
     path = os.pathsep.join(
         p for p in (str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")) if p)
-    return {"PYTHONPATH": path, "XDG_RUNTIME_DIR": os.environ.get("XDG_RUNTIME_DIR", "/tmp")}
+    admission = {k: v for k, v in os.environ.items() if k.startswith("RECEIPTS_ADMISSION_")}
+    return {"PYTHONPATH": path, "XDG_RUNTIME_DIR": os.environ.get("XDG_RUNTIME_DIR", "/tmp"),
+            **admission}
 
 
 class Children:

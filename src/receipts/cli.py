@@ -65,6 +65,7 @@ SETTING_HELP: dict[str, str] = {
     "pool_max_size": "database connections per process for statements",
     "listen_notify": "one extra connection that LISTENs for enqueue wake-ups",
     "pgbouncer": "transaction-pooling mode: no prepared statements, LISTEN or startup options",
+    "synchronous_commit": "synchronous_commit of worker/recovery sessions (on, off, local)",
     "shutdown_grace_seconds": "after SIGTERM, how long in-flight deliveries may finish",
     "retry_base_seconds": "backoff ceiling of the first retry",
     "retry_cap_seconds": "backoff ceiling of any retry",
@@ -90,7 +91,7 @@ _RECOVERY_ONLY = ("recovery_delay_seconds", "recovery_batch_size", "retention_da
 COMMAND_SETTINGS: dict[str, tuple[str, ...]] = {
     "migrate": ("database_url", "database_schema", "application_name", "log_level",
                 "migrate_lock_timeout_seconds"),
-    "recover": (*_CONNECTION, "max_attempts", *_RECOVERY_ONLY),
+    "recover": (*_CONNECTION, "max_attempts", "synchronous_commit", *_RECOVERY_ONLY),
     "enqueue": _CONNECTION,
     "jobs": _CONNECTION,
 }

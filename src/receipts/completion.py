@@ -86,14 +86,10 @@ class Completer:
         metrics: the process's :class:`Metrics`.
         lease_seconds: the lease length, seconds (bounds write retries).
         max_batch: most attempts of one kind in one statement.
-        on_statement: called with (seconds, rows) after each write that
-            answered (admission control's latency samples), or None.
     """
 
     def __init__(self, queue: WorkerQueue, metrics: Metrics, *, lease_seconds: float,
-                 max_batch: int = 500,
-                 on_statement: Callable[[float, int], None] | None = None) -> None:
-        self.on_statement = on_statement
+                 max_batch: int = 500) -> None:
         self.queue = queue
         self.metrics = metrics
         self.lease_seconds = lease_seconds
@@ -219,8 +215,6 @@ class Completer:
                 took = time.perf_counter() - start
                 self.metrics.statement_duration.labels(lane.name).observe(took)
                 self.busy_since = None
-                if self.on_statement is not None:
-                    self.on_statement(took, len(batch))
                 self.healthy = True
             except QueueError as exc:
                 self.busy_since = None

@@ -25,6 +25,10 @@ from receipts.settings import Settings, redact_dsn
 CONNECT_TIMEOUT_SECONDS = 5
 #: Added to the server's statement_timeout to make the client-side deadline.
 DEADLINE_SLACK_SECONDS = 5.0
+#: The roles RECEIPTS_SYNCHRONOUS_COMMIT applies to: their writes are the lease
+#: protocol's, which redoes what a database crash undoes (docs/design.md §4).
+#: Operator commands, the review page and migrations always commit durably.
+ASYNC_COMMIT_ROLES = frozenset({"worker", "recover"})
 #: A silent LISTEN connection is checked this often, seconds.
 LISTEN_CHECK_SECONDS = 30.0
 
@@ -56,8 +60,9 @@ def connection_kwargs(settings: Settings, role: str) -> dict[str, Any]:
     Sets ``application_name`` and, unless behind PgBouncer transaction pooling
     (which refuses startup options), ``statement_timeout``, ``lock_timeout``
     and ``idle_in_transaction_session_timeout`` from the settings (seconds →
-    milliseconds), added to any ``options`` the DSN already carries. Behind
-    PgBouncer set them on the role (``ALTER ROLE … SET``).
+    milliseconds), and ``synchronous_commit`` for the roles in
+    ``ASYNC_COMMIT_ROLES``, added to any ``options`` the DSN already carries.
+    Behind PgBouncer set them on the role (``ALTER ROLE … SET``).
     """
     kwargs: dict[str, Any] = {
         "application_name": f"{settings.application_name}-{role}",
@@ -83,6 +88,8 @@ def connection_kwargs(settings: Settings, role: str) -> dict[str, Any]:
             "idle_in_transaction_session_timeout": settings.idle_in_transaction_timeout_seconds,
         }
         ours = " ".join(f"-c {k}={round(v * 1000)}" for k, v in ms.items())
+        if role in ASYNC_COMMIT_ROLES:
+            ours += f" -c synchronous_commit={settings.synchronous_commit}"
         # A keyword argument replaces the DSN's own `options` (say, a
         # search_path): keep those and add ours.
         theirs = conninfo_to_dict(settings.dsn).get("options")

@@ -150,6 +150,10 @@ class WorkerQueue(Protocol):
         """See :meth:`JobQueue.queue_stats`."""
         ...
 
+    async def commit_probe(self) -> float:
+        """See :meth:`JobQueue.commit_probe`."""
+        ...
+
 
 class JobQueue:
     """Queue operations on a pool; every method is one autocommit statement.
@@ -330,6 +334,20 @@ class JobQueue:
     async def resume(self, probe_until: datetime) -> bool:
         """End the pause after a probe the provider answered; False if extended since."""
         return bool(await self._rows(self._q("resume"), {"probe_until": probe_until}))
+
+    async def commit_probe(self) -> float:
+        """Commit one tiny durable transaction; returns its round trip, seconds.
+
+        The ``commit_probe`` block: a transactional logical-decoding message
+        committed with ``synchronous_commit = on`` (whatever the session's
+        setting), so the time is one WAL flush plus a round trip — what a
+        checkout commit waits for now. Admission control's only sample
+        (:mod:`receipts.admission`). Raises :class:`QueueError`.
+        """
+        start = time.perf_counter()
+        async with self._conn() as conn:
+            await conn.execute(self._q("commit_probe"))  # no params: one simple query
+        return time.perf_counter() - start
 
     async def flow_state(self) -> FlowState:
         """The fleet-wide pause and the bucket's tokens now (tokens None without a limit)."""

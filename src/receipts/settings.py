@@ -263,7 +263,14 @@ class Settings(BaseSettings):
     )
     admission_control: bool = Field(
         default=True,
-        description="Adapt the claim rate to the database's statement latency (AIMD).",
+        description="Adapt the claim rate to the database's commit latency (AIMD).",
+    )
+    synchronous_commit: Literal["on", "off", "local"] = Field(
+        default="off",
+        description="synchronous_commit of the worker's and recovery's own sessions: 'off' "
+                    "lets their claims, acks and sweeps skip the WAL flush checkout waits for "
+                    "(a database crash can undo their last fraction of a second, which the "
+                    "lease protocol redelivers with the same idempotency key); 'on' or 'local'.",
     )
     admission_min_rate_per_second: float = Field(
         default=50.0, gt=0, le=1_000_000,

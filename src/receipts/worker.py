@@ -116,9 +116,7 @@ class Worker:
         )
         self.admission = AdmissionController(admission_policy(settings)) if (
             settings.admission_control) else None
-        self.completer = Completer(
-            queue, metrics, lease_seconds=settings.lease_seconds,
-            on_statement=self.admission.observe if self.admission else None)
+        self.completer = Completer(queue, metrics, lease_seconds=settings.lease_seconds)
         self.gate = gate or ProviderGate(flow_policy(settings))
         self._inflight: set[asyncio.Task[None]] = set()
         self._slot_freed = asyncio.Event()
@@ -139,6 +137,7 @@ class Worker:
         metrics.slots.set(settings.concurrency)
         # Read when scraped: nothing to update per delivery.
         metrics.inflight.set_function(lambda: len(self._inflight))
+        self._probe_seconds = metrics.statement_duration.labels("commit_probe")
         #: receipts_delivery_duration_seconds by outcome, labelled once (labels() locks).
         self._delivery_seconds = {reason: metrics.delivery_duration.labels(reason)
                                   for reason in Reason}
@@ -198,6 +197,8 @@ class Worker:
         """
         self.completer.start()
         helpers = [asyncio.create_task(self._stats_loop(), name="queue-stats")]
+        if self.admission is not None:
+            helpers.append(asyncio.create_task(self._admission_loop(), name="commit-probe"))
         if self.settings.listen_notify and not self.settings.pgbouncer:
             helpers.append(asyncio.create_task(self._listen_loop(), name="listen"))
         claiming = asyncio.create_task(self._claim_loop(), name="claim-loop")
@@ -255,7 +256,8 @@ class Worker:
         probe_until: datetime | None = None
         state = FlowState()
         limit = min(free, self.settings.claim_batch_max)
-        if self.admission is not None and not gate.paused:
+        admitted = self.admission is not None and not gate.paused
+        if self.admission is not None and admitted:
             limit, wait = self.admission.allowance(limit)
             self.metrics.claim_rate_limit.set(self.admission.limit)
             if limit == 0:
@@ -281,7 +283,7 @@ class Worker:
                                  state.pause_left_seconds or 0.0)
                 log.info("provider_probe", extra=job_fields(result.attempts[0].job, "probe"))
             return 0.0, False
-        if self.admission is not None:
+        if self.admission is not None and admitted:
             self.admission.refund(limit - len(result.attempts))
         self._observe_flow(result.flow)
         if gate.paused:
@@ -313,10 +315,7 @@ class Worker:
             self.max_overclaim, limit - (self.settings.concurrency - len(self._inflight)))
         start = time.perf_counter()
         result = await self.queue.claim(limit, probe=probe)
-        took = time.perf_counter() - start
-        self.metrics.statement_duration.labels("claim").observe(took)
-        if self.admission is not None:
-            self.admission.observe(took, len(result.attempts))
+        self.metrics.statement_duration.labels("claim").observe(time.perf_counter() - start)
         self._db_state(True)
         self.metrics.claims.inc()
         self.metrics.claim_batch.observe(len(result.attempts))
@@ -437,6 +436,33 @@ class Worker:
             except QueueError as exc:
                 log.debug("queue_stats_failed", extra={"error": str(exc)})
             await asyncio.sleep(interval * random.uniform(0.8, 1.2))
+
+    async def _admission_loop(self) -> None:
+        """Feed admission control one commit probe per interval (jittered).
+
+        A probe the database refuses three times in a row while it answers
+        claims (a role that may not emit a logical-decoding message) turns
+        admission control off for this process, with one warning: without a
+        sample it would keep its limit forever.
+        """
+        admission = self.admission
+        assert admission is not None
+        refused = 0
+        while True:
+            await asyncio.sleep(admission.probe_interval() * random.uniform(0.8, 1.2))
+            try:
+                seconds = await self.queue.commit_probe()
+                refused = 0
+                admission.observe(seconds)
+                self._probe_seconds.observe(seconds)
+            except QueueError as exc:
+                self.metrics.db_errors.labels("commit_probe").inc()
+                refused = refused + 1 if self._db_ok else 0
+                if refused >= 3:
+                    log.warning("admission_control_off", extra={"error": str(exc)})
+                    self.admission = None
+                    self.metrics.claim_rate_limit.set(0)
+                    return
 
     async def _listen_loop(self) -> None:
         """LISTEN for enqueue notifications on a dedicated connection; reconnects."""

@@ -67,6 +67,10 @@ class FakeQueue:
     resumed: int = 0
     refunds: int = 0
     records: list[AttemptRecord] = field(default_factory=list)
+    #: What each commit probe answers, seconds (a list is consumed in order, its
+    #: last value repeated); an exception instance is raised instead.
+    probe_seconds: list[float | Exception] = field(default_factory=lambda: [0.001])
+    probes: int = 0
 
     def add(self, n: int) -> list[uuid.UUID]:
         ids = []
@@ -183,6 +187,14 @@ class FakeQueue:
         self.probe_until = None
         self.resumed += 1
         return True
+
+    async def commit_probe(self) -> float:
+        self.probes += 1
+        answer = self.probe_seconds[0] if len(self.probe_seconds) == 1 else (
+            self.probe_seconds.pop(0))
+        if isinstance(answer, Exception):
+            raise answer
+        return answer
 
     async def queue_stats(self) -> QueueStats:
         return QueueStats(ready_due=self.count(JobState.READY), ready=self.count(JobState.READY),

@@ -178,3 +178,32 @@ async def test_attempt_history_records_retries_and_skips_a_first_try_delivery():
     assert [(r.job_id, r.attempt, r.reason, r.status) for r in queue.records] == [
         (second, 1, "provider_5xx", 503), (second, 2, "delivered", 200)]
     assert all(r.worker and r.duration_seconds is not None for r in queue.records)
+
+
+async def test_admission_control_samples_commit_probes_while_the_worker_drains():
+    queue, deliverer = FakeQueue(), ScriptedDeliverer()
+    queue.add(200)
+    async with Loop(queue, deliverer, concurrency=8) as loop:
+        await until(lambda: queue.probes >= 2)
+        await until(lambda: queue.count(JobState.DONE) == 200)
+    assert loop.worker.admission is not None
+    assert loop.value("receipts_db_statement_duration_seconds_count",
+                      statement="commit_probe") == queue.probes
+    assert loop.value("receipts_claim_rate_limit") > 0
+
+
+async def test_a_commit_probe_the_database_refuses_turns_admission_control_off(caplog):
+    from receipts.errors import QueueError
+
+    queue, deliverer = FakeQueue(), ScriptedDeliverer()
+    queue.probe_seconds = [QueueError("InsufficientPrivilege: permission denied")]
+    queue.add(20)
+    async with Loop(queue, deliverer) as loop:
+        await until(lambda: loop.worker.admission is None, timeout=10)
+        await until(lambda: queue.count(JobState.DONE) == 20)
+        queue.add(20)  # claims go on without the limiter
+        await until(lambda: queue.count(JobState.DONE) == 40)
+    assert queue.probes == 3
+    assert loop.value("receipts_claim_rate_limit") == 0
+    assert loop.value("receipts_db_errors_total", statement="commit_probe") == 3
+    assert any(r.msg == "admission_control_off" for r in caplog.records)

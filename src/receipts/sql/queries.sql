@@ -610,3 +610,16 @@ SELECT pause_reason, paused_until, pause_seconds,
          AS remaining_seconds
 FROM {schema}.receipt_flow
 WHERE id = 1;
+
+-- name: commit_probe
+-- Admission control's sample of what a small durable commit costs now, the
+-- WAL flush every checkout transaction waits for (admission.py). One
+-- transactional logical-decoding message of a few bytes (no table, no lock,
+-- any role may emit one; consumers of logical decoding see it under the
+-- prefix receipts.probe and may ignore it), committed with synchronous_commit
+-- on whatever the session's setting. No parameters: psycopg sends the four
+-- statements as one simple query, one round trip.
+BEGIN;
+SET LOCAL synchronous_commit TO on;
+SELECT pg_logical_emit_message(true, 'receipts.probe', '');
+COMMIT;
