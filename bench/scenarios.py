@@ -713,12 +713,16 @@ def rate_limit_accuracy(bench: Bench, *, limit_per_second: float = 200.0, proces
 
 def rate_limit_overhead(bench: Bench, *, seconds: float, batch: int = 100, clients: int = 8,
                         contention_clients: Sequence[int] = (1, 8),
-                        never_binding: float = 1e9) -> dict[str, Any]:
+                        never_binding: float = 1e9, pairs: int = 2) -> dict[str, Any]:
     """What the flow machinery costs the claim, measured with pgbench (``bench.raw``).
 
     ``claim`` (with its one-row pause check on ``receipt_flow``) vs. the same
     statement with the check removed (:func:`bench.raw.strip_flow_check`),
-    each claim *batch* + ack with *clients* for *seconds*; then
+    each claim *batch* + ack with *clients* for *seconds*, *pairs* times in
+    A B B A order (so a machine that drifts faster or slower during the
+    round favours neither); ``with_check``/``without_check`` are the runs of
+    the median rate, ``ratio`` the ratio of the two medians, ``pairs_jobs_per_second``
+    every (with, without) pair. Then
     ``claim_limited`` at a limit and burst of *never_binding* jobs/s (it never
     binds: what remains is the locked, updated bucket row) with each of
     *contention_clients*. jobs/s each; ``flow_row``: ``receipt_flow``'s update
@@ -730,9 +734,23 @@ def rate_limit_overhead(bench: Bench, *, seconds: float, batch: int = 100, clien
         return raw.run_pgbench(bench, batch=batch, clients=clients, seconds=seconds,
                                fill=fill, script=script, flow_stats=flow_stats)
 
-    out: dict[str, Any] = {"batch": batch, "clients": clients, "seconds": seconds}
-    out["with_check"] = run(clients)
-    out["without_check"] = run(clients, strip_flow=True)
+    out: dict[str, Any] = {"batch": batch, "clients": clients, "seconds": seconds,
+                           "pairs": pairs}
+    with_runs: list[dict[str, Any]] = []
+    without_runs: list[dict[str, Any]] = []
+    for i in range(max(1, pairs)):
+        order = (False, True) if i % 2 == 0 else (True, False)
+        for strip in order:
+            (without_runs if strip else with_runs).append(run(clients, strip_flow=strip))
+
+    def median_run(runs: list[dict[str, Any]]) -> dict[str, Any]:
+        return sorted(runs, key=lambda r: float(r["jobs_per_second"]))[(len(runs) - 1) // 2]
+
+    out["with_check"] = median_run(with_runs)
+    out["without_check"] = median_run(without_runs)
+    out["pairs_jobs_per_second"] = [
+        [a["jobs_per_second"], b["jobs_per_second"]]
+        for a, b in zip(with_runs, without_runs, strict=True)]
     out["ratio"] = (out["with_check"]["jobs_per_second"]
                     / max(out["without_check"]["jobs_per_second"], 1e-9))
     out["limited"] = {}
