@@ -6,12 +6,14 @@ batch size, ``max_attempts`` 5, a 60 s lease. One pgbench transaction is what
 a worker does per batch: one autocommit claim, then one autocommit batched
 ack of everything it claimed (the ids and tokens go from the first statement
 to the second through ``\\gset``). pgbench runs with ``-M prepared``, as
-psycopg does after a statement's fifth execution. jobs/s = rows that became
+psycopg does after a statement's fifth execution, and with the worker
+sessions' ``synchronous_commit`` (off by default). jobs/s = rows that became
 done during the run / its duration.
 """
 
 from __future__ import annotations
 
+import os
 import re
 import subprocess
 import tempfile
@@ -22,9 +24,12 @@ from typing import Any
 import psycopg
 
 from bench.pg import Bench, fill_ready, settle
+from receipts.settings import Settings
 from receipts.statements import statements
 
 MAX_ATTEMPTS = 5
+#: The worker sessions' synchronous_commit default, which pgbench's sessions copy.
+WORKER_SYNCHRONOUS_COMMIT = Settings.model_fields["synchronous_commit"].default
 LEASE_SECONDS = 60
 
 
@@ -123,6 +128,9 @@ def run_pgbench(bench: Bench, *, batch: int, clients: int, seconds: float,
 
     *script*: keyword arguments of :func:`pgbench_script` (the statement
     variant); *flow_stats*: also return :func:`flow_row_stats` after the run.
+    pgbench's sessions commit as the worker's do (``synchronous_commit`` of
+    :class:`receipts.settings.Settings`' default, through ``PGOPTIONS``), so
+    the raw limit and the worker are measured alike.
     """
     with bench.database("raw") as dsn:
         fill_ready(dsn, fill)
@@ -138,7 +146,9 @@ def run_pgbench(bench: Bench, *, batch: int, clients: int, seconds: float,
             "-f", script_path, str(info["dbname"]),
         ]
         start = time.monotonic()
-        result = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 120)
+        env = {**os.environ, "PGOPTIONS": f"-c synchronous_commit={WORKER_SYNCHRONOUS_COMMIT}"}
+        result = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 120,
+                                env=env)
         elapsed = time.monotonic() - start
         Path(script_path).unlink(missing_ok=True)
         if result.returncode != 0:
