@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 
 from receipts import admission
@@ -60,7 +62,7 @@ def test_sustained_congestion_falls_multiplicatively_to_the_quiet_rate_never_bel
     for _ in range(12):
         window(ac, clock, claim_rate=5000, probe_seconds=0.010)
         limits.append(ac.limit)
-    falling = [b / a for a, b in zip(limits, limits[1:], strict=False) if b < a]
+    falling = [b / a for a, b in itertools.pairwise(limits) if b < a]
     assert len(falling) >= 5 and all(r == pytest.approx(0.75, abs=0.06) for r in falling)
     assert min(limits) >= 50  # bounded below: a backlog always drains
     assert min(limits) <= QUIET  # cut until the worker is as quiet as a quiet window
@@ -122,8 +124,7 @@ def test_a_long_drain_remeasures_the_baseline_every_quiet_interval():
         if ac.quiet_windows_forced > before:
             forced_at.append(clock.now)
     assert len(forced_at) == 3  # ~ every QUIET_EVERY_SECONDS (30 s) of draining
-    assert all(b - a >= admission.QUIET_EVERY_SECONDS for a, b in zip(
-        forced_at, forced_at[1:], strict=False))
+    assert all(b - a >= admission.QUIET_EVERY_SECONDS for a, b in itertools.pairwise(forced_at))
 
 
 def test_a_trickle_below_the_quiet_rate_never_pays_for_a_quiet_window():
