@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
+from datetime import datetime
 from typing import Any
 
 from receipts.supervisor import MetricSamples
@@ -38,6 +39,7 @@ class AuditRow:
 
     *lease_held*: the old lease had not expired at that statement's time.
     *app*: the ``application_name`` of the session that made the change.
+    *at*: the statement's time (epoch seconds; 0 when not known).
     """
 
     job_id: str
@@ -48,6 +50,7 @@ class AuditRow:
     lease_held: bool
     attempts: int
     app: str
+    at: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +70,8 @@ class WorkerView:
     counters died with it); *paused*: SIGSTOPped at some point; *proxied*:
     it reached PostgreSQL through the proxy (so cut claims count as its
     claims); *metrics*: its last scrape; *stale*: its ``stale_ack`` /
-    ``stale_reschedule`` log records (JSON objects).
+    ``stale_reschedule`` log records (JSON objects); *unconfirmed*: its
+    ``lease_lost`` records of writes given up unconfirmed (``write_unconfirmed``).
     """
 
     name: str
@@ -77,6 +81,7 @@ class WorkerView:
     proxied: bool = False
     metrics: MetricSamples = field(default_factory=MetricSamples)
     stale: tuple[dict[str, Any], ...] = ()
+    unconfirmed: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass(slots=True)
@@ -91,10 +96,19 @@ class Trail:
     completed_tokens: set[str] = field(default_factory=set)
     #: tokens whose expired lease the recovery process took back.
     recovered_tokens: set[str] = field(default_factory=set)
+    #: every claimed token, with the process that claimed it, and its job.
+    claimer: dict[str, str] = field(default_factory=dict)
+    claimed_job: dict[str, str] = field(default_factory=dict)
+    #: every claimed token's attempt number (not unique: a refunded attempt, one the
+    #: provider failed, gives its number to the job's next attempt).
+    claim_attempt: dict[str, int] = field(default_factory=dict)
     #: (token, process that claimed it, process that wrote the outcome, why).
     foreign: list[tuple[str | None, str | None, str, str]] = field(default_factory=list)
     #: tokens whose outcome was written after their lease had expired.
     expired: list[str | None] = field(default_factory=list)
+    #: each job's outcome writes by workers, in order: (old token, new state, app, at).
+    outcomes: dict[str, list[tuple[str | None, str, str, float]]] = field(
+        default_factory=lambda: defaultdict(list))
 
 
 def read_trail(rows: Iterable[AuditRow]) -> Trail:
@@ -106,7 +120,7 @@ def read_trail(rows: Iterable[AuditRow]) -> Trail:
     out at that statement.
     """
     trail = Trail()
-    claimer: dict[str, str] = {}
+    claimer = trail.claimer
     current: dict[str, str | None] = {}
     for row in rows:
         before = current.get(row.job_id)
@@ -114,6 +128,8 @@ def read_trail(rows: Iterable[AuditRow]) -> Trail:
         if row.old_state != "running" and row.new_state == "running":
             if row.new_token is not None:
                 claimer[row.new_token] = row.app
+                trail.claimed_job[row.new_token] = row.job_id
+                trail.claim_attempt[row.new_token] = row.attempts
             trail.claimed_by[row.app] += 1
             continue
         if row.old_state != "running":
@@ -130,6 +146,7 @@ def read_trail(rows: Iterable[AuditRow]) -> Trail:
             trail.foreign.append((row.old_token, claimed, row.app, "claimed by another process"))
         if not row.lease_held:
             trail.expired.append(row.old_token)
+        trail.outcomes[row.job_id].append((row.old_token, row.new_state, row.app, row.at))
         if row.new_state == "done":
             if row.old_token is not None:
                 trail.completed_tokens.add(row.old_token)
@@ -194,16 +211,35 @@ def check_outcomes_by_current_attempt(trail: Trail) -> Finding:
 
 
 def check_cut_claims(cut_rows: Sequence[CutRow], cuts: int,
-                     requested: Mapping[str, list[str]], trail: Trail) -> Finding:
-    """No attempt whose claim answer was cut reached the provider; recovery took each back."""
-    delivered = [r for r in cut_rows
-                 if str(r.attempt) in requested.get(f"receipt:{r.order_id}", [])]
-    unrecovered = [r for r in cut_rows if r.token not in trail.recovered_tokens]
+                     requested: Mapping[str, list[str]], trail: Trail,
+                     lost_rows: Sequence[CutRow] = ()) -> Finding:
+    """No attempt whose claim answer was cut reached the provider; recovery took each back.
+
+    *lost_rows*: committed claims whose answer the worker gave up on (a
+    half-open hold past its deadline) are held to the same rule.
+    """
+    rows = [*cut_rows, *lost_rows]
+    numbered: dict[str, Counter[int]] = defaultdict(Counter)
+    for token, job in trail.claimed_job.items():
+        numbered[job][trail.claim_attempt[token]] += 1
+
+    def delivered_by_it(r: CutRow) -> bool:
+        # An attempt sends at most one request, with its number. A refunded attempt
+        # gives its number to the job's next one, so the requests with a cut
+        # attempt's number are its own only beyond one per other attempt so numbered.
+        sent = requested.get(f"receipt:{r.order_id}", []).count(str(r.attempt))
+        others = numbered[r.job_id][r.attempt] - (r.token in trail.claimed_job)
+        return sent > others
+
+    delivered = [r for r in rows if delivered_by_it(r)]
+    unrecovered = [r for r in rows if r.token not in trail.recovered_tokens]
     return Finding("no attempt whose claim answer was cut reached the provider; recovery took "
                    "each one back",
                    bool(cut_rows) and not delivered and not unrecovered,
-                   f"{len(cut_rows)} cut job(s) in {cuts} cut(s), "
-                   f"{len(delivered)} delivered by the cut attempt, "
+                   f"{len(cut_rows)} cut job(s) in {cuts} cut(s)"
+                   + (f" and {len(lost_rows)} job(s) of claims given up on at the deadline"
+                      if lost_rows else "")
+                   + f", {len(delivered)} delivered by the cut attempt, "
                    f"{len(unrecovered)} not recovered")
 
 
@@ -237,10 +273,97 @@ def check_stale_refused(stale: Sequence[Mapping[str, Any]], trail: Trail,
                    f"{len(completed)} completed anyway")
 
 
-def counter_mismatches(workers: Iterable[WorkerView], trail: Trail, cut_jobs: int) -> list[str]:
+def _log_time(record: Mapping[str, Any]) -> float:
+    """A JSON log record's time, epoch seconds (its millisecond rounded up); -inf if none."""
+    try:
+        return datetime.fromisoformat(str(record["time"])).timestamp() + 0.001
+    except (KeyError, ValueError):
+        return float("-inf")
+
+
+def unconfirmable_reschedules(w: WorkerView, trail: Trail) -> list[str]:
+    """Tokens (first 8 hex digits) of *w*'s reschedules that landed, though *w* could not
+    confirm them: the one case ``resolve_writes`` cannot tell (docs/design.md §4).
+
+    The answer was lost (a half-open hold outlived the deadline), and before *w* asked,
+    the job, ready again, was claimed and written by a newer attempt, which replaced
+    ``last_token``. *w* then gave the write up as a lost lease (``lease_lost``,
+    ``write_unconfirmed``) or had its retry refused (``stale_reschedule``), so its
+    ``receipts_retries_total`` lacks one the audit trail has. Only a write that the trail
+    shows landed *and* overwritten by another attempt before *w*'s log line counts.
+    """
+    out = []
+    given_up = [*(r for r in w.unconfirmed if r.get("statement") == "reschedule"),
+                *(r for r in w.stale if r.get("event") == "stale_reschedule")]
+    for rec in given_up:
+        token8, when = rec.get("token"), _log_time(rec)
+        writes = trail.outcomes.get(str(rec.get("job_id")), [])
+        for i, (old, new, app, _) in enumerate(writes):
+            if (app == w.app and new == "ready" and old is not None
+                    and old.replace("-", "")[:8] == token8):
+                if any(other != old and at <= when for other, _, _, at in writes[i + 1:]):
+                    out.append(str(token8))
+                break
+    return out
+
+
+@dataclass(frozen=True, slots=True)
+class ProxiedClaims:
+    """What the proxy saw of the proxied worker's claims (the rows that carry a job).
+
+    *answered*: forwarded whole to a client that went on with them, so the
+    worker took each one and must have counted it; *cut*: the armed claim
+    cuts; *lost*: committed, but the worker had given up on the statement (its
+    deadline fired during a half-open hold) before it took the answer;
+    *unsure*: broken off in mid-answer by the server's side, committed or not
+    (the audit trail says which).
+    """
+
+    answered: Sequence[CutRow] = ()
+    cut: Sequence[CutRow] = ()
+    lost: Sequence[CutRow] = ()
+    unsure: Sequence[CutRow] = ()
+
+
+def _claim_names(tokens: Iterable[str], trail: Trail, limit: int = 3) -> str:
+    named = [f"job {trail.claimed_job.get(t, '?')} token {t[:8]}" for t in sorted(tokens)]
+    return ", ".join(named[:limit]) + (f" and {len(named) - limit} more" if len(named) > limit
+                                        else "")
+
+
+def proxied_claim_mismatches(w: WorkerView, trail: Trail, proxied: ProxiedClaims) -> list[str]:
+    """The proxied worker's claims, job by job: its counter equals the claimed jobs whose
+    answer it took, and every claim the audit trail has from it was answered, cut or lost
+    on the way (an unsure one only if the trail has it). Empty when all agree."""
+    out = []
+    answered = {r.token for r in proxied.answered}
+    metric = int(w.metrics.total("receipts_jobs_claimed_total"))
+    if metric != len(answered):
+        out.append(f"{w.name} jobs_claimed_total={metric} vs {len(answered)} claimed jobs "
+                   "whose answer it took (proxy)")
+    committed = {t for t, app in trail.claimer.items() if app == w.app}
+    not_taken = {r.token for r in (*proxied.cut, *proxied.lost)}
+    seen = answered | not_taken | ({r.token for r in proxied.unsure} & committed)
+    if committed != seen:
+        unseen, phantom = committed - seen, (answered | not_taken) - committed
+        out.append(
+            f"{w.name} claims in the audit trail={len(committed)} vs {len(seen)} answered, cut"
+            f" or lost by the proxy"
+            + (f"; no answer seen for {_claim_names(unseen, trail)}" if unseen else "")
+            + (f"; not in the trail: {len(phantom)} token(s) {sorted(phantom)[:3]}"
+               if phantom else ""))
+    return out
+
+
+def counter_mismatches(workers: Iterable[WorkerView], trail: Trail,
+                       proxied: ProxiedClaims) -> list[str]:
     """``"<worker> <counter>=<scraped> vs <truth>"`` for each counter of a surviving worker
-    that differs from the audit trail (acks, retries, failures, claims plus the rows the
-    proxy cut) or from its own log (stale acks); empty when all agree."""
+    that differs from the audit trail (acks, retries, failures, claims) or from its own log
+    (stale acks); empty when all agree. The proxied worker's claims are compared job by
+    job with what the proxy saw (:func:`proxied_claim_mismatches`): claims whose answer it
+    never took (cut, or given up on at its deadline) are in the trail, not in its counter;
+    so are reschedules that landed but could not be confirmed
+    (:func:`unconfirmable_reschedules`)."""
     out = []
     for w in workers:
         if w.killed:
@@ -249,23 +372,31 @@ def counter_mismatches(workers: Iterable[WorkerView], trail: Trail, cut_jobs: in
         pairs = {
             "acks_total": (m.total("receipts_acks_total"), trail.done_by[app]),
             "failures_total": (m.total("receipts_failures_total"), trail.failed_by[app]),
-            "retries_total": (m.total("receipts_retries_total"), trail.retried_by[app]),
-            "jobs_claimed_total": (m.total("receipts_jobs_claimed_total")
-                                   + (cut_jobs if w.proxied else 0), trail.claimed_by[app]),
+            "retries_total": (m.total("receipts_retries_total"),
+                              trail.retried_by[app] - len(unconfirmable_reschedules(w, trail))),
             "stale_acks_total": (m.total("receipts_stale_acks_total"), len(w.stale)),
         }
+        if not w.proxied:
+            pairs["jobs_claimed_total"] = (m.total("receipts_jobs_claimed_total"),
+                                           trail.claimed_by[app])
         out += [f"{w.name} {name}={int(scraped)} vs {truth}"
                 for name, (scraped, truth) in pairs.items() if int(scraped) != truth]
+        if w.proxied:
+            out += proxied_claim_mismatches(w, trail, proxied)
     return out
 
 
-def check_counters(workers: Sequence[WorkerView], trail: Trail, cut_jobs: int) -> Finding:
+def check_counters(workers: Sequence[WorkerView], trail: Trail,
+                   proxied: ProxiedClaims) -> Finding:
     """Counters of the surviving workers equal the audit trail and their own logs."""
-    mismatches = counter_mismatches(workers, trail, cut_jobs)
+    mismatches = counter_mismatches(workers, trail, proxied)
+    notes = [f"{w.name}: {len(u)} landed reschedule(s) it could not confirm (the job was"
+             f" re-claimed and written by a newer attempt first), counted as lost leases"
+             for w in workers if not w.killed and (u := unconfirmable_reschedules(w, trail))]
     return Finding("counters of surviving workers equal the database's audit trail "
                    "(acks, retries, failures, claims) and their own logs (stale acks)",
                    not mismatches and any(not w.killed for w in workers),
-                   "; ".join(mismatches[:8]))
+                   "; ".join([*mismatches[:8], *notes]))
 
 
 def check_exits(exit_codes: Mapping[str, int | None], killed: set[str]) -> Finding:
@@ -292,6 +423,8 @@ class Evidence:
     as ``[key, attempt]`` pairs; *receipts*: its deduplicated receipts by
     key; *provider_stats*: its counters; *violations*: invariant breaches
     sampled during the run; *cut_rows* / *cuts*: what the proxy cut;
+    *answered_rows* / *lost_rows* / *unsure_rows*: the proxied worker's other
+    claimed rows, by fate (see :class:`ProxiedClaims`);
     *faults*: injections by kind; *exit_codes*: by process name.
     """
 
@@ -305,6 +438,9 @@ class Evidence:
     violations: list[str] = field(default_factory=list)
     cut_rows: list[CutRow] = field(default_factory=list)
     cuts: int = 0
+    answered_rows: list[CutRow] = field(default_factory=list)
+    lost_rows: list[CutRow] = field(default_factory=list)
+    unsure_rows: list[CutRow] = field(default_factory=list)
     faults: Mapping[str, int] = field(default_factory=dict)
     exit_codes: dict[str, int | None] = field(default_factory=dict)
 
@@ -318,6 +454,11 @@ class Evaluation:
     effects: dict[str, int]
 
 
+def proxied_claims(ev: Evidence) -> ProxiedClaims:
+    """The proxied worker's claimed rows of *ev*, by fate."""
+    return ProxiedClaims(ev.answered_rows, ev.cut_rows, ev.lost_rows, ev.unsure_rows)
+
+
 def evaluate(ev: Evidence) -> Evaluation:
     """Every check over *ev*, in the report's order, with the figures they counted."""
     requested: dict[str, list[str]] = defaultdict(list)
@@ -325,6 +466,8 @@ def evaluate(ev: Evidence) -> Evaluation:
         requested[key].append(attempt)
     trail = read_trail(ev.audit)
     stale = stale_records(ev.workers)
+    claims = proxied_claims(ev)
+    not_taken = [*claims.lost, *(r for r in claims.unsure if r.token in trail.claimer)]
     lost = len(ev.expected - set(ev.states)) + sum(
         1 for s in ev.states.values() if s not in FINISHED)
     findings = [
@@ -333,9 +476,9 @@ def evaluate(ev: Evidence) -> Evaluation:
         check_done_were_delivered(ev.states, ev.receipts, requested),
         check_one_receipt_per_order(ev.receipts, ev.provider_stats["receipts"], ev.expected),
         check_outcomes_by_current_attempt(trail),
-        check_cut_claims(ev.cut_rows, ev.cuts, requested, trail),
+        check_cut_claims(ev.cut_rows, ev.cuts, requested, trail, not_taken),
         check_stale_refused(stale, trail, ev.states, requested),
-        check_counters(ev.workers, trail, len(ev.cut_rows)),
+        check_counters(ev.workers, trail, claims),
         check_exits(ev.exit_codes, {w.name for w in ev.workers if w.killed}),
         check_every_fault(ev.faults),
     ]
@@ -362,6 +505,7 @@ def evaluate(ev: Evidence) -> Evaluation:
                             "fault_reset", "fault_timeout")}
     effects |= {
         "cut_jobs": len(ev.cut_rows),
+        "claim_jobs_given_up": len(not_taken),
         "stale_from_sigstop": sum(1 for s in stale if s["_worker"] in paused),
         "stale_from_stall": sum(1 for s in stale if s["_worker"] in proxied),
         "timeouts": int(sum(w.metrics.by_label("receipts_retries_total", "reason")

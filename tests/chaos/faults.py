@@ -24,6 +24,7 @@ import psycopg
 
 from receipts.supervisor import ChildError
 from tests.chaos.checks import FAULT_KINDS
+from tests.chaos.pgproxy import CLAIM_MARKERS
 
 if TYPE_CHECKING:
     from tests.chaos.run import ChaosRun, WorkerProc
@@ -35,6 +36,15 @@ PROVIDER_BASELINE: dict[str, Any] = {
     "reset_rate": 0.0, "hang_after_headers_rate": 0.0,
 }
 
+
+#: What pg_stat_activity.query looks like (LIKE, all of them) for the statements the
+#: terminate fault catches: a claim (the proxy's markers) and an ack. The statements
+#: start with their flow-control CTE and name their schema, so only markers inside
+#: them are stable.
+TERMINATE_PATTERNS: dict[str, tuple[str, ...]] = {
+    "claim": tuple(f"%{m.decode()}%" for m in CLAIM_MARKERS),
+    "ack": ("UPDATE %receipt_jobs AS j%", "%SET state = 'done'%", "%last_token = a.token%"),
+}
 
 #: How long the proxy holds connections half-open: past the chaos workers' statement
 #: deadline (statement timeout 2 s + 5 s), short of the watchdog (2 × 7 + 10 s).
@@ -186,7 +196,7 @@ class FaultInjector:
         """Terminate worker backends caught mid-claim and mid-ack (≤ 2 each, ≤ 3 s)."""
         self.faults["terminate"] += 1
         wanted = {"claim": 2, "ack": 2}
-        patterns = {"claim": "WITH candidate AS%", "ack": "UPDATE receipt_jobs AS j%"}
+        patterns = TERMINATE_PATTERNS
         deadline = time.monotonic() + 3.0
         try:
             async with await psycopg.AsyncConnection.connect(
@@ -200,7 +210,7 @@ class FaultInjector:
                         cur = await conn.execute(
                             "SELECT pg_terminate_backend(pid) FROM pg_stat_activity"
                             " WHERE state = 'active' AND application_name LIKE 'chaos-w%%'"
-                            " AND query LIKE %s LIMIT 1", (pattern,))
+                            " AND query LIKE ALL (%s) LIMIT 1", (list(pattern),))
                         if await cur.fetchone():
                             wanted[what] -= 1
                             self.effects[f"terminated_{what}"] += 1

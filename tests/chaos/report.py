@@ -53,7 +53,10 @@ class ChaosReport:
             "terminate": ("pg_terminate_backend bursts", ""),
             "claim_cut": ("claim committed, answer cut (proxy)", "cut_jobs"),
             "write_cut": ("ack/reschedule committed, answer cut (proxy)", "write_answers_cut"),
-            "half_open": ("all connections half-open past the deadline (proxy)", ""),
+            # claim jobs given up: committed claims whose answer the worker had given
+            # up on at its deadline (it never took them; recovery did)
+            "half_open": ("all connections half-open past the deadline (proxy)",
+                          "claim_jobs_given_up"),
             "db_stall": ("DB link stalled past the lease (proxy)", "stale_from_stall"),
             "latency_spike": ("provider latency > delivery timeout", "timeouts"),
             # timeouts: every worker's retries{reason="timeout"} (hangs included)

@@ -53,6 +53,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import dataclasses
 import json
 import random
 import shutil
@@ -75,6 +76,7 @@ from receipts.supervisor import Child, ChildError, Supervisor
 from tests.chaos.checks import (
     AuditRow,
     Evidence,
+    ProxiedClaims,
     WorkerView,
     counter_mismatches,
     evaluate,
@@ -117,9 +119,11 @@ CREATE TRIGGER chaos_audit AFTER UPDATE ON receipt_jobs
 
 AUDIT_QUERY = (
     "SELECT job_id::text, old_state, new_state, old_token::text, new_token::text,"
-    " coalesce(old_lease_until > stmt_at, false), attempts, app FROM chaos_audit ORDER BY seq"
+    " coalesce(old_lease_until > stmt_at, false), attempts, app,"
+    " extract(epoch FROM stmt_at)::float8 FROM chaos_audit ORDER BY seq"
 )
 STALE_EVENTS = {"stale_ack", "stale_reschedule"}
+UNCONFIRMED_EVENTS = {"lease_lost"}
 
 
 @dataclass(slots=True)
@@ -149,8 +153,12 @@ class WorkerProc(WorkerView):
     child: Child
 
     def read_stale(self) -> None:
-        """Read its refused acks and reschedules from its log (killed ones keep theirs)."""
-        self.stale = tuple(read_events(self.child.log_path, STALE_EVENTS))
+        """Read its refused acks and reschedules, and the writes it gave up unconfirmed,
+        from its log (killed ones keep theirs)."""
+        records = read_events(self.child.log_path, STALE_EVENTS | UNCONFIRMED_EVENTS)
+        self.stale = tuple(r for r in records if r["event"] in STALE_EVENTS)
+        self.unconfirmed = tuple(r for r in records if r["event"] in UNCONFIRMED_EVENTS
+                                 and r.get("outcome") == "write_unconfirmed")
 
 
 def read_events(path: Path | None, names: set[str]) -> list[dict[str, Any]]:
@@ -362,13 +370,44 @@ class ChaosRun:
             trail = read_trail(await self._audit())
             for w in self.workers:
                 w.read_stale()
-            if (not counter_mismatches(self.workers, trail, len(self._cut_rows()))
+            if (not counter_mismatches(self.workers, trail, self._proxied_claims())
                     or time.monotonic() > deadline):
                 return
             await asyncio.sleep(0.1)
 
-    def _cut_rows(self) -> list[Any]:
-        return [row for cut in self.proxy.cuts for row in cut.rows]
+    def _proxied_claims(self) -> ProxiedClaims:
+        p = self.proxy
+        return ProxiedClaims(
+            answered=list(p.answered.values()),
+            cut=[row for cut in p.cuts for row in cut.rows],
+            lost=[row for cut in p.lost for row in cut.rows],
+            unsure=[row for cut in p.unsure for row in cut.rows],
+        )
+
+    def _dump(self, audit: list[AuditRow]) -> None:
+        """Write what the checks judged into the work directory (kept when a check fails):
+        the audit trail, and the proxy's record of holds, stalls, cuts and claim answers."""
+        p = self.proxy
+        with (self.workdir / "audit.jsonl").open("w") as fh:
+            for row in audit:
+                fh.write(json.dumps(dataclasses.asdict(row)) + "\n")
+        records: list[dict[str, Any]] = [
+            *({"event": "hold", "start": a, "end": b} for a, b in p.holds),
+            *({"event": "stall", "start": a, "end": b} for a, b in p.stalls),
+            *({"event": "write_cut", "at": t} for t in p.write_cuts),
+            *({"event": event, **dataclasses.asdict(c)}
+              for event, cuts in (("claim_cut", p.cuts), ("claim_lost", p.lost),
+                                  ("claim_unsure", p.unsure)) for c in cuts),
+        ]
+        records.sort(key=lambda r: r.get("at", r.get("start", 0.0)))
+        records.append({"event": "answered",
+                        "rows": [dataclasses.asdict(r) for r in p.answered.values()]})
+        summary = {"event": "summary", "connections": p.connections, "claims": p.claims,
+                   "claims_with_rows": p.claims_with_rows, "cancels": p.cancels,
+                   "answered_jobs": len(p.answered)}
+        with (self.workdir / "proxy.jsonl").open("w") as fh:
+            for record in [summary, *records]:
+                fh.write(json.dumps(record) + "\n")
 
     # ------------------------------------------------------------------ run
 
@@ -390,7 +429,8 @@ class ChaosRun:
 
     async def _run(self) -> None:
         c = self.cfg
-        self._pg = EmbeddedPostgres(fast=True, settings={"max_connections": "300"})
+        self._pg = EmbeddedPostgres(fast=True, settings={"max_connections": "300",
+                                                          "track_activity_query_size": "4096"})
         await asyncio.to_thread(self.pg.start)
         self.dsn = await asyncio.to_thread(self.pg.create_database, "chaos")
         await asyncio.to_thread(apply_migrations, self.dsn)
@@ -448,15 +488,21 @@ class ChaosRun:
             w.read_stale()
         rows = await self._sql("SELECT order_id, state FROM receipt_jobs")
         states = {str(o): str(s) for o, s in rows}
+        audit = await self._audit()
+        claims = self._proxied_claims()
         evidence = Evidence(
             expected={f"{self.order_prefix}{i:07d}" for i in range(c.jobs)},
-            states=states, audit=await self._audit(),
+            states=states, audit=audit,
             workers=list(self.workers),
             provider_stats=provider_stats, receipts=receipts, requests=requests,
             violations=self.violations + self.injector.crashes,
-            cut_rows=self._cut_rows(), cuts=len(self.proxy.cuts),
+            cut_rows=list(claims.cut), cuts=len(self.proxy.cuts),
+            answered_rows=list(claims.answered), lost_rows=list(claims.lost),
+            unsure_rows=list(claims.unsure),
             faults=self.injector.faults, exit_codes=dict(exit_codes),
         )
+        with contextlib.suppress(OSError):
+            self._dump(audit)
         verdict = evaluate(evidence)
         r = self.report
         r.states = dict(Counter(states.values()))
