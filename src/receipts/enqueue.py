@@ -26,6 +26,7 @@ line); ``warnings.simplefilter("error", AutocommitWarning)`` makes it an error.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import uuid
 import warnings
@@ -48,6 +49,16 @@ ACCEPTED_ORDER_ID_TYPES = "str, int or uuid.UUID"
 
 # C0 controls and DEL: neither PostgreSQL text (NUL) nor an HTTP header (CR/LF) carries them.
 _CONTROL = re.compile(r"[\x00-\x1f\x7f]")
+#: Joins the order ids into the statement's one text parameter (split again by
+#: the server, ``chr(31)``): U+001F, a control character, so no valid order id
+#: contains it.
+_SEPARATOR = "\x1f"
+_CONTROL_BYTES = bytes(range(0x20)) + b"\x7f"
+#: Exact types whose ``str()`` is the stored text (:func:`order_id_text`; not bool).
+_TEXT_TYPES = {str, int, uuid.UUID}
+#: The low 62 bits of a job id: the statement's random start plus the row's
+#: 1-based position in the call (``enqueue`` in sql/queries.sql).
+_ID_FIELD = (1 << 62) - 1
 
 OrderId = str | int | uuid.UUID
 
@@ -110,6 +121,40 @@ def order_id_text(order_id: object) -> str:
     raise InvalidOrderId(
         f"order id must be {ACCEPTED_ORDER_ID_TYPES}, not {type(order_id).__name__}"
     )
+
+
+def _joined_order_ids(order_ids: Iterable[object]) -> tuple[int, str]:
+    """(how many, their texts joined by :data:`_SEPARATOR`) of checked *order_ids*.
+
+    Each id is :func:`order_id_text` of it; the first bad id's error is raised.
+    The rules of :func:`check_order_id` are checked over the whole batch by
+    str and bytes methods that loop in C (100,000 short ASCII ids: ≈ 25 ms,
+    joined, instead of ≈ 45–80 ms one by one); when any of them fails, or an
+    id is not an exact ``str``, ``int`` or ``UUID``, the ids are checked one
+    by one again, so the error raised is still the one of the first bad id.
+    """
+    ids = list(order_ids)
+    texts: list[Any] | None = None
+    types = set(map(type, ids))
+    if types <= {str}:
+        texts = ids
+    elif types <= _TEXT_TYPES:
+        with contextlib.suppress(ValueError):  # an int too long for str(): raised again below
+            texts = [o if type(o) is str else str(o) for o in ids]
+    if texts and "" not in texts and max(map(len, texts)) <= ORDER_ID_MAX_LENGTH \
+            and list(map(str.strip, texts)) == texts:  # no leading or trailing whitespace
+        joined = _SEPARATOR.join(texts)
+        try:
+            encoded = joined.encode("utf-8")  # lone surrogates raise
+        except UnicodeEncodeError:
+            pass
+        else:
+            # A control character is one byte in UTF-8 (no multi-byte sequence has one):
+            # the separators must be the only ones.
+            if len(encoded) - len(encoded.translate(None, _CONTROL_BYTES)) == len(texts) - 1:
+                return len(texts), joined
+    texts = [order_id_text(o) for o in ids]
+    return len(texts), _SEPARATOR.join(texts)
 
 
 # ------------------------------------------------------------------ connections
@@ -201,24 +246,30 @@ async def psycopg_connection_async(conn: object) -> psycopg.AsyncConnection[Any]
 
 def _statement(
     order_ids: Iterable[object], run_at: datetime | None, notify: bool, schema: str | None
-) -> tuple[list[str], Any, dict[str, Any]]:
-    """(texts, statement, parameters) of one enqueue of *order_ids*; all validated first."""
+) -> tuple[int, Any, dict[str, Any]]:
+    """(how many ids, statement, parameters) of one enqueue of *order_ids*; all validated first.
+
+    The order ids travel as one text, joined by :data:`_SEPARATOR` (which no
+    valid id contains) and split by the server: 100,000 ids are sent in ≈ 20 ms,
+    against ≈ 80–100 ms as a ``text[]`` of 100,000 elements (psycopg dumps each).
+    """
     if isinstance(order_ids, str | bytes):
         raise TypeError("order_ids must be an iterable of order ids, not one str or bytes")
-    texts = [order_id_text(o) for o in order_ids]
+    count, joined = _joined_order_ids(order_ids)
     if run_at is not None:
         if not isinstance(run_at, datetime):
             raise TypeError(f"run_at must be a datetime, not {type(run_at).__name__}")
         if run_at.tzinfo is None or run_at.utcoffset() is None:
             raise ValueError("run_at must be timezone-aware (a naive datetime is ambiguous)")
     params: dict[str, Any] = {
-        "order_ids": texts, "run_at": run_at, "notify": notify, "channel": NOTIFY_CHANNEL,
+        "order_ids": joined, "count": count, "run_at": run_at, "notify": notify,
+        "channel": NOTIFY_CHANNEL,
     }
     traceparent = current_traceparent()
     if traceparent is None:
-        return texts, query("enqueue", schema), params
+        return count, query("enqueue", schema), params
     params["traceparent"] = traceparent
-    return texts, query("enqueue_traced", schema), params
+    return count, query("enqueue_traced", schema), params
 
 
 def _warn_if_autocommit(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
@@ -232,20 +283,28 @@ def _warn_if_autocommit(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[
         )
 
 
-# The statements run with binary parameters and results (``binary=True``): the
-# order id array is not quoted and parsed as text, and the ids load from 16 bytes.
+# The statements run with binary results (``binary=True``): the ids load from 16 bytes.
 
 
-def _aligned(texts: Sequence[str], row: Sequence[Any] | None) -> list[uuid.UUID | None]:
-    """Per input position: the new job's id, or None (already queued or repeated).
+def _aligned(count: int, row: Sequence[Any] | None) -> list[uuid.UUID | None]:
+    """Per input position (of *count*): the new job's id, or None (already queued or repeated).
 
-    *row* is the statement's one row: the new ids and their order ids, as arrays.
+    *row* is the statement's one row: the new ids in ascending order (an array,
+    NULL when none is new) and the statement's random start. A job's id is
+    that start plus its order's 1-based position in the call (the low 62
+    bits, :data:`_ID_FIELD`), so ids ascend with the position: when every job
+    is new the array is the answer as it stands, and otherwise each id says
+    its own position.
     """
     if not row or not row[0]:
-        return [None] * len(texts)
-    ids, orders = row
-    new = dict(zip(orders, ids, strict=True))
-    return [new.pop(text, None) for text in texts]
+        return [None] * count
+    ids, start = row
+    if len(ids) == count:
+        return ids  # type: ignore[no-any-return]  # psycopg loads an array as a list
+    aligned: list[uuid.UUID | None] = [None] * count
+    for job_id in ids:
+        aligned[(job_id.int & _ID_FIELD) - start - 1] = job_id
+    return aligned
 
 
 def enqueue(
@@ -281,10 +340,10 @@ def enqueue(
     *run_at*, and psycopg errors as the caller's own statements would. Warns
     :class:`AutocommitWarning` on an autocommit connection outside a transaction.
     """
-    texts, statement, params = _statement((order_id,), run_at, notify, schema)
+    count, statement, params = _statement((order_id,), run_at, notify, schema)
     driver = psycopg_connection(conn)
     _warn_if_autocommit(driver)
-    return _aligned(texts, driver.execute(statement, params, binary=True).fetchone())[0]
+    return _aligned(count, driver.execute(statement, params, binary=True).fetchone())[0]
 
 
 def enqueue_many(
@@ -307,12 +366,12 @@ def enqueue_many(
     the same order). ``sum(x is not None for x in result)`` is the number of
     jobs created. An empty *order_ids* sends nothing and returns ``[]``.
     """
-    texts, statement, params = _statement(order_ids, run_at, notify, schema)
-    if not texts:
+    count, statement, params = _statement(order_ids, run_at, notify, schema)
+    if not count:
         return []
     driver = psycopg_connection(conn)
     _warn_if_autocommit(driver)
-    return _aligned(texts, driver.execute(statement, params, binary=True).fetchone())
+    return _aligned(count, driver.execute(statement, params, binary=True).fetchone())
 
 
 async def enqueue_async(
@@ -320,11 +379,11 @@ async def enqueue_async(
     schema: str | None = None,
 ) -> uuid.UUID | None:
     """Async twin of :func:`enqueue` (``psycopg.AsyncConnection``, SQLAlchemy async)."""
-    texts, statement, params = _statement((order_id,), run_at, notify, schema)
+    count, statement, params = _statement((order_id,), run_at, notify, schema)
     driver = await psycopg_connection_async(conn)
     _warn_if_autocommit(driver)
     cur = await driver.execute(statement, params, binary=True)
-    return _aligned(texts, await cur.fetchone())[0]
+    return _aligned(count, await cur.fetchone())[0]
 
 
 async def enqueue_many_async(
@@ -336,13 +395,13 @@ async def enqueue_many_async(
     schema: str | None = None,
 ) -> list[uuid.UUID | None]:
     """Async twin of :func:`enqueue_many` (same single statement, same result)."""
-    texts, statement, params = _statement(order_ids, run_at, notify, schema)
-    if not texts:
+    count, statement, params = _statement(order_ids, run_at, notify, schema)
+    if not count:
         return []
     driver = await psycopg_connection_async(conn)
     _warn_if_autocommit(driver)
     cur = await driver.execute(statement, params, binary=True)
-    return _aligned(texts, await cur.fetchone())
+    return _aligned(count, await cur.fetchone())
 
 
 __all__ = [

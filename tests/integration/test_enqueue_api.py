@@ -87,6 +87,54 @@ def test_enqueue_many_answers_per_input_position_new_id_or_none(dsn):
     assert sum(x is not None for x in result) == 4
 
 
+def test_enqueue_many_aligns_a_large_batch_of_new_queued_and_repeated_orders(dsn):
+    orders = [f"o-{i}" for i in range(3000)] + [f"o-{i}" for i in range(0, 3000, 5)]
+    with psycopg.connect(dsn) as conn:
+        queued = enqueue_many(conn, [f"o-{i}" for i in range(0, 3000, 7)])
+        result = enqueue_many(conn, orders)
+        everything_new = enqueue_many(conn, [f"n-{i}" for i in range(3000)])
+    rows = stored(dsn)
+    assert None not in queued and None not in everything_new
+    assert everything_new == [rows[f"n-{i}"] for i in range(3000)]
+    assert len(result) == len(orders)
+    seen: set[str] = set()
+    for order, job_id in zip(orders, result, strict=True):
+        if order in seen or int(order[2:]) % 7 == 0:
+            assert job_id is None, order
+        else:
+            assert job_id == rows[order], order
+        seen.add(order)
+
+
+def test_two_transactions_enqueueing_the_same_orders_concurrently_make_one_job_each(dsn):
+    import threading
+
+    first_ids = [f"c-{i}" for i in range(0, 2000)]
+    second_ids = [f"c-{i}" for i in range(1000, 3000)]
+    answers: dict[str, Any] = {}
+    with psycopg.connect(dsn) as first, psycopg.connect(dsn) as second:
+        answers["first"] = enqueue_many(first, first_ids)  # its transaction stays open
+
+        def other() -> None:
+            try:
+                answers["second"] = enqueue_many(second, second_ids)  # waits for `first`
+                second.commit()
+            except Exception as exc:  # pragma: no cover - reported below
+                answers["error"] = exc
+
+        thread = threading.Thread(target=other)
+        thread.start()
+        thread.join(0.5)
+        assert thread.is_alive()  # blocked on the first transaction's order ids
+        first.commit()
+        thread.join(30)
+    assert "error" not in answers
+    rows = stored(dsn)
+    assert len(rows) == 3000
+    assert answers["first"] == [rows[o] for o in first_ids]
+    assert answers["second"] == [None] * 1000 + [rows[o] for o in second_ids[1000:]]
+
+
 def test_enqueue_many_sends_one_statement_and_nothing_for_an_empty_list(dsn):
     with psycopg.connect(dsn, cursor_factory=CountingCursor) as conn:
         CountingCursor.sent = 0

@@ -1,9 +1,15 @@
-"""The enqueue statements: the traced variant differs only by the traceparent column."""
+"""The enqueue statements (the traced variant differs only by the traceparent column),
+the batch check of order ids and the alignment of the statement's answer."""
 
 from __future__ import annotations
 
 import re
+import uuid
 
+import pytest
+
+from receipts.enqueue import _SEPARATOR, _aligned, _joined_order_ids, order_id_text
+from receipts.errors import InvalidOrderId
 from receipts.statements import statements
 
 
@@ -19,9 +25,78 @@ def test_enqueue_traced_is_enqueue_plus_the_traceparent_column():
     assert without == normalised(plain)
 
 
-def test_enqueue_sends_the_order_ids_as_one_binary_array_and_notifies_at_most_once():
+def test_enqueue_sends_the_order_ids_as_one_text_and_notifies_at_most_once():
+    assert ord(_SEPARATOR) == 31  # the server splits on chr(31)
     for name in ("enqueue", "enqueue_traced"):
         sql = normalised(statements()[name])
-        assert sql.count("unnest(%(order_ids)b::text[])") == 1
+        assert sql.count("unnest(string_to_array(%(order_ids)s::text, chr(31)))") == 1
         assert sql.count("pg_notify(") == 1
         assert "ON CONFLICT (order_id) DO NOTHING" in sql
+
+
+# ------------------------------------------------------------ the batch check
+
+GOOD = ["order-1", "ü-ß-東京", "a b", "x" * 200, "a\u00a0b", "tab\u00adsoft", 42, -7,
+        uuid.UUID(int=5), "😀"]
+BAD = ["", " lead", "trail ", "\u3000wide", "x" * 201, "nul\x00", "new\nline", "del\x7f",
+       "sep\x1fsep", "\ud800lone", 10**250, True, 4.2, b"bytes", None]
+
+
+def one_by_one(ids: list[object]) -> list[str]:
+    return [order_id_text(o) for o in ids]
+
+
+def error_of(call, ids):
+    with pytest.raises((InvalidOrderId, ValueError)) as info:
+        call(ids)
+    return type(info.value), str(info.value)
+
+
+def test_the_batch_check_accepts_what_one_by_one_accepts_with_the_same_texts():
+    count, joined = _joined_order_ids(GOOD)
+    assert count == len(GOOD)
+    assert joined.split(_SEPARATOR) == one_by_one(GOOD)
+    assert _joined_order_ids(iter(["a", "b"])) == (2, "a\x1fb")
+    assert _joined_order_ids([]) == (0, "")
+
+
+class Text(str):
+    pass
+
+
+@pytest.mark.parametrize("bad", BAD, ids=repr)
+@pytest.mark.parametrize("where", [0, 3, 9])
+def test_the_batch_check_raises_the_first_bad_ids_error_as_one_by_one_does(bad, where):
+    ids: list[object] = [*GOOD]
+    ids.insert(where, bad)
+    ids.append("\x01")  # a later bad id: never the one reported
+    assert error_of(_joined_order_ids, ids) == error_of(one_by_one, ids)
+    assert error_of(_joined_order_ids, [Text("ok"), bad]) \
+        == error_of(one_by_one, [Text("ok"), bad])
+
+
+def test_a_str_subclass_is_checked_one_by_one_and_stored_as_its_text():
+    assert _joined_order_ids([Text("a"), "b", 3]) == (3, "a\x1fb\x1f3")
+
+
+# ------------------------------------------------------------ the answer's alignment
+
+
+def job_id(head: int, start: int, position: int) -> uuid.UUID:
+    """An id as the enqueue statement makes it: head, variant, start + position."""
+    return uuid.UUID(int=(head << 64) | (1 << 63) | (start + position))
+
+
+def test_aligned_every_new_job_in_position_order():
+    start = (1 << 61) - 3  # the largest starts do not reach the variant bits
+    ids = [job_id(0x0123456789AB7CDE, start, n) for n in (1, 2, 3)]
+    assert all(i.version == 7 and i.variant == uuid.RFC_4122 for i in ids)
+    assert _aligned(3, (ids, start)) == ids
+
+
+def test_aligned_places_each_new_job_by_the_position_in_its_id():
+    start = 12345
+    ids = [job_id(0x0123456789AB7CDE, start, n) for n in (2, 5)]
+    assert _aligned(5, (ids, start)) == [None, ids[0], None, None, ids[1]]
+    assert _aligned(4, (None, start)) == [None] * 4
+    assert _aligned(2, None) == [None, None]
