@@ -140,6 +140,9 @@ async def run_worker(settings: Settings, deliverer: Deliverer | None = None) -> 
             "database": settings.safe_dsn, "provider": settings.safe_provider_url,
             "metrics_port": runtime.metrics_port,
             "rate_limit_per_second": settings.provider_rate_limit_per_second,
+            "admission_control": settings.admission_control,
+            "synchronous_commit": "role setting" if settings.pgbouncer else (
+                settings.synchronous_commit),
         })
         await runtime.worker.run()
 

@@ -372,6 +372,11 @@ class Settings(BaseSettings):
     def _upper_level(cls, value: object) -> object:
         return value.upper() if isinstance(value, str) else value
 
+    @field_validator("synchronous_commit", "attempt_history", mode="before")
+    @classmethod
+    def _lower_choice(cls, value: object) -> object:
+        return value.strip().lower() if isinstance(value, str) else value
+
     @model_validator(mode="after")
     def _timeout_fits_lease(self) -> Settings:
         margin = self.lease_margin

@@ -162,3 +162,15 @@ def test_the_provider_url_is_logged_without_userinfo_or_query():
     settings = load_settings(database_url="postgresql://u@h/d",
                              provider_url="https://user:s3cr3t@api.example:8443/r?token=abc#x")
     assert settings.safe_provider_url == "https://api.example:8443/r"
+
+
+@pytest.mark.parametrize("given", ["OFF", " Off", "off"])
+def test_choices_take_any_case_like_postgresql_does(given):
+    s = load_settings(database_url="postgresql://u@h/db", synchronous_commit=given,
+                      attempt_history="ALL")
+    assert s.synchronous_commit == "off" and s.attempt_history == "all"
+
+
+def test_a_synchronous_commit_postgresql_would_not_take_for_a_session_is_refused_by_name():
+    with pytest.raises(SettingsError, match="RECEIPTS_SYNCHRONOUS_COMMIT"):
+        load_settings(database_url="postgresql://u@h/db", synchronous_commit="maybe")
