@@ -256,10 +256,11 @@ class Worker:
         probe_until: datetime | None = None
         state = FlowState()
         limit = min(free, self.settings.claim_batch_max)
-        admitted = self.admission is not None and not gate.paused
-        if self.admission is not None and admitted:
-            limit, wait = self.admission.allowance(limit)
-            self.metrics.claim_rate_limit.set(self.admission.limit)
+        # Admission control meters claims only while the provider is not paused.
+        admission = None if gate.paused else self.admission
+        if admission is not None:
+            limit, wait = admission.allowance(limit)
+            self.metrics.claim_rate_limit.set(admission.limit)
             if limit == 0:
                 return wait, False
         self._busy_since = time.monotonic()
@@ -283,8 +284,8 @@ class Worker:
                                  state.pause_left_seconds or 0.0)
                 log.info("provider_probe", extra=job_fields(result.attempts[0].job, "probe"))
             return 0.0, False
-        if self.admission is not None and admitted:
-            self.admission.refund(limit - len(result.attempts))
+        if admission is not None:
+            admission.refund(limit - len(result.attempts))
         self._observe_flow(result.flow)
         if gate.paused:
             left = gate.pause_left()
