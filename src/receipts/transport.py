@@ -100,6 +100,22 @@ _TOKEN = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+")
 _HEX = re.compile(rb"[0-9A-Fa-f]{1,16}")
 _DIGITS = re.compile(rb"[0-9]{1,18}")
 
+#: Header names already seen to be valid tokens (bounded: names come from providers too).
+_VALID_NAMES: set[bytes] = set()
+_VALID_NAMES_MAX = 512
+
+
+def _is_token(name: bytes) -> bool:
+    """True for a valid header name (an RFC 9110 token); remembers valid ones."""
+    if name in _VALID_NAMES:
+        return True
+    if not _TOKEN.fullmatch(name):
+        return False
+    if len(_VALID_NAMES) < _VALID_NAMES_MAX:
+        _VALID_NAMES.add(name)
+    return True
+
+
 # Body framings.
 _NONE, _LENGTH, _CHUNKED, _UNTIL_CLOSE = range(4)
 
@@ -210,7 +226,7 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-class _Body(httpx.AsyncByteStream):
+class ResponseBody(httpx.AsyncByteStream):
     """A response body read from its connection per its framing; releases it on close."""
 
     def __init__(self, pool: Http11Transport, key: tuple[bytes, bytes, int], conn: _Connection,
@@ -292,6 +308,23 @@ class _Body(httpx.AsyncByteStream):
                 yield chunk
             if await self._line():
                 raise httpx.RemoteProtocolError("chunked body: data longer than its size")
+
+    def skip_buffered(self) -> bool:
+        """Consume the body if all of it has already arrived; True when it has.
+
+        Never waits: a body still on its way (or chunked) is left to be read
+        or closed as usual. A caller that does not want the body (a 2xx) calls
+        this before :meth:`aclose`, so the connection is reused without the
+        cost of iterating, or of a timer for a read that cannot block.
+        """
+        if self._complete:
+            return True
+        buffered = len(self._conn.buffer)
+        if self._framing == _LENGTH and buffered >= self._left and not self._released:
+            self._conn.take(self._left)
+            self._left = 0
+            self._complete = True
+        return self._complete
 
     async def aclose(self) -> None:
         """Give the connection back (read to its end, reusable) or close it."""
@@ -490,7 +523,7 @@ class Http11Transport(httpx.AsyncBaseTransport):
             framing = _LENGTH if length else _NONE
         else:
             framing, keep_alive = _UNTIL_CLOSE, False
-        stream = _Body(self, key, conn, framing, length, keep_alive, read_timeout)
+        stream = ResponseBody(self, key, conn, framing, length, keep_alive, read_timeout)
         return httpx.Response(
             status, headers=headers, stream=stream, request=request,
             extensions={"http_version": b"HTTP/1.1" if version else b"HTTP/1.0",
@@ -526,7 +559,7 @@ def _request_head(request: httpx.Request, body: bytes) -> bytes:
     lines = [b"%s %s HTTP/1.1" % (request.method.encode("ascii"), url.raw_path)]
     has_host = False
     for name, value in request.headers.raw:
-        if not _TOKEN.fullmatch(name):
+        if not _is_token(name):
             raise httpx.LocalProtocolError(f"invalid header name {name!r}")
         lower = name.lower()
         if lower == b"content-length" or lower == b"transfer-encoding":
@@ -580,7 +613,7 @@ async def _read_head(conn: _Connection, read_timeout: float | None
             headers[-1] = (name, value + b" " + line.strip(b" \t"))
             continue
         name, sep, value = line.partition(b":")
-        if not sep or not _TOKEN.fullmatch(name):
+        if not sep or not _is_token(name):
             raise httpx.RemoteProtocolError(f"invalid header line {line[:80]!r}")
         headers.append((name, value.strip(b" \t")))
     return (int(status_line[2]), int(status_line[1]), status_line[3] or b"", headers)

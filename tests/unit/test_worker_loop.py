@@ -153,7 +153,10 @@ async def test_an_ack_whose_answer_was_lost_counts_as_an_ack_not_a_stale_one():
         await until(lambda: loop.value("receipts_acks_total") == 10)
     assert loop.value("receipts_stale_acks_total") == 0
     assert loop.value("receipts_leases_lost_total") == 0
-    assert loop.value("receipts_db_errors_total", statement="ack") == 2
+    # One or two ack statements lost their answer (batching decides how many ran).
+    lost_answers = 2 - queue.lose_ack_answers
+    assert lost_answers >= 1
+    assert loop.value("receipts_db_errors_total", statement="ack") == lost_answers
 
 
 async def test_a_wedged_claim_fails_the_watchdog_and_stop_still_returns():
