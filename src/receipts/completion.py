@@ -64,7 +64,7 @@ R = TypeVar("R")
 BACKOFF_FIRST_SECONDS = 0.05
 BACKOFF_MAX_SECONDS = 5.0
 #: How long the flusher waits for more outcomes before a statement, seconds.
-LINGER_SECONDS = 0.01
+LINGER_SECONDS = 0.02
 
 
 @dataclass(slots=True)

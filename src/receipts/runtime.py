@@ -72,13 +72,16 @@ def make_queue(settings: Settings, pool: AsyncConnectionPool) -> JobQueue:
 def make_deliverer(settings: Settings) -> HttpDeliverer:
     """The HTTP deliverer the settings describe (URL, timeout, token, slots)."""
     token = settings.provider_token.get_secret_value() if settings.provider_token else None
+    # The CA bundle takes ~50 ms of CPU to load: only an https provider needs it.
+    tls = tls_context(settings.provider_ca_file, settings.provider_client_cert_file,
+                      settings.provider_client_key_file) if (
+        settings.provider_url.lower().startswith("https:")) else None
     return HttpDeliverer(
         settings.provider_url,
         timeout_seconds=settings.delivery_timeout_seconds,
         token=token,
         max_connections=settings.concurrency,
-        tls=tls_context(settings.provider_ca_file, settings.provider_client_cert_file,
-                        settings.provider_client_key_file),
+        tls=tls,
     )
 
 
