@@ -94,6 +94,10 @@ class Decision:
     probe: bool = False
 
 
+#: The decision of most outcomes: nothing to do for the fleet (shared, immutable).
+NO_DECISION = Decision()
+
+
 class OutageDetector:
     """Distinct-job outage detection over a sliding window (see the module doc).
 
@@ -210,7 +214,7 @@ class ProviderGate:
         if not provider_failed:
             if reason in PROVIDER_ANSWERS:
                 self.detector.observe(job_id, failed=False)
-            return Decision()
+            return NO_DECISION
         pause = self._pause_for(job_id, outcome)
         return Decision(pause=pause, refund=self.paused or pause is not None)
 

@@ -219,7 +219,9 @@ class JobQueue:
             for key in texts:
                 params[key] = [storable(conn, t) for t in params[key]]
             cur = await conn.execute(query, params)
-            return await cur.fetchall() if cur.description else []
+            # rownumber, not description: the latter builds a Column per column
+            # on every call (~15 µs for the claim's nine).
+            return await cur.fetchall() if cur.rownumber is not None else []
 
     async def claim(self, limit: int, *, probe: bool = False) -> ClaimResult:
         """Claim up to *limit* due ready jobs (≥1) in one statement.
