@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
+import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, field
 
@@ -18,8 +19,10 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from receipts.delivery import HttpDeliverer
 from receipts.embedded import free_port
-from receipts.transport import HIGH_WATER_BYTES, MAX_HEAD_BYTES, Http11Transport
+from receipts.model import Job, Verdict
+from receipts.transport import HIGH_WATER_BYTES, MAX_HEAD_BYTES, Http11Transport, ResponseBody
 
 Answer = Callable[[asyncio.StreamReader, asyncio.StreamWriter, bytes], Awaitable[None]]
 
@@ -208,6 +211,36 @@ async def test_sequential_requests_share_one_keep_alive_connection(raw, transpor
     for _ in range(20):
         await exchange(transport, raw.url)
     assert raw.connections == 1 and transport.idle_connections == 1
+
+
+async def test_a_2xx_whose_body_came_with_its_head_is_skipped_and_its_connection_reused(
+        raw, transport):
+    raw.answer = send(b"HTTP/1.1 201 Created\r\nContent-Length: 11\r\n\r\n{\"ok\":true}")
+    deliverer = HttpDeliverer(raw.url, timeout_seconds=5, transport=transport)
+    for n in range(5):
+        outcome = await deliverer.deliver(Job(uuid.uuid4(), f"o-{n}", uuid.uuid4(), 1))
+        assert (outcome.verdict, outcome.status) == (Verdict.DELIVERED, 201)
+    assert raw.connections == 1 and transport.idle_connections == 1
+
+
+@pytest.mark.parametrize(("answer", "skipped"), [
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok", True),
+    (b"HTTP/1.1 204 No Content\r\n\r\n", True),
+    (b"HTTP/1.1 200 OK\r\nContent-Length: 5\r\n\r\nok", False),  # 3 bytes still to come
+    (b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n", False),
+])
+async def test_skip_buffered_consumes_only_a_body_that_has_wholly_arrived(
+        raw, transport, answer, skipped):
+    raw.answer = send(answer)
+    request = httpx.Request("POST", raw.url, stream=httpx.ByteStream(b"{}"),
+                            extensions={"timeout": {"read": 5.0}})
+    response = await transport.handle_async_request(request)
+    stream = response.stream
+    assert isinstance(stream, ResponseBody)
+    # The server wrote the whole answer at once: a short one arrives with its head.
+    assert stream.skip_buffered() is skipped
+    await response.aclose()
+    assert transport.idle_connections == (1 if skipped else 0)
 
 
 async def test_concurrent_requests_never_exceed_max_connections(raw):

@@ -63,6 +63,10 @@ class FakeQueue:
     fail_claims: int = 0  # the next N claims raise DatabaseUnavailable
     hang_claims: bool = False  # claims never answer (a half-open connection)
     lose_ack_answers: int = 0  # the next N acks commit, then their answer is lost
+    #: While set and cleared, ack statements wait for it (a slow database).
+    ack_gate: asyncio.Event | None = None
+    ack_statements: int = 0
+    acks_waiting: int = 0  # ack statements waiting at the gate now
     pauses: list[tuple[PauseReason, float]] = field(default_factory=list)
     resumed: int = 0
     refunds: int = 0
@@ -118,6 +122,13 @@ class FakeQueue:
         return None
 
     async def ack(self, pairs: Sequence[tuple[uuid.UUID, uuid.UUID]]) -> set[uuid.UUID]:
+        self.ack_statements += 1
+        if self.ack_gate is not None:
+            self.acks_waiting += 1
+            try:
+                await self.ack_gate.wait()
+            finally:
+                self.acks_waiting -= 1
         done = set()
         for job_id, token in pairs:
             row = self._owned(job_id, token)

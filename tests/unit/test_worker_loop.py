@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 
 import pytest
 
 from receipts.metrics import Metrics
-from receipts.model import JobState, PauseReason
+from receipts.model import Job, JobState, Outcome, PauseReason
 from receipts.settings import Settings, load_settings
 from receipts.worker import Worker
 from tests.unit.fakes import FakeQueue, ScriptedDeliverer, outcome
@@ -64,6 +64,97 @@ async def test_claims_never_ask_for_more_than_the_free_slots():
     assert deliverer.most_in_flight == 4
     assert all(limit <= 4 for limit, _ in queue.claims)
     assert loop.value("receipts_acks_total") == 50
+
+
+async def test_a_slot_is_free_as_soon_as_its_outcome_is_known_not_when_its_ack_lands():
+    queue, deliverer = FakeQueue(ack_gate=asyncio.Event()), ScriptedDeliverer()
+    queue.add(12)
+    async with Loop(queue, deliverer, concurrency=4) as loop:
+        # Every job is delivered before any ack lands: 12 deliveries through 4 slots.
+        await until(lambda: len(deliverer.calls) == 12)
+        assert queue.count(JobState.DONE) == 0
+        await until(lambda: queue.acks_waiting == 1)
+        assert queue.ack_gate is not None
+        queue.ack_gate.set()
+        await until(lambda: queue.count(JobState.DONE) == 12)
+    assert loop.worker.max_overclaim == 0 and deliverer.most_in_flight <= 4
+    assert loop.value("receipts_acks_total") == 12
+
+
+async def test_nothing_is_claimed_while_outcome_writes_fall_behind_by_a_set_of_slots():
+    queue, deliverer = FakeQueue(ack_gate=asyncio.Event()), ScriptedDeliverer()
+    queue.add(40)
+    loop = Loop(queue, deliverer, concurrency=4)
+    loop.worker.completer.max_batch = 4  # the backlog limit: max(slots, batch) = 4
+    async with loop:
+        await until(lambda: queue.acks_waiting == 1 and loop.worker.completer.backlog == 4)
+        for _ in range(100):  # the fake answers at once: give the loop every chance
+            await asyncio.sleep(0)
+        assert len(deliverer.calls) == 4 and len(queue.claims) == 1
+        assert queue.ack_gate is not None
+        queue.ack_gate.set()
+        await until(lambda: queue.count(JobState.DONE) == 40)
+    assert loop.value("receipts_acks_total") == 40
+
+
+async def test_outcome_writes_that_arrive_within_the_linger_share_one_statement():
+    queue = FakeQueue()
+    order = {job_id: n for n, job_id in enumerate(queue.add(40))}
+
+    async def spread(job_id: object) -> None:  # answers arrive over ~10 ms
+        await asyncio.sleep(order[job_id] * 0.00025)  # type: ignore[index]
+
+    async with Loop(queue, GatedDeliverer(spread), concurrency=40) as loop:
+        await until(lambda: queue.count(JobState.DONE) == 40)
+    # Written as they came, 40 answers would take about as many statements.
+    assert queue.ack_statements <= 3
+    assert loop.value("receipts_acks_total") == 40
+
+
+async def test_a_busy_queue_claims_for_a_tenth_of_the_slots_not_for_each_one(monkeypatch):
+    import receipts.worker
+
+    monkeypatch.setattr(receipts.worker, "CLAIM_LINGER_SECONDS", 30.0)
+    queue = FakeQueue()
+    queue.add(40)
+    gates = {job_id: asyncio.Event() for job_id in queue.rows}
+
+    async def answer(job_id: object) -> None:
+        await gates[job_id].wait()  # type: ignore[index]
+
+    deliverer = GatedDeliverer(answer)
+    async with Loop(queue, deliverer, concurrency=20, claim_batch_max=20):
+        await until(lambda: len(deliverer.started) == 20)  # one full claim
+        first, second = deliverer.started[:2]
+        gates[first].set()
+        await until(lambda: deliverer.finished == 1)
+        for _ in range(100):  # one free slot of twenty: the loop waits for a second
+            await asyncio.sleep(0)
+        assert len(queue.claims) == 1
+        gates[second].set()
+        await until(lambda: len(queue.claims) == 2)
+        assert queue.claims[1] == (2, 2)
+        for gate in gates.values():
+            gate.set()
+        await until(lambda: queue.count(JobState.DONE) == 40)
+
+
+class GatedDeliverer:
+    """Delivers when *wait(job_id)* returns; records start order and finishes."""
+
+    def __init__(self, wait: Callable[[object], Awaitable[None]]) -> None:
+        self.wait = wait
+        self.started: list[object] = []
+        self.finished = 0
+
+    async def deliver(self, job: Job) -> Outcome:
+        self.started.append(job.id)
+        await self.wait(job.id)
+        self.finished += 1
+        return outcome(200)
+
+    async def aclose(self) -> None:
+        return None
 
 
 async def test_a_short_claim_sleeps_a_jittered_poll_interval_that_a_notify_cuts_short():
