@@ -299,6 +299,13 @@ def cmd_enqueue(settings: Settings, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+def _planner_default(name: str) -> float:
+    """A default of the capacity planner (a bench figure), for help texts."""
+    from receipts import planner
+
+    return float(getattr(planner, name))
+
+
 def _positive_int(text: str) -> int:
     """argparse type: an integer from 1 to 1,000,000."""
     try:
@@ -560,7 +567,13 @@ def cmd_demo(settings: Settings | None, args: argparse.Namespace) -> int:
 
 def cmd_plan(settings: Settings | None, args: argparse.Namespace) -> int:
     """``receipts plan``: print a capacity plan (pure arithmetic, no connection)."""
-    from receipts.planner import DB_CEILING_BATCHED_JOBS_PER_SECOND, PlanError, describe, plan
+    from receipts.planner import (
+        DB_CEILING_BATCHED_JOBS_PER_SECOND,
+        HTTP_DELIVERY_CPU_SECONDS,
+        PlanError,
+        describe,
+        plan,
+    )
 
     def number(option: str, text: str | None) -> float:
         if text is None:
@@ -574,7 +587,10 @@ def cmd_plan(settings: Settings | None, args: argparse.Namespace) -> int:
         result = plan(number("--rate", args.rate), number("--latency", args.latency),
                       utilisation=number("--utilisation", args.utilisation),
                       db_ceiling=number("--db-ceiling", args.db_ceiling
-                                        or str(DB_CEILING_BATCHED_JOBS_PER_SECOND)))
+                                        or str(DB_CEILING_BATCHED_JOBS_PER_SECOND)),
+                      cpu_per_delivery_seconds=number(
+                          "--cpu-per-delivery", args.cpu_per_delivery
+                          or str(HTTP_DELIVERY_CPU_SECONDS * 1e6)) / 1e6)
     except PlanError as exc:
         raise UsageError(str(exc)) from None
     print(describe(result))
@@ -709,10 +725,15 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--latency", metavar="SECONDS",
                    help="mean seconds one delivery takes at the provider (required)")
     p.add_argument("--utilisation", metavar="SHARE", default="0.8",
-                   help="share of the slots kept busy, above 0 and at most 1 (default 0.8)")
+                   help="share of the slots kept busy, above 0 and at most 1")
     p.add_argument("--db-ceiling", metavar="JOBS_PER_SECOND",
                    help="claim+ack jobs/s one queue database sustains (default: the bench's "
-                        "52,650 on 2 vCPU)")
+                        f"{_planner_default('DB_CEILING_BATCHED_JOBS_PER_SECOND'):,.0f} on "
+                        "2 vCPU)")
+    p.add_argument("--cpu-per-delivery", metavar="MICROSECONDS",
+                   help="worker CPU one HTTP delivery costs, µs (default: the bench's "
+                        f"{_planner_default('HTTP_DELIVERY_CPU_SECONDS') * 1e6:,.0f}; "
+                        "bench/run.sh on your nodes measures yours)")
     return parser
 
 

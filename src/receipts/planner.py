@@ -89,6 +89,7 @@ class Plan:
         utilisation: share of the slots kept busy at that rate (0 < u ≤ 1).
         in_flight: rate × latency (Little's law), jobs.
         worker_cpu_cores: rate × CPU per delivery, cores.
+        cpu_per_delivery_seconds: worker CPU one HTTP delivery costs, seconds.
         pods_for_cpu: pods needed for the worker CPU at POD_CPU_CORES each.
         pods_for_slots: pods needed for the slots at MAX_CONCURRENCY each.
         concurrency: delivery slots per pod (config.concurrency).
@@ -107,6 +108,7 @@ class Plan:
     utilisation: float
     in_flight: float
     worker_cpu_cores: float
+    cpu_per_delivery_seconds: float
     pods_for_cpu: int
     pods_for_slots: int
     concurrency: int
@@ -125,7 +127,8 @@ class Plan:
 
 def plan(rate: float, latency_seconds: float, *,
          utilisation: float = DEFAULT_UTILISATION,
-         db_ceiling: float = DB_CEILING_BATCHED_JOBS_PER_SECOND) -> Plan:
+         db_ceiling: float = DB_CEILING_BATCHED_JOBS_PER_SECOND,
+         cpu_per_delivery_seconds: float = HTTP_DELIVERY_CPU_SECONDS) -> Plan:
     """Plan a fleet for *rate* receipts/s whose deliveries take *latency_seconds* each.
 
     The rate is the peak to carry; the result has a quarter more pods (at
@@ -133,13 +136,17 @@ def plan(rate: float, latency_seconds: float, *,
     pod, and at least two pods so that a rollout or one pod's loss never stops
     delivery. *db_ceiling* is the claim+ack jobs/s one queue database
     sustains (default: the bench's 2-vCPU PostgreSQL; measure your own with
-    the bench's raw scenario). Raises :class:`PlanError` for a rate, latency
-    or ceiling that is not a positive finite number, or a utilisation outside
-    (0, 1].
+    the bench's raw scenario). *cpu_per_delivery_seconds* is the worker CPU
+    one HTTP delivery costs (default: the bench's figure; ``bench/run.sh`` on
+    your own nodes writes yours as
+    ``summary.capacity.worker_cpu_us_per_http_delivery``). Raises
+    :class:`PlanError` for a rate, latency, ceiling or CPU figure that is not
+    a positive finite number, or a utilisation outside (0, 1].
     """
     _check("--rate", rate, upper=10_000_000)
     _check("--latency", latency_seconds, upper=3_600)
     _check("--db-ceiling", db_ceiling, upper=100_000_000)
+    _check("--cpu-per-delivery", cpu_per_delivery_seconds * 1e6, upper=1_000_000)
     if not (math.isfinite(utilisation) and 0 < utilisation <= 1):
         raise PlanError(f"--utilisation must be above 0 and at most 1, not {utilisation:g}")
 
@@ -147,7 +154,7 @@ def plan(rate: float, latency_seconds: float, *,
     release_rate = rate / shards
     in_flight = release_rate * latency_seconds
     slots_total = in_flight / utilisation
-    cpu = release_rate * HTTP_DELIVERY_CPU_SECONDS
+    cpu = release_rate * cpu_per_delivery_seconds
     pods_for_cpu = max(1, math.ceil(cpu / POD_CPU_CORES))
     pods_for_slots = max(1, math.ceil(slots_total / MAX_CONCURRENCY))
     pods = max(pods_for_cpu, pods_for_slots)
@@ -164,6 +171,7 @@ def plan(rate: float, latency_seconds: float, *,
         utilisation=utilisation,
         in_flight=in_flight,
         worker_cpu_cores=cpu,
+        cpu_per_delivery_seconds=cpu_per_delivery_seconds,
         pods_for_cpu=pods_for_cpu,
         pods_for_slots=pods_for_slots,
         concurrency=concurrency,
@@ -225,7 +233,8 @@ def describe(p: Plan) -> str:
     lines += [
         f"in flight          {p.in_flight:,.1f} jobs (Little's law: rate × latency)",
         f"worker CPU         {p.worker_cpu_cores:,.2f} cores "
-        f"({HTTP_DELIVERY_CPU_SECONDS * 1e6:.0f} µs per delivery, bench)",
+        f"({p.cpu_per_delivery_seconds * 1e6:.0f} µs per delivery"
+        f"{', bench' if p.cpu_per_delivery_seconds == HTTP_DELIVERY_CPU_SECONDS else ''})",
         f"pods               {max(p.pods_for_cpu, p.pods_for_slots)} needed "
         f"({p.pods_for_cpu} for CPU at {POD_CPU_CORES:g} core each, {p.pods_for_slots} for "
         f"slots at ≤ {MAX_CONCURRENCY} each)",

@@ -144,3 +144,20 @@ def test_plan_is_a_frozen_value() -> None:
     with pytest.raises(AttributeError):
         p.concurrency = 1  # type: ignore[misc]
     assert isinstance(p, Plan)
+
+
+def test_a_cpu_figure_of_ones_own_decides_the_pods_instead_of_the_benchs() -> None:
+    default = plan(20_000, 0.2)
+    own = plan(20_000, 0.2, cpu_per_delivery_seconds=4 * HTTP_DELIVERY_CPU_SECONDS)
+    assert own.worker_cpu_cores == pytest.approx(4 * default.worker_cpu_cores)
+    assert own.pods_for_cpu > default.pods_for_cpu
+    with pytest.raises(PlanError, match="--cpu-per-delivery"):
+        plan(100, 0.2, cpu_per_delivery_seconds=0)
+
+
+def test_plan_takes_the_cpu_per_delivery_in_microseconds(capsys) -> None:
+    assert main(["plan", "--rate", "2000", "--latency", "0.2",
+                 "--cpu-per-delivery", "1000"]) == 0
+    assert "2.00 cores (1000 µs per delivery)" in capsys.readouterr().out
+    assert main(["plan", "--rate", "2000", "--latency", "0.2",
+                 "--cpu-per-delivery", "lots"]) == 2
