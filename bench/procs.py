@@ -129,6 +129,9 @@ class Provider:
 class ConnectionSampler:
     """Samples ``pg_stat_activity`` of one database in a thread (every 50 ms).
 
+    Client sessions only: an autovacuum worker of the database (which shows
+    there with an empty ``application_name``) is not one of ours.
+
     ``peak`` maps application_name → the most connections seen at once
     (the sampler's own connection excluded); ``peak_total`` the most in all.
     """
@@ -157,6 +160,7 @@ class ConnectionSampler:
                     "SELECT coalesce(application_name, ''), count(*) FROM pg_stat_activity"
                     " WHERE datname = current_database() AND pid <> pg_backend_pid()"
                     "   AND application_name NOT LIKE 'bench-%%'"
+                    "   AND backend_type = 'client backend'"  # not autovacuum workers
                     " GROUP BY 1"
                 ).fetchall()
                 total = 0
