@@ -80,8 +80,8 @@ def pgbench_script(batch: int, *, name: str = "claim", strip_flow: bool = False,
         raise RuntimeError("the claim statement no longer has the expected shape")
     claim_sql = (
         f"{head}\n"
-        "SELECT coalesce(array_agg(id), '{}') AS ids,"
-        " coalesce(array_agg(lease_token), '{}') AS tokens FROM claimed \\gset"
+        "SELECT coalesce(string_agg(id::text, ','), '') AS ids,"
+        " coalesce(string_agg(lease_token::text, ','), '') AS tokens FROM claimed \\gset"
     )
     ack = statements()["ack"]
     ack = ack.replace("%(ids)s", ":ids").replace("%(tokens)s", ":tokens")

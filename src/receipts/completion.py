@@ -6,11 +6,12 @@ for the write: a delivery slot is free again as soon as its outcome is known,
 so the statement's round trip never lengthens a slot's cycle. One flusher
 task takes everything handed in since its last statement (up to
 ``max_batch`` of each kind) and writes it with one guarded statement per
-kind. Before each statement it lingers ``linger_seconds`` (a few
-milliseconds) unless a full batch is already waiting or it is closing, so a
-busy worker writes dozens of outcomes per statement instead of a handful:
-each statement costs the worker ≈ 0.25 ms of CPU whatever its size
-(bench/README.md), while a lease is a minute long. A batched ack is 2.6–7×
+kind. While the queue keeps the worker busy (its claims come back full),
+the flusher lingers ``linger_seconds`` (50 ms) before each statement unless
+a full batch is already waiting or it is closing, so a busy worker writes about
+a hundred outcomes per statement instead of a handful: each statement costs
+the worker ≈ 0.25 ms of CPU whatever its size (bench/README.md), while a
+lease is a minute long. A batched ack is 2.6–7×
 faster than one ack per job on this kind of machine (docs/design.md §10).
 
 The flusher owns a write once it is handed in: nothing the delivery task
@@ -42,6 +43,7 @@ an ack that landed counts in ``receipts_acks_total``; a reschedule in
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import random
 import time
@@ -64,7 +66,7 @@ R = TypeVar("R")
 BACKOFF_FIRST_SECONDS = 0.05
 BACKOFF_MAX_SECONDS = 5.0
 #: How long the flusher waits for more outcomes before a statement, seconds.
-LINGER_SECONDS = 0.02
+LINGER_SECONDS = 0.05
 
 
 @dataclass(slots=True)
@@ -108,6 +110,7 @@ class Completer:
             "reschedule", self._write_reschedules, None)
         self._records: list[AttemptRecord] = []
         self._wake = asyncio.Event()
+        self._full = asyncio.Event()  # a full batch waits (or a close): stop lingering
         self._room = asyncio.Event()
         self._closing = False
         self._task: asyncio.Task[None] | None = None
@@ -116,7 +119,24 @@ class Completer:
         self.busy_since: float | None = None
         #: Outcomes handed in and not yet settled (pending and in flight).
         self.backlog = 0
+        self._busy = True
         self._acked = 0  # acks accounted since receipts_acks_total was last increased
+
+    @property
+    def busy(self) -> bool:
+        """Whether the flusher lingers: True while the queue keeps the worker busy.
+
+        Set by the worker after every claim (a full claim: busy). A trickle of
+        outcomes is written at once, and so is the last of a backlog: turning
+        it off ends a linger in progress.
+        """
+        return self._busy
+
+    @busy.setter
+    def busy(self, value: bool) -> None:
+        if self._busy and not value:
+            self._full.set()
+        self._busy = value
 
     def start(self) -> None:
         """Start the flusher task (idempotent)."""
@@ -140,6 +160,8 @@ class Completer:
         lane.pending.append(_Pending(item, attempt))
         self.backlog += 1
         self._wake.set()
+        if len(lane.pending) >= self.max_batch:
+            self._full.set()
 
     async def wait_for_room(self, limit: int) -> None:
         """Return once fewer than *limit* outcomes wait to be settled."""
@@ -155,6 +177,7 @@ class Completer:
         """Flush what is pending (for at most *timeout_seconds*), then stop."""
         self._closing = True
         self._wake.set()
+        self._full.set()
         if self._task is None:
             return
         try:
@@ -178,10 +201,13 @@ class Completer:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            if (self.linger_seconds > 0 and not self._closing
+            if (self.linger_seconds > 0 and self._busy and not self._closing
                     and self._waiting() < self.max_batch):
-                # Let more outcomes arrive: one statement for dozens of them.
-                await asyncio.sleep(self.linger_seconds)
+                # Let more outcomes arrive (one statement for dozens of them),
+                # but not past a full batch or a close.
+                self._full.clear()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._full.wait(), self.linger_seconds)
             for lane in self._lanes:
                 if lane.pending:
                     batch = lane.pending[: self.max_batch]

@@ -180,6 +180,8 @@ class HttpDeliverer:
             userpass = f"{self._url.username}:{self._url.password}".encode()
             headers.append((b"Authorization", b"Basic " + base64.b64encode(userpass)))
         self._headers = headers
+        if _TRACING:  # decided once: no extra coroutine per delivery without it
+            self.deliver = self._traced_deliver  # type: ignore[method-assign]
 
     async def aclose(self) -> None:
         """Close the transport's connections."""
@@ -206,6 +208,9 @@ class HttpDeliverer:
         return httpx.Request("POST", self._url, headers=headers, stream=httpx.ByteStream(body),
                              extensions=self._extensions)
 
+    async def _traced_deliver(self, job: Job) -> Outcome:
+        return await tracing.traced_delivery(job, lambda: HttpDeliverer.deliver(self, job))
+
     async def deliver(self, job: Job) -> Outcome:
         """POST *job*'s receipt and classify the answer; never raises for I/O errors.
 
@@ -213,11 +218,6 @@ class HttpDeliverer:
         span linked to the enqueuing trace, and the provider gets its
         ``traceparent`` (:mod:`receipts.tracing`).
         """
-        if _TRACING:
-            return await tracing.traced_delivery(job, lambda: self._deliver(job))
-        return await self._deliver(job)
-
-    async def _deliver(self, job: Job) -> Outcome:
         request = self.request(job)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_seconds

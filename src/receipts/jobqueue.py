@@ -54,6 +54,13 @@ def _age(created_at: datetime | None) -> float | None:
     return max(0.0, time.time() - created_at.timestamp())
 
 
+def _joined(pairs: Sequence[tuple[uuid.UUID, uuid.UUID]]) -> dict[str, str]:
+    """(job id, token) pairs as the ``ids`` and ``tokens`` texts of ``ack`` and
+    ``resolve_writes``: comma-separated hex UUIDs, in the same order."""
+    return {"ids": ",".join([p[0].hex for p in pairs]),
+            "tokens": ",".join([p[1].hex for p in pairs])}
+
+
 def _flow_state(row: Sequence[Any]) -> FlowState:
     """A :class:`FlowState` from (pause_reason, pause_left[, tokens]) columns."""
     reason = row[0]
@@ -259,9 +266,7 @@ class JobQueue:
         """
         if not pairs:
             return set()
-        rows = await self._rows(
-            self._q("ack"), {"ids": [p[0] for p in pairs], "tokens": [p[1] for p in pairs]}
-        )
+        rows = await self._rows(self._q("ack"), _joined(pairs))
         return {r[0] for r in rows}
 
     async def reschedule(self, items: Sequence[Reschedule]) -> dict[uuid.UUID, JobState]:
@@ -304,10 +309,7 @@ class JobQueue:
         """
         if not pairs:
             return {}
-        rows = await self._rows(
-            self._q("resolve_writes"),
-            {"ids": [p[0] for p in pairs], "tokens": [p[1] for p in pairs]},
-        )
+        rows = await self._rows(self._q("resolve_writes"), _joined(pairs))
         return {r[0]: JobState(r[1]) for r in rows}
 
     # ------------------------------------------------------- flow control

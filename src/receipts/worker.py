@@ -315,6 +315,7 @@ class Worker:
             # Another pod's probe is out: look again soon, it may resume the fleet.
             return self.settings.poll_interval_seconds * random.uniform(0.75, 1.25), False
         self._backlogged = len(result.attempts) >= limit
+        self.completer.busy = self._backlogged
         if self._backlogged:
             return 0.0, False
         tokens = result.flow.tokens

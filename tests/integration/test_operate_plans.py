@@ -116,13 +116,14 @@ def test_ack_plan_uses_the_primary_key_not_the_expired_index(big_dsn: str, plan_
     with psycopg.connect(big_dsn, autocommit=True, cursor_factory=psycopg.ClientCursor) as conn:
         pairs = conn.execute("SELECT id, lease_token FROM receipt_jobs WHERE state = 'running'"
                              " LIMIT 100").fetchall()
-        params = {"ids": [p[0] for p in pairs], "tokens": [p[1] for p in pairs]}
+        params = {"ids": ",".join(p[0].hex for p in pairs),
+                  "tokens": ",".join(p[1].hex for p in pairs)}
         conn.execute(f"SET plan_cache_mode = {plan_mode}")
         conn.execute("BEGIN")
         try:
             # Prepared as psycopg prepares a statement run 5+ times (server-side PREPARE).
             ack = statements()["ack"].replace("%(ids)s", "$1").replace("%(tokens)s", "$2")
-            conn.execute(f"PREPARE ack_stmt(uuid[], uuid[]) AS {ack}")
+            conn.execute(f"PREPARE ack_stmt(text, text) AS {ack}")
             top, nodes = _explain(conn, "EXECUTE ack_stmt(%(ids)s, %(tokens)s)", params)
         finally:
             conn.execute("ROLLBACK")

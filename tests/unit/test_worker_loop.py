@@ -8,6 +8,7 @@ from collections.abc import Awaitable, Callable
 
 import pytest
 
+from receipts.completion import Completer
 from receipts.metrics import Metrics
 from receipts.model import Job, JobState, Outcome, PauseReason
 from receipts.settings import Settings, load_settings
@@ -97,18 +98,49 @@ async def test_nothing_is_claimed_while_outcome_writes_fall_behind_by_a_set_of_s
     assert loop.value("receipts_acks_total") == 40
 
 
-async def test_outcome_writes_that_arrive_within_the_linger_share_one_statement():
+async def test_outcome_writes_of_a_busy_worker_share_a_statement_per_linger():
     queue = FakeQueue()
-    order = {job_id: n for n, job_id in enumerate(queue.add(40))}
+    order = {job_id: n for n, job_id in enumerate(queue.add(400))}
 
-    async def spread(job_id: object) -> None:  # answers arrive over ~10 ms
-        await asyncio.sleep(order[job_id] * 0.00025)  # type: ignore[index]
+    async def spread(job_id: object) -> None:  # answers trickle in, ~4 per ms
+        await asyncio.sleep(order[job_id] % 40 * 0.00025)  # type: ignore[index]
 
     async with Loop(queue, GatedDeliverer(spread), concurrency=40) as loop:
-        await until(lambda: queue.count(JobState.DONE) == 40)
-    # Written as they came, 40 answers would take about as many statements.
-    assert queue.ack_statements <= 3
-    assert loop.value("receipts_acks_total") == 40
+        await until(lambda: queue.count(JobState.DONE) == 400)
+    # Written as they came, these 400 answers took ~200 statements; lingering, ~12.
+    assert queue.ack_statements <= 40
+    assert loop.value("receipts_acks_total") == 400
+
+
+async def test_a_full_batch_ends_the_linger_at_once():
+    queue, deliverer = FakeQueue(), ScriptedDeliverer()
+    queue.add(8)
+    loop = Loop(queue, deliverer, concurrency=8)
+    loop.worker.completer.max_batch = 4
+    loop.worker.completer.linger_seconds = 30.0
+    async with loop:
+        await until(lambda: queue.count(JobState.DONE) == 8)  # two full batches
+    assert queue.ack_statements == 2
+
+
+@pytest.mark.parametrize("ending", ["stop", "queue empty"])
+async def test_a_stop_or_an_empty_queue_ends_the_linger_at_once(ending):
+    queue = FakeQueue()
+    queue.add(1)
+    (attempt,) = (await queue.claim(1)).attempts
+    completer = Completer(queue, Metrics(), lease_seconds=30, linger_seconds=30.0)
+    completer.start()
+    completer.ack(attempt)
+    await until(lambda: completer._task is not None and queue.ack_statements == 0
+                and completer.backlog == 1)
+    await asyncio.sleep(0)  # the flusher is lingering now
+    if ending == "stop":
+        await asyncio.wait_for(completer.close(timeout_seconds=5), 5)
+    else:
+        completer.busy = False  # the worker's last claim came back short
+        await until(lambda: queue.count(JobState.DONE) == 1)
+        await completer.close(timeout_seconds=5)
+    assert queue.count(JobState.DONE) == 1 and queue.ack_statements == 1
 
 
 async def test_a_busy_queue_claims_for_a_tenth_of_the_slots_not_for_each_one(monkeypatch):
