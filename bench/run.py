@@ -136,7 +136,7 @@ def run_round(bench: Bench, plan: Plan, results: dict[str, list[Any]], only: set
                template=bench.scale_template or "", updated=plan.updated, claims=plan.claims,
                wait_seconds=plan.vacuum_wait_seconds)
     # Idle; full speed (the drain configuration, admission off); then the default
-    # settings with admission control off and on (issue 11's goal, limit traced).
+    # settings with admission control off and on (the checkout goal, limit traced).
     record("checkout", scenarios.checkout_impact, bench, drain_jobs=2 * max(plan.jobs, 2_000),
            seconds=plan.checkout_seconds, rate=plan.checkout_rate, processes=1,
            concurrency=plan.receipts_concurrency,

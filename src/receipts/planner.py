@@ -28,15 +28,17 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-#: Worker CPU per HTTP delivery, in seconds: ~580 µs, measured by the bench
-#: (bench/README.md: "receipts HTTP 200 ms, 400 slots", 581 µs CPU per job;
-#: bench/results/profile_connections.txt puts 89 % of it in the HTTP client).
-HTTP_DELIVERY_CPU_SECONDS = 580e-6
+#: Worker CPU per HTTP delivery, in seconds: the bench's figure
+#: ``summary.capacity.worker_cpu_us_per_http_delivery`` of
+#: ``bench/results/latest.json`` (one worker, 400 slots, reference provider at
+#: 200 ms: the median of three rounds; it includes the claims, acks, event loop
+#: and garbage collection a delivery brings with it). A test keeps the two equal;
+#: ``receipts plan --cpu-per-delivery`` takes a figure measured on one's own nodes.
+HTTP_DELIVERY_CPU_SECONDS = 223e-6
 
 #: CPU a worker pod is planned to use at the given rate, in cores. One process
-#: runs one event loop and cannot use more than one core (the bench saw one
-#: loop saturate near 1,700 deliveries/s); 0.7 keeps 30 % for bursts, the
-#: claim loop and garbage collection.
+#: runs one event loop and cannot use more than one core; 0.7 keeps 30 % for
+#: bursts, retries, TLS and the queue-statistics and commit-probe tasks.
 POD_CPU_CORES = 0.7
 
 #: Default share of a pod's slots kept busy (the chart's autoscaling.keda.utilisation).
@@ -58,7 +60,9 @@ CONNECTIONS_OTHER = 3
 
 #: Claim+ack jobs/s one PostgreSQL 18 sustained in the bench with nothing else
 #: to do: pgbench running the project's claim (batch 100) and ack, 8 clients,
-#: 2 vCPU, fsync and synchronous_commit on (bench/README.md, raw limit).
+#: 2 vCPU, fsync and synchronous_commit on (bench/README.md, raw limit, on the
+#: 2-vCPU AMD EPYC VM of 2026-11-30; other 2-vCPU VMs since measured 22,000–32,000,
+#: so measure the database you run on and pass ``--db-ceiling``).
 DB_CEILING_BATCHED_JOBS_PER_SECOND = 52_650
 
 #: WAL written per job, in bytes: enqueue (one transaction each) + claim + ack +

@@ -35,9 +35,13 @@ def test_a_small_rate_needs_the_minimum_fleet() -> None:
     assert p.shards == 1
 
 
+#: A fixed CPU figure for the arithmetic below (the default follows the bench).
+CPU = 580e-6
+
+
 def test_cpu_decides_the_pods_when_the_provider_is_fast() -> None:
-    p = plan(2_000, 0.2)
-    cores = 2_000 * HTTP_DELIVERY_CPU_SECONDS
+    p = plan(2_000, 0.2, cpu_per_delivery_seconds=CPU)
+    cores = 2_000 * CPU
     assert p.worker_cpu_cores == pytest.approx(cores)
     assert p.pods_for_cpu == math.ceil(cores / POD_CPU_CORES) == 2
     # The slots follow the pods: each pod carries its share of the 400 in flight at 80 %.
@@ -56,7 +60,7 @@ def test_slots_decide_the_pods_when_the_provider_is_slow() -> None:
 
 
 def test_connections_follow_the_chart_budget_rule() -> None:
-    p = plan(2_000, 0.2)
+    p = plan(2_000, 0.2, cpu_per_delivery_seconds=CPU)
     # (max replicas + 1 draining) × (pool 2 + listener 1) + recovery + migration + KEDA.
     assert p.connections == (3 + 1) * 3 + 3
 
@@ -78,7 +82,7 @@ def test_utilisation_sets_the_headroom_in_slots() -> None:
 
 
 def test_helm_values_are_valid_yaml_with_the_plan_s_numbers() -> None:
-    p = plan(2_000, 0.2)
+    p = plan(2_000, 0.2, cpu_per_delivery_seconds=CPU)
     values = yaml.safe_load(helm_values(p))
     assert values["config"]["concurrency"] == p.concurrency
     assert values["autoscaling"]["minReplicas"] == p.min_replicas
@@ -114,10 +118,13 @@ def test_describe_shows_every_figure_and_the_values() -> None:
 
 
 def test_receipts_plan_prints_the_plan(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["plan", "--rate", "2000", "--latency", "0.2"]) == 0
+    assert main(["plan", "--rate", "2000", "--latency", "0.2", "--cpu-per-delivery", "580"]) == 0
     out = capsys.readouterr().out
     assert "plan for 2,000 receipts/s at 0.2 s per delivery" in out
     assert "maxReplicas: 3" in out
+    assert main(["plan", "--rate", "2000", "--latency", "0.2"]) == 0  # the bench's figure
+    assert f"({HTTP_DELIVERY_CPU_SECONDS * 1e6:.0f} µs per delivery, bench)" in (
+        capsys.readouterr().out)
 
 
 @pytest.mark.parametrize(
@@ -161,3 +168,13 @@ def test_plan_takes_the_cpu_per_delivery_in_microseconds(capsys) -> None:
     assert "2.00 cores (1000 µs per delivery)" in capsys.readouterr().out
     assert main(["plan", "--rate", "2000", "--latency", "0.2",
                  "--cpu-per-delivery", "lots"]) == 2
+
+
+def test_the_planners_cpu_per_delivery_is_the_benchs_latest_figure() -> None:
+    import json
+    from pathlib import Path
+
+    latest = Path(__file__).resolve().parents[2] / "bench" / "results" / "latest.json"
+    capacity = json.loads(latest.read_text())["summary"]["capacity"]
+    measured_us = capacity["worker_cpu_us_per_http_delivery"]["median"]
+    assert measured_us == pytest.approx(HTTP_DELIVERY_CPU_SECONDS * 1e6, abs=0.5)
