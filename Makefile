@@ -33,10 +33,10 @@ bench:
 chaos: $(STAMP)
 	$(BIN)/python -m tests.chaos.run $(CHAOS_ARGS)
 
-## Re-resolve requirements.lock: the image's exact dependencies (extras worker, binary),
+## Re-resolve requirements.lock: the image's exact dependencies (extras worker, binary, uvloop),
 ## with the hashes of every file of each version, so any platform's wheel verifies.
 lock: $(STAMP)
-	$(BIN)/uv pip compile pyproject.toml --extra worker --extra binary --universal \
+	$(BIN)/uv pip compile pyproject.toml --extra worker --extra binary --extra uvloop --universal \
 		--python-version 3.11 --generate-hashes --custom-compile-command 'make lock' \
 		--output-file requirements.lock
 

@@ -106,7 +106,7 @@ class RecordingHttp:
 
 def run_receipts(args: argparse.Namespace) -> None:
     from receipts.logs import configure_logging
-    from receipts.runtime import run_worker
+    from receipts.runtime import run_on_loop, run_worker
     from receipts.settings import load_settings
 
     configure_logging("WARNING")
@@ -125,6 +125,7 @@ def run_receipts(args: argparse.Namespace) -> None:
         admission_control=not args.no_admission,
         provider_rate_limit_per_second=args.rate_limit,
         provider_burst=args.burst,
+        event_loop=args.event_loop,
     )
     record: dict[str, float] | None = {} if args.record else None
     deliverer: Any
@@ -135,13 +136,10 @@ def run_receipts(args: argparse.Namespace) -> None:
         deliverer = RecordingHttp(make_deliverer(settings), record) if record is not None else None
     else:
         deliverer = NoopDeliverer(record)
-    if args.uvloop:
-        import uvloop  # the bench extra
-
-        uvloop.install()
     _wait_for_go()
     _start_profiler(args.profile, args.profile_seconds)
-    asyncio.run(run_worker(settings, deliverer))
+    # The loop `receipts worker` runs on (RECEIPTS_EVENT_LOOP; --event-loop here).
+    run_on_loop(settings, run_worker(settings, deliverer))
     _write(args.record, record or {})
 
 
@@ -236,7 +234,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--app-name", default="receipts")
     p.add_argument("--no-admission", action="store_true",
                    help="receipts: admission control off (capacity drains)")
-    p.add_argument("--uvloop", action="store_true", help="receipts: run on uvloop")
+    p.add_argument("--event-loop", choices=["auto", "asyncio", "uvloop"], default="auto",
+                   help="receipts: RECEIPTS_EVENT_LOOP (default auto, as `receipts worker`)")
     p.add_argument("--metrics-port", type=int, default=0,
                    help="receipts: serve /metrics on this port (default 0: not served)")
     p.add_argument("--rate-limit", type=float, default=0.0,

@@ -98,14 +98,15 @@ def _drain(dsn: str, argvs: list[list[str]], jobs: int,
 
 def receipts_drain(bench: Bench, *, jobs: int, processes: int = 1, concurrency: int = 200,
                    batch: int = 100, provider_latency_ms: float | None = None,
-                   listen: bool = True, admission: bool = True, uvloop: bool = False,
+                   listen: bool = True, admission: bool = True, event_loop: str = "auto",
                    profile: str | None = None, profile_seconds: float = 6.0) -> dict[str, Any]:
     """receipts worker processes draining *jobs* pre-enqueued jobs.
 
     No-op in-process deliverer, or the reference HTTP provider at
     *provider_latency_ms* when given. *admission* False turns admission control
     off (capacity figures: what a worker can do, not what it allows itself).
-    *uvloop* runs the workers on uvloop instead of asyncio's own loop.
+    *event_loop*: ``RECEIPTS_EVENT_LOOP`` of the workers (``auto``: uvloop when
+    installed, as ``receipts worker`` does).
     *profile*: a py-spy raw profile of the (first) worker to this file.
     """
     provider = Provider(provider_latency_ms) if provider_latency_ms is not None else None
@@ -116,7 +117,7 @@ def receipts_drain(bench: Bench, *, jobs: int, processes: int = 1, concurrency: 
             argv = _receipts_argv(dsn, concurrency=concurrency, batch=batch,
                                   provider_url=provider.url if provider else None,
                                   no_listen=not listen, no_admission=not admission,
-                                  uvloop=uvloop)
+                                  event_loop=event_loop)
             argvs = [argv] * processes
             if profile:
                 argvs[0] = [*argv, "--profile", profile, "--profile-seconds",
@@ -130,7 +131,7 @@ def receipts_drain(bench: Bench, *, jobs: int, processes: int = 1, concurrency: 
             provider.stop()
     result.update(processes=processes, concurrency=concurrency, batch=batch,
                   provider_latency_ms=provider_latency_ms, admission_control=admission,
-                  uvloop=uvloop)
+                  event_loop=event_loop)
     return result
 
 

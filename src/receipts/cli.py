@@ -240,9 +240,9 @@ def cmd_migrate(settings: Settings | None, args: argparse.Namespace) -> int:
 
 def cmd_worker(settings: Settings, args: argparse.Namespace) -> int:
     """``receipts worker``: run until SIGTERM/SIGINT, then drain; 0 on a clean stop."""
-    from receipts.runtime import run_worker
+    from receipts.runtime import run_on_loop, run_worker
 
-    asyncio.run(run_worker(settings))
+    run_on_loop(settings, run_worker(settings))
     return EXIT_OK
 
 

@@ -14,9 +14,10 @@ import asyncio
 import contextlib
 import gc
 import signal
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
+from typing import Any, TypeVar, cast
 
 from psycopg_pool import AsyncConnectionPool
 
@@ -27,10 +28,11 @@ from receipts.jobqueue import JobQueue
 from receipts.logs import get_logger
 from receipts.metrics import Metrics, make_app, start_server
 from receipts.migrate import SchemaMismatch, schema_status_async
-from receipts.settings import Settings
+from receipts.settings import Settings, SettingsError
 from receipts.worker import Worker
 
 log = get_logger("runtime")
+T = TypeVar("T")
 
 POOL_CLOSE_SECONDS = 5.0
 #: Signals that stop a worker gracefully (drain, flush, exit 0). SIGHUP is one:
@@ -136,6 +138,47 @@ async def worker_runtime(
             await runner.cleanup()
 
 
+def loop_factory(settings: Settings) -> Callable[[], asyncio.AbstractEventLoop]:
+    """The event loop ``receipts worker`` runs on, as a factory for ``asyncio.Runner``.
+
+    ``RECEIPTS_EVENT_LOOP``: ``uvloop`` (libuv under asyncio's API: ~8 % less
+    worker CPU per HTTP delivery and ~20 % less per no-op job in the bench's
+    interleaved drains; the extra ``uvloop``), ``asyncio`` (the standard
+    library's selector loop), or ``auto`` (the default): uvloop when it can be
+    imported, else asyncio. Raises :class:`~receipts.settings.SettingsError`
+    for ``uvloop`` when it is not installed.
+    """
+    if settings.event_loop != "asyncio":
+        try:
+            import uvloop
+        except ImportError:
+            if settings.event_loop == "uvloop":
+                raise SettingsError(
+                    "RECEIPTS_EVENT_LOOP=uvloop, but uvloop is not installed "
+                    "(pip install 'receipts-queue[uvloop]'), or set it to asyncio or auto"
+                ) from None
+        else:
+            return cast("Callable[[], asyncio.AbstractEventLoop]", uvloop.new_event_loop)
+    return asyncio.new_event_loop
+
+
+def run_on_loop(settings: Settings, main: Coroutine[Any, Any, T]) -> T:
+    """Run *main* to completion on the event loop the settings choose (:func:`loop_factory`)."""
+    try:
+        factory = loop_factory(settings)
+    except SettingsError:
+        main.close()
+        raise
+    with asyncio.Runner(loop_factory=factory) as runner:
+        return runner.run(main)
+
+
+def event_loop_name() -> str:
+    """The running loop's kind, for logs: ``uvloop`` or ``asyncio``."""
+    return "uvloop" if type(asyncio.get_running_loop()).__module__.startswith("uvloop") else (
+        "asyncio")
+
+
 @contextlib.contextmanager
 def worker_gc() -> Iterator[None]:
     """Tune the garbage collector for a running worker; restore it afterwards.
@@ -179,6 +222,7 @@ async def run_worker(settings: Settings, deliverer: Deliverer | None = None) -> 
             "admission_control": settings.admission_control,
             "synchronous_commit": "role setting" if settings.pgbouncer else (
                 settings.synchronous_commit),
+            "event_loop": event_loop_name(),
         })
         with worker_gc():
             await runtime.worker.run()

@@ -272,6 +272,12 @@ class Settings(BaseSettings):
                     "(a database crash can undo their last fraction of a second, which the "
                     "lease protocol redelivers with the same idempotency key); 'on' or 'local'.",
     )
+    event_loop: Literal["auto", "asyncio", "uvloop"] = Field(
+        default="auto",
+        description="The worker's event loop: 'uvloop' (the extra `uvloop`; ~8 % less "
+                    "CPU per delivery), 'asyncio' (the standard library's), or 'auto': "
+                    "uvloop when it is installed, else asyncio.",
+    )
     admission_min_rate_per_second: float = Field(
         default=50.0, gt=0, le=1_000_000,
         description="Admission control never claims slower than this (jobs/s per worker).",
@@ -372,7 +378,7 @@ class Settings(BaseSettings):
     def _upper_level(cls, value: object) -> object:
         return value.upper() if isinstance(value, str) else value
 
-    @field_validator("synchronous_commit", "attempt_history", mode="before")
+    @field_validator("synchronous_commit", "attempt_history", "event_loop", mode="before")
     @classmethod
     def _lower_choice(cls, value: object) -> object:
         return value.strip().lower() if isinstance(value, str) else value

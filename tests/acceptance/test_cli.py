@@ -78,6 +78,7 @@ def worker_env(dsn: str, provider: Child, **extra: str) -> dict[str, str]:
         ({"RECEIPTS_PROVIDER_URL": "ftp://x"}, "RECEIPTS_PROVIDER_URL"),
         ({"RECEIPTS_MAX_ATTEMPTS": "0"}, "RECEIPTS_MAX_ATTEMPTS"),
         ({"RECEIPTS_LOG_LEVEL": "LOUD"}, "RECEIPTS_LOG_LEVEL"),
+        ({"RECEIPTS_EVENT_LOOP": "trio"}, "RECEIPTS_EVENT_LOOP"),
         ({"RECEIPTS_METRICS_PORT": "70000"}, "RECEIPTS_METRICS_PORT"),
         ({"RECEIPTS_DATABASE_URL": ""}, "RECEIPTS_DATABASE_URL"),
     ],
@@ -152,14 +153,15 @@ def test_a_worker_killed_mid_delivery_is_recovered_and_redelivered_with_the_same
     assert receipts_seen["receipt:order-crash"]["requests"] == 2
 
 
+@pytest.mark.parametrize("event_loop", ["uvloop", "asyncio"])
 def test_sigterm_finishes_inflight_deliveries_acks_them_claims_nothing_more_exits_0(
-        dsn, provider_proc, sup):
+        dsn, provider_proc, sup, event_loop):
     set_faults(provider_proc, latency_seconds=1.5)
     enqueue_many(dsn, [f"order-{i}" for i in range(20)])
     env = worker_env(dsn, provider_proc, RECEIPTS_CONCURRENCY="4",
                      RECEIPTS_LEASE_SECONDS="20", RECEIPTS_LEASE_MARGIN_SECONDS="5",
                      RECEIPTS_DELIVERY_TIMEOUT_SECONDS="10",
-                     RECEIPTS_SHUTDOWN_GRACE_SECONDS="10")
+                     RECEIPTS_SHUTDOWN_GRACE_SECONDS="10", RECEIPTS_EVENT_LOOP=event_loop)
     worker = sup.start("worker", ["worker"], env,
                        port=int(env["RECEIPTS_METRICS_PORT"])).wait_healthy()
     until(lambda: worker.scrape().total("receipts_inflight_deliveries") >= 4,
@@ -169,6 +171,8 @@ def test_sigterm_finishes_inflight_deliveries_acks_them_claims_nothing_more_exit
     assert counts == {"done": 4, "ready": 16}
     log_lines = [json.loads(ln) for ln in worker.output().splitlines() if ln.startswith("{")]
     assert any(rec["event"] == "stopped" for rec in log_lines)
+    started = next(rec for rec in log_lines if rec["event"] == "worker_started")
+    assert started["event_loop"] == event_loop
 
 
 def test_recover_loop_runs_until_sigterm(dsn, sup):

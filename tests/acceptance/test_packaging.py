@@ -168,7 +168,7 @@ def test_the_lock_pins_every_requirement_the_image_installs() -> None:
     project = tomllib.loads((REPO / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
     wanted = [Requirement(r) for r in [*project["dependencies"], *extras["worker"],
-                                       *extras["binary"]]]
+                                       *extras["binary"], *extras["uvloop"]]]
     pins = {}
     for line in (REPO / "requirements.lock").read_text().splitlines():
         match = re.match(r"^([A-Za-z0-9][A-Za-z0-9._-]*)==([^\s;\\]+)", line)
