@@ -94,7 +94,7 @@ async def measure(dsn: str, runs: int) -> dict[str, list[float]]:
                     await conn.execute(
                         "INSERT INTO receipt_jobs (id, order_id) SELECT gen_random_uuid(),"
                         " %s || g FROM generate_series(1, %s) AS g", (f"r{n}{kind}-", BATCH))
-                jobs = await queue.claim(BATCH)
+                jobs = [a.job for a in (await queue.claim(BATCH)).attempts]
                 assert len(jobs) == BATCH
                 pairs = [(j.id, j.token) for j in jobs]
                 records = _records(jobs)
@@ -116,8 +116,9 @@ async def measure(dsn: str, runs: int) -> dict[str, list[float]]:
 async def _together(pool: object, pairs: list[tuple[uuid.UUID, uuid.UUID]],
                     recs: list[AttemptRecord]) -> None:
     async with pool.connection() as conn, conn.transaction():  # type: ignore[attr-defined]
-        await conn.execute(query("ack"), {"ids": [p[0] for p in pairs],
-                                          "tokens": [p[1] for p in pairs]})
+        # the ack's parameters as JobQueue.ack passes them: comma-joined hex texts
+        await conn.execute(query("ack"), {"ids": ",".join(p[0].hex for p in pairs),
+                                          "tokens": ",".join(p[1].hex for p in pairs)})
         await conn.execute(query("record_attempts"), {
             "job_ids": [r.job_id for r in recs], "attempts": [r.attempt for r in recs],
             "reasons": [str(r.reason) for r in recs], "statuses": [r.status for r in recs],

@@ -101,6 +101,36 @@ class Bench:
     def cleanup(self) -> None:
         self.server.cleanup()
 
+    def server_cpu_seconds(self) -> float:
+        """CPU seconds (user + system) the whole server has used so far.
+
+        The postmaster, its live children (backends, WAL writer, checkpointer,
+        autovacuum, …) and the children it has already reaped, whose time the
+        kernel adds to the postmaster's ``cutime``/``cstime``; so the
+        difference of two readings is the server's CPU between them, whether
+        backends lived through the interval or not. Linux ``/proc`` only;
+        0.0 elsewhere.
+        """
+        try:
+            pid = int((self.server.data / "postmaster.pid").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return 0.0
+        ticks = 0
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            # after the command: state ppid … utime(12) stime(13) cutime(14) cstime(15)
+            if int(entry.name) == pid:
+                ticks += sum(int(f) for f in fields[11:15])
+            elif int(fields[1]) == pid:
+                ticks += int(fields[11]) + int(fields[12])
+        return ticks / os.sysconf("SC_CLK_TCK")
+
 
 def execute(dsn: str, sql: str, params: Any = None) -> list[tuple[Any, ...]]:
     """Run one statement in autocommit; return its rows (empty when none)."""

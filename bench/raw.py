@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import os
 import re
+import resource
 import subprocess
 import tempfile
 import time
@@ -121,6 +122,25 @@ def flow_row_stats(dsn: str) -> dict[str, Any]:
             "table_bytes": size, "hot_share": hot / upd if upd else None}
 
 
+def _children_cpu_seconds() -> float:
+    """User + system CPU seconds of this process's reaped children (pgbench)."""
+    usage = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return usage.ru_utime + usage.ru_stime
+
+
+def _wait_for_sessions_to_end(dsn: str, timeout_seconds: float = 10.0) -> None:
+    """Wait until no other session of *dsn*'s database is left (pgbench's backends)."""
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        deadline = time.monotonic() + timeout_seconds
+        while time.monotonic() < deadline:
+            row = conn.execute("SELECT count(*) FROM pg_stat_activity WHERE"
+                               " datname = current_database() AND pid <> pg_backend_pid()"
+                               ).fetchone()
+            if not row or row[0] == 0:
+                return
+            time.sleep(0.01)
+
+
 def run_pgbench(bench: Bench, *, batch: int, clients: int, seconds: float,
                 fill: int, script: dict[str, Any] | None = None,
                 flow_stats: bool = False) -> dict[str, Any]:
@@ -147,8 +167,13 @@ def run_pgbench(bench: Bench, *, batch: int, clients: int, seconds: float,
         ]
         start = time.monotonic()
         env = {**os.environ, "PGOPTIONS": f"-c synchronous_commit={WORKER_SYNCHRONOUS_COMMIT}"}
+        db_before = bench.server_cpu_seconds()
+        client_before = _children_cpu_seconds()
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 120,
                                 env=env)
+        _wait_for_sessions_to_end(dsn)  # a reaped backend's CPU is then the postmaster's
+        db_seconds = bench.server_cpu_seconds() - db_before
+        client_seconds = _children_cpu_seconds() - client_before
         elapsed = time.monotonic() - start
         Path(script_path).unlink(missing_ok=True)
         if result.returncode != 0:
@@ -168,5 +193,8 @@ def run_pgbench(bench: Bench, *, batch: int, clients: int, seconds: float,
         "jobs_done": done,
         "drained": done >= fill,
         "failed_transactions": int(failed.group(1)) if failed else 0,
+        # CPU per job done: the server's (all its processes) and pgbench's own
+        "db_cpu_us_per_job": round(db_seconds / done * 1e6, 1) if done else None,
+        "client_cpu_us_per_job": round(client_seconds / done * 1e6, 1) if done else None,
         "wall_seconds": round(elapsed, 2),
     }

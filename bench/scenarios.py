@@ -69,13 +69,23 @@ def _sessions(probe: psycopg.Connection[Any], *, listening: bool = False) -> int
 
 def _drain(dsn: str, argvs: list[list[str]], jobs: int,
            left: Callable[[psycopg.Connection[Any]], int],
-           timeout_seconds: float) -> dict[str, Any]:
+           timeout_seconds: float,
+           server_cpu: Callable[[], float] | None = None) -> dict[str, Any]:
+    """Release *argvs* together and wait until *left* reports nothing left.
+
+    *server_cpu*: a reading of the database server's CPU seconds
+    (:meth:`bench.pg.Bench.server_cpu_seconds`), taken at the release and at the
+    end, for ``db_cpu_us_per_job`` (it includes the probe's and sampler's own
+    small statements).
+    """
     children = Children(argvs)
     try:
         with psycopg.connect(dsn, **PROBE) as probe, ConnectionSampler(dsn) as sampler:
+            db_before = server_cpu() if server_cpu else 0.0
             start = children.go()
             end = wait_until(lambda: left(probe) == 0 or not children.alive(),
                              timeout_seconds=timeout_seconds)
+            db_seconds = server_cpu() - db_before if server_cpu else None
             unfinished = left(probe)
     finally:
         tails = children.stop()
@@ -84,6 +94,8 @@ def _drain(dsn: str, argvs: list[list[str]], jobs: int,
     seconds = end - start
     cpu = children.cpu_seconds(tails)
     return {
+        **({"db_cpu_us_per_job": round(db_seconds / jobs * 1e6, 1)}
+           if db_seconds is not None else {}),
         "worker_cpu_us_per_job": round(cpu / jobs * 1e6, 1),
         "jobs": jobs,
         "seconds": round(seconds, 3),
@@ -123,7 +135,8 @@ def receipts_drain(bench: Bench, *, jobs: int, processes: int = 1, concurrency: 
                 argvs[0] = [*argv, "--profile", profile, "--profile-seconds",
                             str(profile_seconds)]
             result = _drain(dsn, argvs, jobs, remaining_jobs,
-                            timeout_seconds=max(120.0, jobs / 100.0))
+                            timeout_seconds=max(120.0, jobs / 100.0),
+                            server_cpu=bench.server_cpu_seconds)
             stale = execute(dsn, "SELECT count(*) FROM receipt_jobs WHERE state <> 'done'")
             result["not_done"] = int(stale[0][0])
     finally:
@@ -146,7 +159,8 @@ def peer_drain(bench: Bench, peer: str, *, jobs: int, **opts: Any) -> dict[str, 
             flag = "--" + key.replace("_", "-")
             argv += [flag] if value is True else [flag, str(value)]
         result = _drain(dsn, [argv], jobs, lambda c: peers.remaining(peer, c),
-                        timeout_seconds=max(300.0, jobs / 100.0))
+                        timeout_seconds=max(300.0, jobs / 100.0),
+                        server_cpu=bench.server_cpu_seconds)
     result.update(opts)
     return result
 
