@@ -75,9 +75,9 @@ class NoopDeliverer:
     """Delivers instantly; optionally records when each delivery started."""
 
     def __init__(self, record: dict[str, float] | None) -> None:
-        from receipts.model import Outcome, Verdict
+        from receipts.model import Outcome, Reason, Verdict
 
-        self._outcome = Outcome(Verdict.DELIVERED, "delivered", 200)
+        self._outcome = Outcome(Verdict.DELIVERED, Reason.DELIVERED, 200)
         self._record = record
 
     async def deliver(self, job: Any) -> Any:
@@ -160,7 +160,7 @@ def run_pgqueuer(args: argparse.Namespace) -> None:
         conns = [await asyncpg.connect(dsn=args.dsn) for _ in range(args.consumers)]
         pgqs = [PgQueuer(AsyncpgDriver(c)) for c in conns]
         for pgq in pgqs:
-            @pgq.entrypoint("noop")
+            @pgq.entrypoint("noop")  # type: ignore[untyped-decorator]
             async def noop(job: Any) -> None:
                 if args.record:
                     record.setdefault((job.payload or b"").decode(), time.time())
@@ -195,7 +195,7 @@ def run_procrastinate(args: argparse.Namespace) -> None:
     record: dict[str, float] = {}
     app = procrastinate.App(connector=procrastinate.PsycopgConnector(conninfo=args.dsn))
 
-    @app.task(name="noop")
+    @app.task(name="noop")  # type: ignore[untyped-decorator]
     async def noop(order: str = "") -> None:
         if args.record:
             record.setdefault(order, time.time())

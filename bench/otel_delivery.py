@@ -74,7 +74,8 @@ class Switchable(trace.TracerProvider):
             self._tracers[key] = self.delegate.get_tracer(name)
         return self._tracers[key]
 
-    def get_tracer(self, name: str, *args: Any, **kwargs: Any) -> trace.Tracer:
+    def get_tracer(  # type: ignore[override]  # passes any further arguments on as given
+            self, name: str, *args: Any, **kwargs: Any) -> trace.Tracer:
         switch = self
 
         class SwitchTracer(trace.Tracer):

@@ -85,7 +85,7 @@ async def _procrastinate_fill(dsn: str, count: int) -> None:
 
     app = procrastinate.App(connector=procrastinate.PsycopgConnector(conninfo=dsn))
 
-    @app.task(name="noop")
+    @app.task(name="noop")  # type: ignore[untyped-decorator]
     async def noop(order: str = "") -> None:
         return None
 
@@ -133,7 +133,7 @@ async def open_enqueuer(peer: str, dsn: str) -> tuple[Any, Any]:
 
     app = procrastinate.App(connector=procrastinate.PsycopgConnector(conninfo=dsn))
 
-    @app.task(name="noop")
+    @app.task(name="noop")  # type: ignore[untyped-decorator]
     async def noop(order: str = "") -> None:
         return None
 

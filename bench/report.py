@@ -5,6 +5,7 @@ from __future__ import annotations
 import statistics
 from collections.abc import Callable, Sequence
 from datetime import datetime
+from operator import itemgetter
 from typing import Any
 
 LITTLE_BOUND = 400 / 0.2  # 400 slots / 200 ms: deliveries/s by Little's law
@@ -28,8 +29,8 @@ def stat(values: Sequence[float]) -> dict[str, float]:
             "n": len(vals)}
 
 
-def _over(runs: list[dict[str, Any]], pick: Callable[[dict[str, Any]], float]) -> dict[str, float]:
-    return stat([pick(r) for r in runs])
+def _over(runs: list[dict[str, Any]], pick: Callable[[dict[str, Any]], Any]) -> dict[str, float]:
+    return stat([float(pick(r)) for r in runs])
 
 
 def _at(runs: list[dict[str, Any]], *path: str) -> dict[str, float]:
@@ -55,7 +56,7 @@ def build(results: dict[str, list[Any]], *, plan: dict[str, Any], machine: dict[
             raw.setdefault(batch, {})[clients] = _over(runs, lambda r: r["jobs_per_second"])
             if all(r.get("db_cpu_us_per_job") is not None for r in runs):
                 raw_cpu.setdefault(batch, {})[clients] = {
-                    k: _over(runs, lambda r, k=k: r[k])
+                    k: _over(runs, itemgetter(k))
                     for k in ("db_cpu_us_per_job", "client_cpu_us_per_job")}
     s["raw"] = raw
     if raw_cpu:
@@ -193,7 +194,7 @@ def capacity(results: dict[str, list[Any]]) -> dict[str, Any]:
         ("http_deliveries_per_second_per_process", "connections", "jobs_per_second"),
     ):
         if results.get(key):
-            out[name] = _over(results[key], lambda r, f=field: float(r[f]))
+            out[name] = _over(results[key], itemgetter(field))
     return out
 
 

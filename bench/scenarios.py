@@ -46,7 +46,9 @@ def percentile(values: Sequence[float], q: float) -> float:
     return ordered[lo] + (ordered[hi] - ordered[lo]) * (k - lo)
 
 
-def _receipts_argv(dsn: str, **opts: Any) -> list[str]:
+def receipts_argv(dsn: str, **opts: Any) -> list[str]:
+    """``bench.child receipts`` arguments: each keyword becomes ``--its-name value``
+    (True: the bare flag; None or False: left out)."""
     argv = ["receipts", "--dsn", dsn]
     for key, value in opts.items():
         flag = "--" + key.replace("_", "-")
@@ -126,7 +128,7 @@ def receipts_drain(bench: Bench, *, jobs: int, processes: int = 1, concurrency: 
         with bench.database("rcpt") as dsn:
             fill_ready(dsn, jobs)
             settle(dsn, "receipt_jobs")
-            argv = _receipts_argv(dsn, concurrency=concurrency, batch=batch,
+            argv = receipts_argv(dsn, concurrency=concurrency, batch=batch,
                                   provider_url=provider.url if provider else None,
                                   no_listen=not listen, no_admission=not admission,
                                   event_loop=event_loop)
@@ -177,7 +179,7 @@ def receipts_pickup(bench: Bench, *, jobs: int, rate: float, listen: bool,
     """Enqueue-commit → delivery-start for *jobs* enqueued one per transaction."""
     with bench.database("pick") as dsn, tempfile.TemporaryDirectory() as tmp:
         record = os.path.join(tmp, "record.json")
-        argv = _receipts_argv(dsn, concurrency=32, batch=100, no_listen=not listen,
+        argv = receipts_argv(dsn, concurrency=32, batch=100, no_listen=not listen,
                               poll_seconds=poll_seconds, record=record)
         children = Children([argv])
         committed: dict[str, float] = {}
@@ -505,7 +507,7 @@ def checkout_impact(bench: Bench, *, drain_jobs: int, seconds: float, rate: floa
                 fill_ready(dsn, jobs)
             settle(dsn, "receipt_jobs", "bench_orders")
             ports = [free_port() if phase.trace else None for _ in range(processes)]
-            argvs = [_receipts_argv(dsn, concurrency=phase.concurrency, batch=phase.batch,
+            argvs = [receipts_argv(dsn, concurrency=phase.concurrency, batch=phase.batch,
                                     no_admission=not phase.admission, metrics_port=port)
                      for port in ports]
             children = Children(argvs, ports=ports)
@@ -629,7 +631,7 @@ def outage(bench: Bench, *, jobs: int = 1_000, outage_seconds: float = 60.0,
             fill_ready(dsn, jobs)
             settle(dsn, "receipt_jobs")
             port = free_port()
-            argv = _receipts_argv(dsn, concurrency=DEFAULT_CONCURRENCY, batch=DEFAULT_BATCH,
+            argv = receipts_argv(dsn, concurrency=DEFAULT_CONCURRENCY, batch=DEFAULT_BATCH,
                                   provider_url=provider.url, metrics_port=port)
             children = Children([argv], ports=[port])
             try:
@@ -707,7 +709,7 @@ def rate_limit_accuracy(bench: Bench, *, limit_per_second: float = 200.0, proces
         with bench.database("rlim") as dsn:
             fill_ready(dsn, jobs)
             settle(dsn, "receipt_jobs")
-            argv = _receipts_argv(dsn, concurrency=DEFAULT_CONCURRENCY, batch=DEFAULT_BATCH,
+            argv = receipts_argv(dsn, concurrency=DEFAULT_CONCURRENCY, batch=DEFAULT_BATCH,
                                   provider_url=provider.url, rate_limit=limit_per_second)
             children = Children([argv] * processes)
             try:

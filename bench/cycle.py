@@ -1,0 +1,96 @@
+"""Where a delivery slot's cycle goes: ``python -m bench.cycle``.
+
+Runs the ``connections`` drain (one worker, 400 slots, claim batch 100,
+reference provider at 200 ms, admission control off, 20,000 jobs) on a fresh
+durable embedded PostgreSQL, scrapes the worker's ``/metrics`` when the queue
+is empty, and prints per run:
+
+* the drain rate and the slot cycle it implies (slots / rate, Little's law);
+* the provider call as the worker timed it
+  (``receipts_delivery_duration_seconds`` mean): the provider's sleep plus
+  its own and the loopback's lag;
+* the claim and ack statements (``receipts_db_statement_duration_seconds``
+  mean and count) and jobs per claim;
+* the worker's CPU per delivery.
+
+Cycle − provider call = the time a slot waits between the end of one
+delivery and the start of the next (the claim statement, the claim linger,
+the drain's ramp and tail). Options: ``--runs`` (default 2), ``--jobs``,
+``--slots``, ``--latency-ms``.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+import psycopg
+
+from bench.pg import Bench, fill_ready, remaining_jobs, settle, wait_until
+from bench.procs import Children, Provider
+from bench.scenarios import PROBE, receipts_argv
+from receipts.embedded import free_port
+
+
+def one_run(bench: Bench, *, jobs: int, slots: int, latency_ms: float) -> dict[str, Any]:
+    """One drain; returns its figures (seconds as milliseconds where named ``_ms``)."""
+    provider = Provider(latency_ms)
+    try:
+        with bench.database("cycle") as dsn:
+            fill_ready(dsn, jobs)
+            settle(dsn, "receipt_jobs")
+            port = free_port()
+            argv = receipts_argv(dsn, concurrency=slots, batch=100, provider_url=provider.url,
+                                 no_admission=True, metrics_port=port)
+            children = Children([argv], ports=[port])
+            try:
+                with psycopg.connect(dsn, **PROBE) as probe:
+                    start = children.go()
+                    end = wait_until(lambda: remaining_jobs(probe) == 0,
+                                     timeout_seconds=max(120.0, jobs / 100.0))
+                samples = children.procs[0].scrape()
+            finally:
+                tails = children.stop()
+    finally:
+        provider.stop()
+    rate = jobs / (end - start)
+    call_sum = samples.total("receipts_delivery_duration_seconds_sum")
+    call_count = samples.total("receipts_delivery_duration_seconds_count")
+    sums = samples.by_label("receipts_db_statement_duration_seconds_sum", "statement")
+    counts = samples.by_label("receipts_db_statement_duration_seconds_count", "statement")
+    claims = samples.total("receipts_claims_total")
+    return {
+        "jobs_per_second": rate,
+        "cycle_ms": slots / rate * 1000,
+        "provider_call_ms": call_sum / call_count * 1000 if call_count else None,
+        "jobs_per_claim": samples.total("receipts_jobs_claimed_total") / claims if claims else None,
+        "statements": {name: {"mean_ms": sums[name] / n * 1000, "count": int(n)}
+                       for name, n in counts.items() if n},
+        "worker_cpu_us_per_job": children.cpu_seconds(tails) / jobs * 1e6,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.cycle", description=__doc__.split("\n")[0])
+    p.add_argument("--runs", type=int, default=2)
+    p.add_argument("--jobs", type=int, default=20_000)
+    p.add_argument("--slots", type=int, default=400)
+    p.add_argument("--latency-ms", type=float, default=200.0)
+    args = p.parse_args(argv)
+    bench = Bench()
+    try:
+        for _ in range(args.runs):
+            r = one_run(bench, jobs=args.jobs, slots=args.slots, latency_ms=args.latency_ms)
+            statements = ", ".join(f"{name} {v['mean_ms']:.2f} ms × {v['count']:,}"
+                                   for name, v in sorted(r["statements"].items()))
+            print(f"{r['jobs_per_second']:,.0f} deliveries/s; cycle {r['cycle_ms']:.1f} ms, "
+                  f"provider call {r['provider_call_ms']:.1f} ms; {r['jobs_per_claim']:.1f} "
+                  f"jobs per claim; {statements}; worker CPU "
+                  f"{r['worker_cpu_us_per_job']:.0f} µs/delivery", flush=True)
+    finally:
+        bench.cleanup()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
