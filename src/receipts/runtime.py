@@ -142,8 +142,8 @@ def loop_factory(settings: Settings) -> Callable[[], asyncio.AbstractEventLoop]:
     """The event loop ``receipts worker`` runs on, as a factory for ``asyncio.Runner``.
 
     ``RECEIPTS_EVENT_LOOP``: ``uvloop`` (libuv under asyncio's API: ~8 % less
-    worker CPU per HTTP delivery and ~20 % less per no-op job in the bench's
-    interleaved drains; the extra ``uvloop``), ``asyncio`` (the standard
+    worker CPU per HTTP delivery in the bench's interleaved 400-slot drains,
+    bench/README.md; the extra ``uvloop``), ``asyncio`` (the standard
     library's selector loop), or ``auto`` (the default): uvloop when it can be
     imported, else asyncio. Raises :class:`~receipts.settings.SettingsError`
     for ``uvloop`` when it is not installed.
