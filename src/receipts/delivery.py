@@ -107,12 +107,29 @@ def tls_context(ca_file: str | None = None, cert_file: str | None = None,
     CAs of ``certifi``; presents the client certificate *cert_file* (PEM,
     with its key in *key_file* or in the same file) for providers that
     require mutual TLS. Certificates and host names are always verified.
-    Raises ``OSError``/``ssl.SSLError`` for unreadable or invalid files.
+    Raises ``OSError`` for unreadable files and :class:`TLSFileError` (which
+    names the file's role) for files that hold no usable PEM data.
     """
-    context = ssl.create_default_context(cafile=ca_file or certifi.where())
+    try:
+        context = ssl.create_default_context(cafile=ca_file or certifi.where())
+    except ssl.SSLError as exc:
+        raise TLSFileError("ca_file", f"no usable PEM certificate ({exc.reason})") from exc
     if cert_file:
-        context.load_cert_chain(cert_file, key_file)
+        try:
+            context.load_cert_chain(cert_file, key_file)
+        except ssl.SSLError as exc:
+            raise TLSFileError("client_cert", "no usable PEM certificate and key"
+                               f" ({exc.reason})") from exc
     return context
+
+
+class TLSFileError(ValueError):
+    """A TLS file that was read but is not usable; *role* is ``ca_file`` or
+    ``client_cert`` (the certificate and key files)."""
+
+    def __init__(self, role: str, message: str) -> None:
+        super().__init__(message)
+        self.role = role
 
 
 class HttpDeliverer:

@@ -36,6 +36,7 @@ import httpx
 import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
+from receipts.db import translate
 from receipts.embedded import EmbeddedPostgres, free_port
 from receipts.enqueue import enqueue
 from receipts.migrate import apply_migrations
@@ -191,9 +192,16 @@ def run_demo(opts: DemoOptions) -> int:
 
 
 def _scratch_schema(dsn: str, schema: str) -> str:
-    """Create *schema* in *dsn*'s database; return a DSN whose search_path is it."""
-    with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as conn:
-        conn.execute(f'CREATE SCHEMA "{schema}"')
+    """Create *schema* in *dsn*'s database; return a DSN whose search_path is it.
+
+    Raises :class:`~receipts.errors.QueueError` (redacted) when the database
+    refuses or cannot be reached.
+    """
+    try:
+        with psycopg.connect(dsn, autocommit=True, connect_timeout=5) as conn:
+            conn.execute(f'CREATE SCHEMA "{schema}"')
+    except psycopg.Error as exc:
+        raise translate(exc) from exc
     theirs = conninfo_to_dict(dsn).get("options")
     ours = f"-c search_path={schema}"
     return make_conninfo(dsn, options=f"{theirs} {ours}" if theirs else ours)

@@ -22,7 +22,7 @@ from typing import Any, TypeVar, cast
 from psycopg_pool import AsyncConnectionPool
 
 from receipts.db import check_encoding, connect, make_pool, statement_deadline
-from receipts.delivery import Deliverer, HttpDeliverer, tls_context
+from receipts.delivery import Deliverer, HttpDeliverer, TLSFileError, tls_context
 from receipts.errors import DatabaseUnavailable
 from receipts.jobqueue import JobQueue
 from receipts.logs import get_logger
@@ -83,12 +83,22 @@ def make_queue(settings: Settings, pool: AsyncConnectionPool) -> JobQueue:
 
 
 def make_deliverer(settings: Settings) -> HttpDeliverer:
-    """The HTTP deliverer the settings describe (URL, timeout, token, slots)."""
+    """The HTTP deliverer the settings describe (URL, timeout, token, slots).
+
+    Raises :class:`~receipts.settings.SettingsError` naming the setting when a
+    TLS file (private CA, client certificate or key) holds no usable PEM data.
+    """
     token = settings.provider_token.get_secret_value() if settings.provider_token else None
     # The CA bundle takes ~50 ms of CPU to load: only an https provider needs it.
-    tls = tls_context(settings.provider_ca_file, settings.provider_client_cert_file,
-                      settings.provider_client_key_file) if (
-        settings.provider_url.lower().startswith("https:")) else None
+    tls = None
+    if settings.provider_url.lower().startswith("https:"):
+        try:
+            tls = tls_context(settings.provider_ca_file, settings.provider_client_cert_file,
+                              settings.provider_client_key_file)
+        except TLSFileError as exc:
+            names = ("RECEIPTS_PROVIDER_CA_FILE" if exc.role == "ca_file" else
+                     "RECEIPTS_PROVIDER_CLIENT_CERT_FILE / RECEIPTS_PROVIDER_CLIENT_KEY_FILE")
+            raise SettingsError(f"{names}: {exc}") from exc
     return HttpDeliverer(
         settings.provider_url,
         timeout_seconds=settings.delivery_timeout_seconds,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 import time
 from collections.abc import Callable, Iterator
 
@@ -98,6 +99,29 @@ def test_a_database_that_does_not_answer_is_exit_1_without_the_password():
     result = receipts("migrate", env={"RECEIPTS_DATABASE_URL": dsn})
     assert result.returncode == 1
     assert "database unavailable" in result.stderr
+    assert SECRET not in result.stderr + result.stdout
+
+
+def test_the_demo_on_a_database_that_does_not_answer_is_one_line_and_exit_1():
+    dsn = f"postgresql://app:{SECRET}@127.0.0.1:{free_port()}/db"
+    result = receipts("demo", "--dsn", dsn, timeout=60)
+    assert result.returncode == 1
+    assert "database unavailable" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert SECRET not in result.stderr + result.stdout
+
+
+def test_the_review_page_on_a_taken_port_exits_1_at_once():
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        env = {"RECEIPTS_DATABASE_URL": f"postgresql://app:{SECRET}@127.0.0.1:{free_port()}/db",
+               "RECEIPTS_UI_PORT": str(taken.getsockname()[1])}
+        # It used to hang here for good (the pool's reconnect task outlived the
+        # failed start), deaf to SIGTERM: the timeout would fail the test.
+        result = receipts("ui", env=env, timeout=30)
+    assert result.returncode == 1
+    assert "address already in use" in result.stderr.lower()
     assert SECRET not in result.stderr + result.stdout
 
 

@@ -524,12 +524,15 @@ async def run_ui(settings: Settings) -> None:
                      max_attempts=settings.max_attempts, schema=settings.db_schema)
     token = settings.ui_admin_token.get_secret_value() if settings.ui_admin_token else None
     app = make_app(queue, admin_token=token, loopback_only=is_loopback(settings.ui_host))
+    # Bind first: a taken port or a bad host raises OSError before any pool
+    # task or signal handler exists (the pool's reconnect task once kept a
+    # failed start from ever ending, deaf to SIGTERM).
+    runner = await start_server(app, settings.ui_port, host=settings.ui_host)
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     await pool.open(wait=False)
-    runner = await start_server(app, settings.ui_port, host=settings.ui_host)
     log.info("ui_started", extra={"host": settings.ui_host, "port": settings.ui_port,
                                   "mode": "admin" if token else "read-only",
                                   "database": settings.safe_dsn})
