@@ -66,7 +66,8 @@ SETTING_HELP: dict[str, str] = {
     "listen_notify": "one extra connection that LISTENs for enqueue wake-ups",
     "pgbouncer": "transaction-pooling mode: no prepared statements, LISTEN or startup options",
     "synchronous_commit": "synchronous_commit of worker/recovery sessions (on, off, local)",
-    "shutdown_grace_seconds": "after SIGTERM, how long in-flight deliveries may finish",
+    "shutdown_grace_seconds": "after SIGTERM, how long in-flight deliveries may finish"
+                              " (at most the delivery timeout)",
     "retry_base_seconds": "backoff ceiling of the first retry",
     "retry_cap_seconds": "backoff ceiling of any retry",
     "retry_after_max_seconds": "clamp for a provider's Retry-After",
