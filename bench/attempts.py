@@ -35,7 +35,7 @@ import psycopg
 from bench.pg import SERVER_SETTINGS
 from receipts.db import make_pool
 from receipts.embedded import EmbeddedPostgres
-from receipts.jobqueue import JobQueue
+from receipts.jobqueue import JobQueue, ack_params
 from receipts.migrate import apply_migrations
 from receipts.model import AttemptRecord, Job, Reason
 from receipts.settings import load_settings
@@ -116,9 +116,7 @@ async def measure(dsn: str, runs: int) -> dict[str, list[float]]:
 async def _together(pool: object, pairs: list[tuple[uuid.UUID, uuid.UUID]],
                     recs: list[AttemptRecord]) -> None:
     async with pool.connection() as conn, conn.transaction():  # type: ignore[attr-defined]
-        # the ack's parameters as JobQueue.ack passes them: comma-joined hex texts
-        await conn.execute(query("ack"), {"ids": ",".join(p[0].hex for p in pairs),
-                                          "tokens": ",".join(p[1].hex for p in pairs)})
+        await conn.execute(query("ack"), ack_params(pairs))
         await conn.execute(query("record_attempts"), {
             "job_ids": [r.job_id for r in recs], "attempts": [r.attempt for r in recs],
             "reasons": [str(r.reason) for r in recs], "statuses": [r.status for r in recs],

@@ -24,36 +24,17 @@ from __future__ import annotations
 import argparse
 from typing import Any
 
-import psycopg
-
-from bench.pg import Bench, fill_ready, remaining_jobs, settle, wait_until
-from bench.procs import Children, Provider
-from bench.scenarios import PROBE, receipts_argv
-from receipts.embedded import free_port
+from bench.pg import Bench
+from bench.scenarios import receipts_drain
 
 
 def one_run(bench: Bench, *, jobs: int, slots: int, latency_ms: float) -> dict[str, Any]:
-    """One drain; returns its figures (seconds as milliseconds where named ``_ms``)."""
-    provider = Provider(latency_ms)
-    try:
-        with bench.database("cycle") as dsn:
-            fill_ready(dsn, jobs)
-            settle(dsn, "receipt_jobs")
-            port = free_port()
-            argv = receipts_argv(dsn, concurrency=slots, batch=100, provider_url=provider.url,
-                                 no_admission=True, metrics_port=port)
-            children = Children([argv], ports=[port])
-            try:
-                with psycopg.connect(dsn, **PROBE) as probe:
-                    start = children.go()
-                    end = wait_until(lambda: remaining_jobs(probe) == 0,
-                                     timeout_seconds=max(120.0, jobs / 100.0))
-                samples = children.procs[0].scrape()
-            finally:
-                tails = children.stop()
-    finally:
-        provider.stop()
-    rate = jobs / (end - start)
+    """One drain (:func:`bench.scenarios.receipts_drain`, its ``/metrics`` scraped at
+    the end); returns its figures (milliseconds where named ``_ms``)."""
+    drain = receipts_drain(bench, jobs=jobs, concurrency=slots, batch=100,
+                           provider_latency_ms=latency_ms, admission=False, scrape=True)
+    samples = drain["samples"]
+    rate = drain["jobs_per_second"]
     call_sum = samples.total("receipts_delivery_duration_seconds_sum")
     call_count = samples.total("receipts_delivery_duration_seconds_count")
     sums = samples.by_label("receipts_db_statement_duration_seconds_sum", "statement")
@@ -66,7 +47,7 @@ def one_run(bench: Bench, *, jobs: int, slots: int, latency_ms: float) -> dict[s
         "jobs_per_claim": samples.total("receipts_jobs_claimed_total") / claims if claims else None,
         "statements": {name: {"mean_ms": sums[name] / n * 1000, "count": int(n)}
                        for name, n in counts.items() if n},
-        "worker_cpu_us_per_job": children.cpu_seconds(tails) / jobs * 1e6,
+        "worker_cpu_us_per_job": drain["worker_cpu_us_per_job"],
     }
 
 

@@ -47,9 +47,14 @@ def percentile(values: Sequence[float], q: float) -> float:
 
 
 def receipts_argv(dsn: str, **opts: Any) -> list[str]:
-    """``bench.child receipts`` arguments: each keyword becomes ``--its-name value``
+    """``bench.child receipts`` arguments (:func:`child_argv`)."""
+    return child_argv("receipts", dsn, **opts)
+
+
+def child_argv(kind: str, dsn: str, **opts: Any) -> list[str]:
+    """``bench.child KIND`` arguments: each keyword becomes ``--its-name value``
     (True: the bare flag; None or False: left out)."""
-    argv = ["receipts", "--dsn", dsn]
+    argv = [kind, "--dsn", dsn]
     for key, value in opts.items():
         flag = "--" + key.replace("_", "-")
         if value is True:
@@ -72,15 +77,18 @@ def _sessions(probe: psycopg.Connection[Any], *, listening: bool = False) -> int
 def _drain(dsn: str, argvs: list[list[str]], jobs: int,
            left: Callable[[psycopg.Connection[Any]], int],
            timeout_seconds: float,
-           server_cpu: Callable[[], float] | None = None) -> dict[str, Any]:
+           server_cpu: Callable[[], float] | None = None,
+           metrics_port: int | None = None) -> dict[str, Any]:
     """Release *argvs* together and wait until *left* reports nothing left.
 
     *server_cpu*: a reading of the database server's CPU seconds
     (:meth:`bench.pg.Bench.server_cpu_seconds`), taken at the release and at the
     end, for ``db_cpu_us_per_job`` (it includes the probe's and sampler's own
-    small statements).
+    small statements). *metrics_port*: the first child serves ``/metrics``
+    there; it is scraped once the drain is done, as ``samples`` (not JSON).
     """
-    children = Children(argvs)
+    children = Children(argvs, ports=[metrics_port] + [None] * (len(argvs) - 1))
+    samples = None
     try:
         with psycopg.connect(dsn, **PROBE) as probe, ConnectionSampler(dsn) as sampler:
             db_before = server_cpu() if server_cpu else 0.0
@@ -89,6 +97,8 @@ def _drain(dsn: str, argvs: list[list[str]], jobs: int,
                              timeout_seconds=timeout_seconds)
             db_seconds = server_cpu() - db_before if server_cpu else None
             unfinished = left(probe)
+        if metrics_port is not None and not unfinished:
+            samples = children.procs[0].scrape()
     finally:
         tails = children.stop()
     if unfinished:
@@ -98,6 +108,7 @@ def _drain(dsn: str, argvs: list[list[str]], jobs: int,
     return {
         **({"db_cpu_us_per_job": round(db_seconds / jobs * 1e6, 1)}
            if db_seconds is not None else {}),
+        **({"samples": samples} if samples is not None else {}),
         "worker_cpu_us_per_job": round(cpu / jobs * 1e6, 1),
         "jobs": jobs,
         "seconds": round(seconds, 3),
@@ -113,7 +124,8 @@ def _drain(dsn: str, argvs: list[list[str]], jobs: int,
 def receipts_drain(bench: Bench, *, jobs: int, processes: int = 1, concurrency: int = 200,
                    batch: int = 100, provider_latency_ms: float | None = None,
                    listen: bool = True, admission: bool = True, event_loop: str = "auto",
-                   profile: str | None = None, profile_seconds: float = 6.0) -> dict[str, Any]:
+                   profile: str | None = None, profile_seconds: float = 6.0,
+                   scrape: bool = False) -> dict[str, Any]:
     """receipts worker processes draining *jobs* pre-enqueued jobs.
 
     No-op in-process deliverer, or the reference HTTP provider at
@@ -122,6 +134,8 @@ def receipts_drain(bench: Bench, *, jobs: int, processes: int = 1, concurrency: 
     *event_loop*: ``RECEIPTS_EVENT_LOOP`` of the workers (``auto``: uvloop when
     installed, as ``receipts worker`` does).
     *profile*: a py-spy raw profile of the (first) worker to this file.
+    *scrape*: the first worker's ``/metrics`` at the end, as ``samples``
+    (a :class:`~receipts.supervisor.MetricSamples`, for ``bench.cycle``).
     """
     provider = Provider(provider_latency_ms) if provider_latency_ms is not None else None
     try:
@@ -129,16 +143,19 @@ def receipts_drain(bench: Bench, *, jobs: int, processes: int = 1, concurrency: 
             fill_ready(dsn, jobs)
             settle(dsn, "receipt_jobs")
             argv = receipts_argv(dsn, concurrency=concurrency, batch=batch,
-                                  provider_url=provider.url if provider else None,
-                                  no_listen=not listen, no_admission=not admission,
-                                  event_loop=event_loop)
+                                 provider_url=provider.url if provider else None,
+                                 no_listen=not listen, no_admission=not admission,
+                                 event_loop=event_loop)
             argvs = [argv] * processes
+            port = free_port() if scrape else None
+            if port is not None:
+                argvs[0] = [*argvs[0], "--metrics-port", str(port)]
             if profile:
                 argvs[0] = [*argv, "--profile", profile, "--profile-seconds",
                             str(profile_seconds)]
             result = _drain(dsn, argvs, jobs, remaining_jobs,
                             timeout_seconds=max(120.0, jobs / 100.0),
-                            server_cpu=bench.server_cpu_seconds)
+                            server_cpu=bench.server_cpu_seconds, metrics_port=port)
             stale = execute(dsn, "SELECT count(*) FROM receipt_jobs WHERE state <> 'done'")
             result["not_done"] = int(stale[0][0])
     finally:
@@ -156,10 +173,7 @@ def peer_drain(bench: Bench, peer: str, *, jobs: int, **opts: Any) -> dict[str, 
         peers.install(peer, dsn)
         peers.fill(peer, dsn, jobs)
         settle(dsn, *peers.tables(peer))
-        argv = [peer, "--dsn", dsn]
-        for key, value in opts.items():
-            flag = "--" + key.replace("_", "-")
-            argv += [flag] if value is True else [flag, str(value)]
+        argv = child_argv(peer, dsn, **opts)
         result = _drain(dsn, [argv], jobs, lambda c: peers.remaining(peer, c),
                         timeout_seconds=max(300.0, jobs / 100.0),
                         server_cpu=bench.server_cpu_seconds)

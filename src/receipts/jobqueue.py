@@ -54,9 +54,11 @@ def _age(created_at: datetime | None) -> float | None:
     return max(0.0, time.time() - created_at.timestamp())
 
 
-def _joined(pairs: Sequence[tuple[uuid.UUID, uuid.UUID]]) -> dict[str, str]:
-    """(job id, token) pairs as the ``ids`` and ``tokens`` texts of ``ack`` and
-    ``resolve_writes``: comma-separated hex UUIDs, in the same order."""
+def ack_params(pairs: Sequence[tuple[uuid.UUID, uuid.UUID]]) -> dict[str, str]:
+    """(job id, token) pairs as the ``ids`` and ``tokens`` parameters of the
+    ``ack`` and ``resolve_writes`` statements: comma-separated hex UUIDs, in
+    the same order (one text each: psycopg dumps a ``uuid[]`` element by
+    element in Python)."""
     return {"ids": ",".join([p[0].hex for p in pairs]),
             "tokens": ",".join([p[1].hex for p in pairs])}
 
@@ -266,7 +268,7 @@ class JobQueue:
         """
         if not pairs:
             return set()
-        rows = await self._rows(self._q("ack"), _joined(pairs))
+        rows = await self._rows(self._q("ack"), ack_params(pairs))
         return {r[0] for r in rows}
 
     async def reschedule(self, items: Sequence[Reschedule]) -> dict[uuid.UUID, JobState]:
@@ -309,7 +311,7 @@ class JobQueue:
         """
         if not pairs:
             return {}
-        rows = await self._rows(self._q("resolve_writes"), _joined(pairs))
+        rows = await self._rows(self._q("resolve_writes"), ack_params(pairs))
         return {r[0]: JobState(r[1]) for r in rows}
 
     # ------------------------------------------------------- flow control
