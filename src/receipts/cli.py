@@ -80,7 +80,7 @@ SETTING_HELP: dict[str, str] = {
     "statement_timeout_seconds": "per-connection statement_timeout",
     "lock_timeout_seconds": "per-connection lock_timeout",
     "idle_in_transaction_timeout_seconds": "per-connection idle_in_transaction_session_timeout",
-    "auth_pause_seconds": "first claim pause after a 401/403 (doubles up to 10 min)",
+    "auth_pause_seconds": "first claim pause after a 401/403 (doubles up to the pause cap)",
     "application_name": "prefix of the connections' application_name",
 }
 _CONNECTION = ("database_url", "database_schema", "application_name", "pgbouncer",
@@ -127,14 +127,14 @@ def settings_help(command: str) -> str:
     lines = ["settings (environment variables):"]
     for name in settings_for(command):
         variable = f"  {ENV_PREFIX}{name.upper()}"
-        text = SETTING_HELP.get(name) or Settings.model_fields[name].description or "see README"
+        text = SETTING_HELP.get(name) or Settings.model_fields[name].description or ""
         wrapped = textwrap.wrap(f"{text} [{_default_text(name)}]", width - column)
         if len(variable) + 2 > column:
             lines.append(variable)
         else:
             lines.append(variable.ljust(column) + wrapped.pop(0))
         lines += [" " * column + more for more in wrapped]
-    lines.append("The README (Configuration) explains each one.")
+    lines.append("docs/configuration.md explains them; docs/reference/settings.md lists all.")
     return "\n".join(lines) + "\n"
 
 
@@ -248,7 +248,7 @@ def cmd_worker(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def cmd_recover(settings: Settings, args: argparse.Namespace) -> int:
-    """``receipts recover``: one sweep (or ``--loop SECONDS``); 1 when a push fails."""
+    """``receipts recover``: one sweep (or ``--loop SECONDS``); a failed push still exits 0."""
     from receipts import recovery
 
     if args.loop is not None:
@@ -400,7 +400,7 @@ def check_jobs(args: argparse.Namespace) -> None:
 
 
 def cmd_jobs(settings: Settings, args: argparse.Namespace) -> int:
-    """``receipts jobs stats|list|show|retry``: failed-job review (see the README)."""
+    """``receipts jobs stats|list|show|retry|discard``: failed-job review (docs/operations.md)."""
     from receipts import review
     from receipts.model import JobState
 

@@ -210,7 +210,8 @@ class Settings(BaseSettings):
     provider_client_key_file: str | None = Field(
         default=None, description="PEM key of the client certificate (if not in the same file).",
     )
-    concurrency: int = Field(default=32, ge=1, le=10_000, description="Delivery slots.")
+    concurrency: int = Field(default=32, ge=1, le=10_000,
+                             description="Delivery slots per worker process.")
     lease_seconds: float = Field(default=60.0, gt=0, le=86_400)
     lease_margin_seconds: float | None = Field(
         default=None, ge=0, le=3_600,
@@ -220,7 +221,8 @@ class Settings(BaseSettings):
     delivery_timeout_seconds: float = Field(default=10.0, gt=0, le=3_600)
     poll_interval_seconds: float = Field(default=1.0, gt=0, le=3_600)
     claim_batch_max: int = Field(default=100, ge=1, le=1_000)
-    metrics_port: int = Field(default=9464, ge=0, le=65_535, description="0 disables.")
+    metrics_port: int = Field(default=9464, ge=0, le=65_535,
+                              description="Port of /metrics, /healthz and /readyz; 0 disables.")
     log_level: LogLevel = "INFO"
     pool_max_size: int = Field(default=2, ge=1, le=100)
     listen_notify: bool = True
