@@ -30,7 +30,7 @@ RULES_FILE = REPO / "deploy" / "prometheus" / "receipts.rules.yaml"
 RULES_TEST_FILE = REPO / "deploy" / "prometheus" / "receipts.rules.test.yaml"
 DASHBOARD = CHART / "dashboards" / "receipts.json"
 DOCKERFILE = REPO / "Dockerfile"
-DEPLOY_DOC = REPO / "README.md"  # the alert runbook (runbook_url anchors point here)
+RUNBOOK_DIR = REPO / "docs" / "runbook"  # one page per alert: <alert lower case>/README.md
 # Upstream CRDs vendored in the repository (versions in crds/README.md).
 CRD_DIR = Path(__file__).resolve().parent / "crds"
 
