@@ -31,7 +31,7 @@ Queue gauges are identical on every worker (max over pods); counters are summed.
           The oldest due ready receipt job in {{`{{ $labels.namespace }}`}} has waited
           {{`{{ $value | humanizeDuration }}`}}. Workers are not keeping up, not claiming
           (provider paused, database trouble), or not running.
-        runbook_url: {{ printf "%sreceiptsqueuelaghigh" $runbook }}
+        runbook_url: {{ printf "%sreceiptsqueuelaghigh/" $runbook }}
     - alert: ReceiptsOldestUndeliveredTooOld
       expr: max by (namespace, job) (receipts_oldest_undelivered_age_seconds{ {{- $s -}} }) > {{ $a.undeliveredAgeSeconds }}
       for: 5m
@@ -45,7 +45,7 @@ Queue gauges are identical on every worker (max over pods); counters are summed.
           enqueued {{`{{ $value | humanizeDuration }}`}} ago and is still not delivered.
           Retries keep the queue lag low while this grows: the provider keeps failing,
           or its answers are rate limits or timeouts.
-        runbook_url: {{ printf "%sreceiptsoldestundeliveredtooold" $runbook }}
+        runbook_url: {{ printf "%sreceiptsoldestundeliveredtooold/" $runbook }}
     - alert: ReceiptsReadyJobsGrowingAtMaxReplicas
       {{- if .Values.autoscaling.enabled }}
       # At max replicas as the autoscaler's own status says (kube-state-metrics): the HPA
@@ -72,7 +72,7 @@ Queue gauges are identical on every worker (max over pods); counters are summed.
           workers at their maximum replica count. More pods will not come; raise the
           capacity (replicas within the connection budget, concurrency) or find what slows
           deliveries.
-        runbook_url: {{ printf "%sreceiptsreadyjobsgrowingatmaxreplicas" $runbook }}
+        runbook_url: {{ printf "%sreceiptsreadyjobsgrowingatmaxreplicas/" $runbook }}
     - alert: ReceiptsJobsFailed
       expr: >-
         sum by (namespace, job) (increase(receipts_failures_total{ {{- $s -}} }[{{ $w }}]))
@@ -95,7 +95,7 @@ Queue gauges are identical on every worker (max over pods); counters are summed.
           {{`{{ $labels.namespace }}`}} in the last {{ $w }} failed (a permanent provider
           answer or their last attempt). Their customers have no receipt; review them with
           `receipts jobs list` and retry.
-        runbook_url: {{ printf "%sreceiptsjobsfailed" $runbook }}
+        runbook_url: {{ printf "%sreceiptsjobsfailed/" $runbook }}
     - alert: ReceiptsStaleAcks
       expr: >-
         sum by (namespace, job) (increase(receipts_stale_acks_total{ {{- $s -}} }[{{ $w }}]))
@@ -116,7 +116,7 @@ Queue gauges are identical on every worker (max over pods); counters are summed.
           lease/token guard refused them. Those jobs may be delivered twice (the provider's
           idempotency key should absorb it). Leases are too short for the observed delivery
           and ack times, or workers stall.
-        runbook_url: {{ printf "%sreceiptsstaleacks" $runbook }}
+        runbook_url: {{ printf "%sreceiptsstaleacks/" $runbook }}
     - alert: ReceiptsProviderPaused
       expr: >-
         max by (namespace, job, reason) (
@@ -132,7 +132,7 @@ Queue gauges are identical on every worker (max over pods); counters are summed.
           {{`{{ $value | humanizePercentage }}`}} of the last {{ $a.providerPausedFor }}, reason
           {{`{{ $labels.reason }}`}} (auth: the provider refuses our credentials; outage: it
           keeps failing; retry_after: it asks us to wait). Nothing is delivered meanwhile.
-        runbook_url: {{ printf "%sreceiptsproviderpaused" $runbook }}
+        runbook_url: {{ printf "%sreceiptsproviderpaused/" $runbook }}
     - alert: ReceiptsRateLimitSaturated
       expr: >-
         max by (namespace, job) (max_over_time(receipts_provider_tokens{ {{- $s -}} }[{{ $a.rateLimitSaturatedFor }}])) < 1
@@ -147,7 +147,7 @@ Queue gauges are identical on every worker (max over pods); counters are summed.
           The fleet's provider token bucket in {{`{{ $labels.namespace }}`}} never held a whole
           token in the last {{ $a.rateLimitSaturatedFor }}, and due jobs waited all that time:
           deliveries run at the provider's rate limit and the backlog drains no faster.
-        runbook_url: {{ printf "%sreceiptsratelimitsaturated" $runbook }}
+        runbook_url: {{ printf "%sreceiptsratelimitsaturated/" $runbook }}
     - alert: ReceiptsDatabaseNotReady
       expr: count by (namespace, job) (receipts_database_ready{ {{- $s -}} } == 0) > 0
       for: {{ $a.databaseNotReadyFor }}
@@ -160,7 +160,7 @@ Queue gauges are identical on every worker (max over pods); counters are summed.
           {{`{{ $value }}`}} worker(s) in {{`{{ $labels.namespace }}`}} have reported the
           database unavailable for {{ $a.databaseNotReadyFor }} (/readyz 503). They claim
           nothing; their delivered jobs' acks wait and, past the lease, go to recovery.
-        runbook_url: {{ printf "%sreceiptsdatabasenotready" $runbook }}
+        runbook_url: {{ printf "%sreceiptsdatabasenotready/" $runbook }}
     - alert: ReceiptsQueueStatsStale
       expr: time() - max by (namespace, job) (receipts_queue_stats_timestamp_seconds{ {{- $s -}} }) > {{ $a.queueStatsMaxAgeSeconds }}
       for: 2m
@@ -173,7 +173,7 @@ Queue gauges are identical on every worker (max over pods); counters are summed.
           No worker in {{`{{ $labels.namespace }}`}} has read the queue gauges for
           {{`{{ $value | humanizeDuration }}`}}. Lag, backlog, expired leases and the xmin
           horizon are frozen at old values, so their alerts cannot fire.
-        runbook_url: {{ printf "%sreceiptsqueuestatsstale" $runbook }}
+        runbook_url: {{ printf "%sreceiptsqueuestatsstale/" $runbook }}
     - alert: ReceiptsExpiredLeasesNotRecovered
       expr: max by (namespace, job) (receipts_expired_leases{ {{- $s -}} }) > 0
       for: {{ $a.expiredLeasesFor }}
@@ -186,7 +186,7 @@ Queue gauges are identical on every worker (max over pods); counters are summed.
           {{`{{ $value | humanize }}`}} running jobs in {{`{{ $labels.namespace }}`}} have had
           expired leases for {{ $a.expiredLeasesFor }}. The recovery CronJob is not running
           or failing; these receipts wait until it does.
-        runbook_url: {{ printf "%sreceiptsexpiredleasesnotrecovered" $runbook }}
+        runbook_url: {{ printf "%sreceiptsexpiredleasesnotrecovered/" $runbook }}
     {{- if .Values.recovery.enabled }}
     - alert: ReceiptsRecoveryNotRunning
       {{- if eq $a.recoveryLastSuccessFrom "pushgateway" }}
@@ -209,7 +209,7 @@ Queue gauges are identical on every worker (max over pods); counters are summed.
           {{ $recoveryLast }}
           {{`{{ $value | humanizeDuration }}`}} ago. Expired leases are not recovered and old
           rows are not pruned.
-        runbook_url: {{ printf "%sreceiptsrecoverynotrunning" $runbook }}
+        runbook_url: {{ printf "%sreceiptsrecoverynotrunning/" $runbook }}
     {{- end }}
     - alert: ReceiptsLongTransaction
       expr: max by (namespace, job) (receipts_oldest_transaction_age_seconds{ {{- $s -}} }) > {{ $a.longTransactionSeconds }}
@@ -223,7 +223,7 @@ Queue gauges are identical on every worker (max over pods); counters are summed.
           The oldest open transaction in the receipts database is
           {{`{{ $value | humanizeDuration }}`}} old. An old snapshot keeps dead index entries
           alive and makes every claim slower (≈70× in measurements).
-        runbook_url: {{ printf "%sreceiptslongtransaction" $runbook }}
+        runbook_url: {{ printf "%sreceiptslongtransaction/" $runbook }}
     - alert: ReceiptsXminHorizonHeld
       expr: max by (namespace, job, holder) (receipts_xmin_horizon_age_transactions{ {{- $s -}} }) > {{ $a.xminHorizonTransactions | int }}
       for: {{ $a.xminHorizonFor }}
@@ -237,7 +237,7 @@ Queue gauges are identical on every worker (max over pods); counters are summed.
           slot) keeps the xmin horizon {{`{{ $value | humanize }}`}} transaction IDs back. Dead
           rows of receipt_jobs cannot be removed while it does, so claims slow down and the
           table bloats; a prepared transaction or a replication slot has no age in seconds.
-        runbook_url: {{ printf "%sreceiptsxminhorizonheld" $runbook }}
+        runbook_url: {{ printf "%sreceiptsxminhorizonheld/" $runbook }}
     - alert: ReceiptsWorkersDown
       {{- if and .Values.autoscaling.enabled .Values.autoscaling.keda.enabled (eq (.Values.autoscaling.minReplicas | int) 0) }}
       # Scaled to zero is normal: alert only when the Deployment wants pods (kube-state-metrics).
@@ -258,5 +258,5 @@ Queue gauges are identical on every worker (max over pods); counters are summed.
           Prometheus has scraped no receipts worker for {{ $a.workersDownFor }}. Either no
           worker runs (receipts are not delivered) or scraping is broken (no metrics, no
           alerts about the queue).
-        runbook_url: {{ printf "%sreceiptsworkersdown" $runbook }}
+        runbook_url: {{ printf "%sreceiptsworkersdown/" $runbook }}
 {{- end }}
