@@ -178,7 +178,7 @@ class HttpDeliverer:
         connect = min(CONNECT_SECONDS, timeout_seconds)
         if transport is None:
             if tls is None and self._url.scheme == "https":
-                tls = tls_context()  # loads the CA bundle (~50 ms): only when needed
+                tls = tls_context()  # loads the CA bundle (costs CPU): only when needed
             transport = Http11Transport(tls=tls, max_connections=max(1, max_connections),
                                         connect_timeout_seconds=connect)
         self._transport = transport

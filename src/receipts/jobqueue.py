@@ -229,7 +229,7 @@ class JobQueue:
                 params[key] = [storable(conn, t) for t in params[key]]
             cur = await conn.execute(query, params)
             # rownumber, not description: the latter builds a Column per column
-            # on every call (~15 µs for the claim's nine).
+            # on every call (bench/README.md has what that cost the claim).
             return await cur.fetchall() if cur.rownumber is not None else []
 
     async def claim(self, limit: int, *, probe: bool = False) -> ClaimResult:

@@ -42,7 +42,7 @@ DELIVERY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 1, 2, 5, 10, 
 STATEMENT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5)
 BATCH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500)
 # Enqueue → delivered: sub-second when healthy, minutes through retries, hours
-# through a provider outage (the retry cap is 15 min, a provider pause up to 10).
+# through a provider outage (the retry cap is 15 min, a provider pause up to 5 by default).
 TIME_TO_RECEIPT_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800,
                            3600, 7200, 14400, 28800, 86400)
 

@@ -42,10 +42,10 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 #: The cyclic garbage collector's youngest-generation threshold in a running
 #: worker (CPython's default is 700). Nearly everything a delivery allocates is
 #: freed by reference counting, but one claim's burst of tasks, futures and
-#: coroutines crossed 700 live objects so often that collections ran ~25 times
-#: per 1,000 deliveries and cost ~30 µs of CPU per delivery (13 % of the
-#: 400-slot drain, measured with gc.callbacks; bench/README.md). At 10,000 they
-#: run about once per 10,000 deliveries and collect the same cycles.
+#: coroutines crossed 700 live objects so often that collections ran every few
+#: dozen deliveries and took a visible share of each one's CPU (timed with
+#: gc.callbacks; the figures are in bench/README.md). At 10,000 they run about
+#: once per 10,000 deliveries and collect the same cycles.
 GC_GEN0_THRESHOLD = 10_000
 
 
@@ -89,7 +89,7 @@ def make_deliverer(settings: Settings) -> HttpDeliverer:
     TLS file (private CA, client certificate or key) holds no usable PEM data.
     """
     token = settings.provider_token.get_secret_value() if settings.provider_token else None
-    # The CA bundle takes ~50 ms of CPU to load: only an https provider needs it.
+    # Loading the CA bundle costs CPU (bench/README.md): only an https provider needs it.
     tls = None
     if settings.provider_url.lower().startswith("https:"):
         try:
@@ -151,7 +151,7 @@ async def worker_runtime(
 def loop_factory(settings: Settings) -> Callable[[], asyncio.AbstractEventLoop]:
     """The event loop ``receipts worker`` runs on, as a factory for ``asyncio.Runner``.
 
-    ``RECEIPTS_EVENT_LOOP``: ``uvloop`` (libuv under asyncio's API: ~8 % less
+    ``RECEIPTS_EVENT_LOOP``: ``uvloop`` (libuv under asyncio's API: less
     worker CPU per HTTP delivery in the bench's interleaved 400-slot drains,
     bench/README.md; the extra ``uvloop``), ``asyncio`` (the standard
     library's selector loop), or ``auto`` (the default): uvloop when it can be

@@ -276,7 +276,7 @@ class Settings(BaseSettings):
     )
     event_loop: Literal["auto", "asyncio", "uvloop"] = Field(
         default="auto",
-        description="The worker's event loop: 'uvloop' (the extra `uvloop`; ~8 % less "
+        description="The worker's event loop: 'uvloop' (the extra `uvloop`; less "
                     "CPU per delivery), 'asyncio' (the standard library's), or 'auto': "
                     "uvloop when it is installed, else asyncio.",
     )

@@ -3,14 +3,11 @@
 :class:`Http11Transport` is an ``httpx.AsyncBaseTransport``: the delivery code
 builds ``httpx.Request`` objects, gets ``httpx.Response`` objects back and
 catches httpx's exceptions, exactly as with httpx's default transport; only the
-bytes on the wire are handled here. It exists because of CPU (bench/README.md):
-POSTs to the reference provider on the benchmark machine, interleaved runs, CPU
-of the client process per request — the previous deliverer (``httpx.AsyncClient``
-pools over httpcore + h11) 900–1,220 µs; ``httpx.AsyncClient`` over the
-``httpx-aiohttp`` transport 490–820 µs; plain aiohttp 160–230 µs; this transport
-under :class:`receipts.delivery.HttpDeliverer` 100–190 µs, most of it the
-kernel's send and receive and the event loop. h11's parser alone took ~110 µs
-per request/response cycle, ``AsyncClient.send`` ~130 µs before any I/O.
+bytes on the wire are handled here. It exists because of CPU: per request it
+costs the client process a fraction of what ``httpx.AsyncClient`` over httpcore
++ h11 (the previous deliverer), ``httpx-aiohttp`` or plain aiohttp cost, most of
+what is left being the kernel's send and receive and the event loop (the
+figures: bench/README.md, "The HTTP path").
 
 Why not ``httpx-aiohttp`` (PyPI, 0.2.0): besides its cost through
 ``AsyncClient``, it maps ``aiohttp.ClientConnectionError`` — the base class of
