@@ -26,6 +26,8 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "receipts"
 CI_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
+# What every install must give (image, DSN): rendered under every other values file.
+REQUIRED_VALUES = Path(__file__).resolve().parent / "required-values.yaml"
 RULES_FILE = REPO / "deploy" / "prometheus" / "receipts.rules.yaml"
 RULES_TEST_FILE = REPO / "deploy" / "prometheus" / "receipts.rules.test.yaml"
 DASHBOARD = CHART / "dashboards" / "receipts.json"
@@ -101,12 +103,19 @@ def template(
     sets: tuple[str, ...] = (),
     kube_version: str | None = None,
     release: str = RELEASE,
+    *,
+    bare: bool = False,
 ) -> subprocess.CompletedProcess[str]:
-    """`helm template` of the chart (cached; the result is shared, do not mutate)."""
+    """`helm template` of the chart (cached; the result is shared, do not mutate).
+
+    The required values (REQUIRED_VALUES) come first unless *bare*: "the defaults" of these
+    tests are the chart's defaults plus the image and DSN every install must give.
+    """
     args = ["template", release, str(CHART), "--namespace", NAMESPACE]
     if kube_version:
         args += ["--kube-version", kube_version]
-    return helm(*args, *_value_args(values_files, sets))
+    first = () if bare else (REQUIRED_VALUES,)
+    return helm(*args, *_value_args((*first, *values_files), sets))
 
 
 def render(
@@ -115,7 +124,8 @@ def render(
     kube_version: str | None = None,
     release: str = RELEASE,
 ) -> list[dict[str, Any]]:
-    """Rendered manifests as dicts; AssertionError with helm's message when rendering fails."""
+    """Rendered manifests as dicts (the required values first, as in :func:`template`);
+    AssertionError with helm's message when rendering fails."""
     result = template(values_files, sets, kube_version, release)
     assert result.returncode == 0, f"helm template failed:\n{result.stderr}"
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
@@ -138,6 +148,8 @@ def pod_specs(docs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
         name = f"{doc['kind']}/{doc['metadata']['name']}"
         if doc["kind"] in ("Deployment", "Job"):
             specs.append((name, doc["spec"]["template"]["spec"]))
+        elif doc["kind"] == "Pod":
+            specs.append((name, doc["spec"]))
         elif doc["kind"] == "CronJob":
             specs.append((name, doc["spec"]["jobTemplate"]["spec"]["template"]["spec"]))
     return specs
