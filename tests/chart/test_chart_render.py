@@ -676,3 +676,12 @@ def test_pdb_lets_unhealthy_pods_be_evicted_where_kubernetes_knows_the_field() -
     assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
     old = one(render((), (), "1.25.0"), "PodDisruptionBudget")
     assert "unhealthyPodEvictionPolicy" not in old["spec"]
+
+
+def test_the_default_image_tag_is_the_version_the_chart_ships_with() -> None:
+    import receipts
+
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["appVersion"] == receipts.__version__
+    image = one(render(), "Deployment")["spec"]["template"]["spec"]["containers"][0]["image"]
+    assert image == f"registry.shop.internal/receipts:{receipts.__version__}"
