@@ -337,3 +337,17 @@ def test_notes_review_jobs_in_a_one_off_pod_that_works_at_zero_workers(
     selector = one(docs, "NetworkPolicy")["spec"]["podSelector"]["matchLabels"]
     assert selector.items() <= pod["metadata"]["labels"].items()
     assert "port-forward svc/receipts-ui 8090" in notes  # the review page, when on
+
+
+@pytest.mark.parametrize(("rate", "latency"), [(1, 0.2), (2_000, 0.2), (500, 10.0)])
+def test_the_planner_s_values_render(rate: float, latency: float, tmp_path: Path) -> None:
+    from receipts.planner import helm_values, plan
+
+    p = plan(rate, latency)
+    path = tmp_path / "plan.yaml"
+    path.write_text(helm_values(p))
+    docs = render((path,))
+    resources = _worker(docs)["spec"]["template"]["spec"]["containers"][0]["resources"]
+    assert resources["limits"]["memory"] == f"{p.memory_limit_bytes // 2**20}Mi"
+    scaled = one(docs, "ScaledObject")["spec"]
+    assert scaled["minReplicaCount"] < scaled["maxReplicaCount"]
