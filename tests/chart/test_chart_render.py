@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -685,3 +686,27 @@ def test_the_default_image_tag_is_the_version_the_chart_ships_with() -> None:
     assert chart["appVersion"] == receipts.__version__
     image = one(render(), "Deployment")["spec"]["template"]["spec"]["containers"][0]["image"]
     assert image == f"registry.shop.internal/receipts:{receipts.__version__}"
+
+
+def test_every_values_key_has_a_comment_above_it() -> None:
+    """Each key of values.yaml is documented by the comment right above it, or lies inside
+    a value documented as a whole (a `# --` comment above an ancestor: its default)."""
+    missing = []
+    stack: list[tuple[int, bool]] = []  # (indent, documented as a whole) of open ancestors
+    comment: list[str] = []  # the comment lines right above the current line
+    for number, line in enumerate((CHART / "values.yaml").read_text().splitlines(), 1):
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            comment.append(stripped)
+            continue
+        key = re.match(r"^(\s*)(?:- )?([A-Za-z0-9_.-]+):", line)
+        if key:
+            indent = len(key[1])
+            while stack and stack[-1][0] >= indent:
+                stack.pop()
+            if not comment and not any(whole for _, whole in stack):
+                missing.append(f"{number}: {stripped}")
+            stack.append((indent, bool(comment) and comment[0].startswith("# --")))
+        if stripped:
+            comment = []
+    assert not missing, "keys without a comment above them:\n" + "\n".join(missing)
