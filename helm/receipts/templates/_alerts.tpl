@@ -247,7 +247,8 @@ ReceiptsManualPauseLong (severity info) says when it has lasted alerts.manualPau
         description: >-
           No worker in {{`{{ $labels.namespace }}`}} has read the queue gauges for
           {{`{{ $value | humanizeDuration }}`}}. Lag, backlog, expired leases and the xmin
-          horizon are frozen at old values, so their alerts cannot fire.
+          horizon are unknown meanwhile (stale gauges are not exported), so their alerts
+          cannot fire.
         runbook_url: {{ printf "%sreceiptsqueuestatsstale" $runbook }}
     - alert: ReceiptsExpiredLeasesNotRecovered
       expr: max by (namespace, job) (receipts_expired_leases{ {{- $s -}} }) > 0
