@@ -41,6 +41,9 @@ import yaml
 REPO = Path(__file__).resolve().parents[1]
 DOCS = REPO / "docs"
 RULES_FILE = REPO / "deploy" / "prometheus" / "receipts.rules.yaml"
+#: The rules with alerts.kubeStateMetrics=true: the alerts that read kube-state-metrics
+#: are documented from here (they are not rendered with the default values).
+KSM_RULES_FILE = REPO / "deploy" / "prometheus" / "receipts.rules.kube-state-metrics.yaml"
 RUNBOOK = DOCS / "runbook"
 MKDOCS_YML = REPO / "mkdocs.yml"
 COMMAND = "python scripts/gen_docs.py"
@@ -224,9 +227,17 @@ def metrics_page() -> str:
 
 
 def alert_rules() -> list[dict[str, Any]]:
-    """The alerting rules of the plain rule file, in file order."""
-    groups = yaml.safe_load(RULES_FILE.read_text())["groups"]
-    return [rule for group in groups for rule in group["rules"] if "alert" in rule]
+    """Every alerting rule: the plain rule file's in file order, then those only the
+    kube-state-metrics rendering has (each marked ``_values``)."""
+    def load(path: Path) -> list[dict[str, Any]]:
+        groups = yaml.safe_load(path.read_text())["groups"]
+        return [rule for group in groups for rule in group["rules"] if "alert" in rule]
+
+    rules = load(RULES_FILE)
+    names = {rule["alert"] for rule in rules}
+    extra = [dict(rule, _values="alerts.kubeStateMetrics=true")
+             for rule in load(KSM_RULES_FILE) if rule["alert"] not in names]
+    return rules + extra
 
 
 def runbook_dir(alert: str) -> Path:
@@ -240,7 +251,8 @@ def _rule_block(rule: dict[str, Any]) -> str:
     return "\n".join([
         BEGIN_RULE,
         f"**Severity** {rule['labels']['severity']} · **fires after** {rule.get('for', '0s')} "
-        "· **rule** with the chart's default values:",
+        "· **rule** with the chart's default values"
+        + (f" and `{rule['_values']}`:" if "_values" in rule else ":"),
         "",
         "```promql",
         str(rule["expr"]).strip(),
@@ -299,7 +311,10 @@ def alerts_page() -> str:
         "",
         f"{len(rules)} alerts, as the chart renders them with its default values (the "
         "PrometheusRule with `prometheusOperator.enabled=true`, or the plain rule file "
-        "`deploy/prometheus/receipts.rules.yaml`). Each alert's `runbook_url` is "
+        "`deploy/prometheus/receipts.rules.yaml`), and, marked below, those rendered only "
+        "with `alerts.kubeStateMetrics=true` (the plain rule file "
+        "`deploy/prometheus/receipts.rules.kube-state-metrics.yaml`). "
+        "Each alert's `runbook_url` is "
         "`alerts.runbookUrl` followed by the alert's name in lower case and a slash: "
         "its page under [Runbook](../runbook/index.md).",
         "",
@@ -315,7 +330,8 @@ def alerts_page() -> str:
             "",
             f"## {rule['alert']}",
             "",
-            f"`runbook_url`: `{rule['annotations'].get('runbook_url', '')}`",
+            f"`runbook_url`: `{rule['annotations'].get('runbook_url', '')}`"
+            + (f" · rendered only with `{rule['_values']}`" if "_values" in rule else ""),
             "",
             "```promql",
             str(rule["expr"]).strip(),

@@ -196,9 +196,10 @@ def cmd_migrate(settings: Settings | None, args: argparse.Namespace) -> int:
 
     ``--print-sql [--pending]`` prints the migrations' SQL instead (all of them
     needs no database); ``--check`` changes nothing and exits 0 when the schema
-    is current, EXIT_PENDING (3) when migrations are pending and EXIT_UNKNOWN
-    (4) when the database has migrations this version does not know or an
-    applied one differs.
+    is current (or a later release's of the same major version, which this one
+    runs on), EXIT_PENDING (3) when migrations are pending and EXIT_UNKNOWN (4)
+    when the database has migrations this version cannot run on (breaking or
+    foreign) or an applied one differs.
     """
     from receipts import migrate
 
@@ -227,7 +228,7 @@ def cmd_migrate(settings: Settings | None, args: argparse.Namespace) -> int:
             sys.stdout.write(migrate.migration_sql(todo, schema=settings.db_schema))
             return EXIT_OK
         print(status.describe())
-        if status.unknown or status.changed:
+        if status.changed or (status.unknown and not status.newer):
             return EXIT_UNKNOWN
         return EXIT_PENDING if status.pending else EXIT_OK
     applied = migrate.apply_migrations(
@@ -272,6 +273,17 @@ def cmd_recover(settings: Settings, args: argparse.Namespace) -> int:
         return EXIT_OK
 
     return _run(_with_queue(settings, "recover", once))
+
+
+def cmd_check(settings: Settings, args: argparse.Namespace) -> int:
+    """``receipts check``: the database and the provider reachable (:mod:`receipts.check`);
+    one line per check, 0 when both pass, 1 otherwise."""
+    from receipts.check import run_checks
+
+    results = asyncio.run(run_checks(settings))
+    for result in results:
+        print(result.line())
+    return EXIT_OK if all(result.ok for result in results) else EXIT_ERROR
 
 
 def check_enqueue(args: argparse.Namespace) -> None:
@@ -635,6 +647,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pending", action="store_true",
                    help="with --print-sql: only the migrations this database has not applied")
     add("worker", "Run a worker: claim receipt jobs, deliver them, ack (until SIGTERM).")
+    add("check", "Check that the database (schema usable) and the provider answer, with the "
+                 "worker's settings; no receipt is sent. Exit 0 both, 1 not (helm test).")
     p = add("recover", "Return expired leases to the queue and prune old rows (one sweep).")
     p.add_argument("--loop", type=_seconds(0.1), metavar="SECONDS",
                    help="sweep every SECONDS until SIGTERM (outside Kubernetes); "
@@ -742,14 +756,14 @@ COMMANDS: dict[str, Callable[..., int]] = {
     "migrate": cmd_migrate, "worker": cmd_worker, "recover": cmd_recover,
     "enqueue": cmd_enqueue, "jobs": cmd_jobs, "provider": cmd_provider, "demo": cmd_demo,
     "plan": cmd_plan,
-    "ui": cmd_ui,
+    "ui": cmd_ui, "check": cmd_check,
 }
 # Usage checks beyond argparse, run before settings are read or a database is touched.
 CHECKS: dict[str, Callable[[argparse.Namespace], None]] = {
     "enqueue": check_enqueue, "jobs": check_jobs, "provider": check_provider,
     "demo": check_demo,
 }
-NEEDS_SETTINGS = {"migrate", "worker", "recover", "enqueue", "jobs", "ui"}
+NEEDS_SETTINGS = {"migrate", "worker", "recover", "enqueue", "jobs", "ui", "check"}
 LOGS_ON_STDOUT = {"worker", "provider", "ui"}
 
 

@@ -225,6 +225,22 @@ class HttpDeliverer:
         return httpx.Request("POST", self._url, headers=headers, stream=httpx.ByteStream(body),
                              extensions=self._extensions)
 
+    async def reach(self) -> int:
+        """Send one ``OPTIONS`` request to the provider URL through the delivery transport
+        (the TLS settings, proxy and credentials a delivery uses; no body, no
+        idempotency key, so no receipt) and return the answer's HTTP status.
+
+        For ``receipts check`` (:mod:`receipts.check`). Raises ``TimeoutError`` when no
+        answer comes within the delivery timeout, and httpx's transport errors
+        (``httpx.ConnectError``, ``httpx.TransportError``, ...) when none can.
+        """
+        request = httpx.Request("OPTIONS", self._url, extensions=self._extensions,
+                                headers=[*self._headers, (b"Content-Length", b"0")])
+        async with asyncio.timeout(self.timeout_seconds):
+            response = await self._transport.handle_async_request(request)
+            await response.aclose()
+        return response.status_code
+
     async def _traced_deliver(self, job: Job) -> Outcome:
         return await tracing.traced_delivery(job, lambda: HttpDeliverer.deliver(self, job))
 

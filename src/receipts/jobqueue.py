@@ -85,7 +85,9 @@ class QueueStats:
     ``created_at``: retries do not restart it, so a provider outage that keeps
     rescheduling shows here and not in the lag);
     ``oldest_transaction_age_seconds`` the age of the oldest open transaction in
-    the database (the xmin horizon that slows claims, docs/design.md §10).
+    the database (the xmin horizon that slows claims, docs/design.md §10);
+    ``oldest_finished_age_seconds`` the time since the oldest done, failed or
+    discarded row finished (pruning keeps it within the retention).
     """
 
     ready_due: int
@@ -100,6 +102,7 @@ class QueueStats:
     oldest_undelivered_age_seconds: float
     discarded: int = 0
     xmin_age_by_holder: dict[str, int] = field(default_factory=dict)
+    oldest_finished_age_seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -416,6 +419,7 @@ class JobQueue:
             discarded=int(r[10]),
             xmin_age_by_holder={"transaction": int(r[11]), "prepared": int(r[12]),
                                 "replication_slot": int(r[13])},
+            oldest_finished_age_seconds=float(r[14]),
         )
 
     # ----------------------------------------------------------- review

@@ -160,6 +160,11 @@ class Metrics:
             "Seconds since the oldest ready or running job was enqueued (0 when none); "
             "unlike the lag, a retry does not restart it.", registry=r,
         )
+        self.oldest_finished = Gauge(
+            "receipts_oldest_finished_age_seconds",
+            "Seconds since the oldest done, failed or discarded row finished (0 when none); "
+            "pruning keeps it within the retention.", registry=r,
+        )
         self.jobs = Gauge("receipts_jobs", "Rows by state.", ["state"], registry=r)
         self.xmin_horizon_age = Gauge(
             "receipts_xmin_horizon_age_transactions",
@@ -218,6 +223,7 @@ class Metrics:
         self.jobs.labels(JobState.DISCARDED).set(stats.discarded)
         self.oldest_transaction.set(stats.oldest_transaction_age_seconds)
         self.oldest_undelivered.set(stats.oldest_undelivered_age_seconds)
+        self.oldest_finished.set(stats.oldest_finished_age_seconds)
         for holder, age in stats.xmin_age_by_holder.items():
             self.xmin_horizon_age.labels(holder).set(age)
         self.dead_tuples.set(stats.dead_tuples)

@@ -244,8 +244,11 @@ async def check_database(settings: Settings) -> None:
     Raises :class:`~receipts.errors.QueueError` for an encoding that cannot
     keep our text (:func:`receipts.db.check_encoding`) and
     :class:`~receipts.migrate.SchemaMismatch` for a schema this version does
-    not know: migrations it does not ship (a newer receipts migrated the
-    database) or an applied migration that differs from the shipped file.
+    not know: migrations it does not ship that are not a later release's of the
+    same major version, or an applied migration that differs from the shipped
+    file. A later release's schema is accepted with a ``schema_newer`` warning:
+    migrations only add within a major version, and a ``helm rollback`` runs
+    this version on the schema the newer one left (docs/design.md).
     Pending migrations are not refused: the migration hook may still be
     running, and the worker waits (claims fail with "run receipts migrate")
     until it has. An unreachable database is not refused either: the worker
@@ -262,8 +265,10 @@ async def check_database(settings: Settings) -> None:
         except Exception as exc:  # psycopg errors reading the tracking table: judge later
             log.debug("schema_status_unread", extra={"error": str(exc)[:200]})
             return
-        if status.unknown or status.changed:
+        if status.changed or (status.unknown and not status.newer):
             raise SchemaMismatch(status.describe())
+        if status.newer:
+            log.warning("schema_newer", extra={"detail": status.describe()})
         if not status.applied:  # says where it looked, and where the tables are instead
             log.warning("schema_missing", extra={"detail": status.describe()})
 

@@ -34,3 +34,19 @@ def test_the_benchmark_runs_end_to_end_and_writes_its_table_as_json(tmp_path):
         "claim p99 at 1M done + 100k ready / empty"}
     assert any(t["target"].startswith("checkout p99 under drain") for t in doc["targets"])
     assert "target" in result.stdout and "raw pgbench" in result.stdout
+
+
+def test_the_memory_bench_runs_end_to_end_and_fits_its_line(tmp_path):
+    out = tmp_path / "memory.json"
+    env = {**os.environ, "XDG_RUNTIME_DIR": os.environ.get("XDG_RUNTIME_DIR", "/tmp")}
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.memory", "--slots", "4,16", "--rounds", "1",
+         "--jobs-per-slot", "1", "--latency-ms", "200", "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=170,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert [run["slots"] for run in doc["runs"]] == [4, 16]
+    assert all(run["peak_mib"] >= run["idle_mib"] > 0 for run in doc["runs"])
+    assert {"base_bytes", "per_slot_bytes"} <= set(doc["summary"]["model"])
+    assert "KiB × slots" in result.stdout

@@ -45,6 +45,7 @@ NOT_METRICS = {
     "receipts_ready",  # the LISTEN/NOTIFY channel
     "receipts_schema_migrations",  # the migrations' tracking table
     "receipts_drain",  # bench.procs' drain
+    "receipts_jobs_due_or_in_flight",  # the External metric an adapter serves to the HPA
 }
 
 

@@ -98,7 +98,8 @@ def test_queue_stats_walks_the_partial_indexes_not_the_table(big_dsn: str) -> No
                                        " WHERE oid = 'receipt_jobs'::regclass").fetchall()
     assert row is not None
     assert _seq_scans(nodes) == [], "queue_stats must not scan receipt_jobs"
-    assert {"receipt_jobs_ready", "receipt_jobs_expired", "receipt_jobs_failed"} <= _indexes(nodes)
+    assert {"receipt_jobs_ready", "receipt_jobs_expired", "receipt_jobs_failed",
+            "receipt_jobs_finished", "receipt_jobs_discarded"} <= _indexes(nodes)
     ready_due, ready, running = row[0], row[1], row[2]
     assert ready + running == READY_ROWS and running == RUNNING_ROWS and ready_due == ready
     hit = top["Plan"].get("Shared Hit Blocks", 0)

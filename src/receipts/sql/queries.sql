@@ -408,7 +408,9 @@ RETURNING id;
 -- cleanup of receipt_jobs (docs/design.md §10). The oldest undelivered job is
 -- counted from created_at, which no retry moves (run_at does): reading it costs
 -- a heap visit per ready row (bench/README.md has what that costs), nothing
--- when the queue is drained.
+-- when the queue is drained. The oldest finished row (done, failed or
+-- discarded) is what pruning keeps within the retention: the first live entry
+-- of two partial indexes on finished_at.
 WITH ready AS MATERIALIZED (
   SELECT count(*) AS ready,
          count(*) FILTER (WHERE run_at <= statement_timestamp()) AS ready_due,
@@ -451,7 +453,11 @@ SELECT
   (SELECT coalesce(max(age(transaction)), 0) FROM pg_prepared_xacts
      WHERE database = current_database()) AS xmin_prepared,
   (SELECT coalesce(max(greatest(age(xmin), age(catalog_xmin))), 0) FROM pg_replication_slots
-     WHERE database = current_database() OR database IS NULL) AS xmin_replication_slot
+     WHERE database = current_database() OR database IS NULL) AS xmin_replication_slot,
+  coalesce(extract(epoch FROM statement_timestamp() - least(
+    (SELECT min(finished_at) FROM {schema}.receipt_jobs WHERE state IN ('done', 'failed')),
+    (SELECT min(finished_at) FROM {schema}.receipt_jobs WHERE state = 'discarded'))), 0)
+    AS oldest_finished_seconds
 FROM ready AS r, running AS n, failed AS f, discarded AS d;
 
 -- name: state_counts
