@@ -618,3 +618,253 @@ async def _read_head(conn: _Connection, read_timeout: float | None
         headers.append((name, value.strip(b" \t")))
     return (int(status_line[2]), int(status_line[1]), status_line[3] or b"", headers)
 
+
+
+# ======================================================================
+# The adapter over aiohttp's client (the maintained client the deliverer uses).
+# ======================================================================
+
+import contextvars  # noqa: E402
+import errno  # noqa: E402
+import weakref  # noqa: E402
+from typing import Any  # noqa: E402
+
+import aiohttp  # noqa: E402
+from aiohttp import client_exceptions as _ae  # noqa: E402
+from yarl import URL  # noqa: E402
+
+#: Seconds an idle keep-alive connection is kept for reuse.
+KEEPALIVE_SECONDS = 4.0
+#: Most header fields of a response head, and most bytes of one header line.
+MAX_RESPONSE_HEADERS = 128
+MAX_HEADER_LINE_BYTES = 8190
+
+#: Set by :meth:`_Connector.connect` for the exchange running in this task:
+#: True when the connection came from the idle pool (it served an earlier request).
+_REUSED: contextvars.ContextVar[bool] = contextvars.ContextVar("receipts_reused",
+                                                                default=False)
+
+#: errno values of a reused connection the server had already closed.
+_STALE_ERRNOS = frozenset({errno.ECONNRESET, errno.EPIPE, errno.ECONNABORTED})
+
+
+class _NotConnected(aiohttp.ClientConnectionError):
+    """Raised by :meth:`_Connector.connect`: no connection, so nothing was sent.
+
+    Its ``__cause__`` is aiohttp's own error (a refused connect, a TLS
+    failure, a proxy that refused the tunnel or hung up during it).
+    """
+
+
+class _Connector(aiohttp.TCPConnector):
+    """aiohttp's TCP connector, telling the caller whether its connection was reused.
+
+    aiohttp's public ``connect()`` hands out a pooled or a new connection; this
+    override only observes which (a connection it has handed out before is a
+    reused one), and marks every failure to connect as "nothing sent".
+    """
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self._served: weakref.WeakSet[object] = weakref.WeakSet()
+
+    async def connect(self, req: Any, traces: Any, timeout: Any) -> Any:
+        try:
+            conn = await super().connect(req, traces, timeout)
+        except TimeoutError:
+            raise  # aiohttp reports it as ConnectionTimeoutError
+        except (aiohttp.ClientError, OSError) as exc:
+            raise _NotConnected(str(exc)) from exc
+        protocol = conn.protocol
+        _REUSED.set(getattr(protocol, "_receipts_served", False))
+        protocol._receipts_served = True
+        return conn
+
+
+class AiohttpBody(httpx.AsyncByteStream):
+    """A response body read from aiohttp's stream; closing it releases the connection."""
+
+    __slots__ = ("_response",)
+
+    def __init__(self, response: aiohttp.ClientResponse) -> None:
+        self._response = response
+
+    async def __aiter__(self) -> AsyncIterator[bytes]:
+        content = self._response.content
+        try:
+            while True:
+                chunk = await content.readany()
+                if not chunk:
+                    return
+                yield chunk
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            raise _translate(exc) from exc
+
+    def skip_buffered(self) -> bool:
+        """True when the whole body has already arrived (nothing to read or wait for).
+
+        aiohttp gives the connection back to its pool by itself once a body is
+        complete, so a caller that does not want the body (a 2xx) only closes.
+        """
+        return self._response.content.is_eof()
+
+    async def aclose(self) -> None:
+        """Give the connection back (body complete, reusable) or close it."""
+        self._response.release()
+
+
+class AiohttpTransport(httpx.AsyncBaseTransport):
+    """httpx's transport interface over aiohttp's client (module doc: what it raises).
+
+    Args:
+        tls: the TLS client context for ``https`` URLs (private CA, client
+            certificate; see :func:`receipts.delivery.tls_context`); None: the
+            default verifying context.
+        max_connections: most connections in use at once (≥ 1).
+        keepalive_seconds: an idle connection older than this is closed.
+        connect_timeout_seconds: most seconds to connect (TCP, proxy tunnel, TLS).
+        proxy: ``http://[user:password@]host:port`` of an HTTP proxy, or None.
+    """
+
+    def __init__(self, *, tls: ssl.SSLContext | None = None, max_connections: int = 100,
+                 keepalive_seconds: float = KEEPALIVE_SECONDS,
+                 connect_timeout_seconds: float | None = 5.0,
+                 proxy: str | None = None) -> None:
+        if max_connections < 1:
+            raise ValueError("max_connections must be at least 1")
+        self._tls = tls
+        self._max_connections = max_connections
+        self._keepalive = keepalive_seconds
+        self._default_timeout = aiohttp.ClientTimeout(total=None, connect=None,
+                                                      sock_connect=connect_timeout_seconds,
+                                                      sock_read=None)
+        self._timeout = self._default_timeout
+        self._proxy = proxy
+        self._timeouts_key: object = None
+        self._session: aiohttp.ClientSession | None = None
+        self._fresh: aiohttp.ClientSession | None = None
+        self._url_key: str = ""
+        self._url: URL | None = None
+        #: Requests sent again on a fresh connection after a reused one failed.
+        self.stale_retries = 0
+
+    def _new_session(self, *, fresh: bool) -> aiohttp.ClientSession:
+        connector = _Connector(
+            limit=self._max_connections, limit_per_host=0,
+            ssl=self._tls if self._tls is not None else True,
+            **({"force_close": True} if fresh else {"keepalive_timeout": self._keepalive}))
+        return aiohttp.ClientSession(
+            connector=connector, cookie_jar=aiohttp.DummyCookieJar(), timeout=self._default_timeout,
+            auto_decompress=False, trust_env=False, skip_auto_headers=("Accept-Encoding",),
+            proxy=self._proxy, max_line_size=MAX_HEADER_LINE_BYTES,
+            max_field_size=MAX_HEADER_LINE_BYTES, max_headers=MAX_RESPONSE_HEADERS)
+
+    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+        """Send *request*; return its response once the head has arrived.
+
+        The body streams from ``response.stream`` (an :class:`AiohttpBody`);
+        closing the response gives the connection back. Raises the httpx
+        exceptions of the module doc.
+        """
+        session = self._session
+        if session is None:
+            session = self._session = self._new_session(fresh=False)
+        raw_url = str(request.url)
+        if raw_url != self._url_key:
+            self._url = URL(raw_url, encoded=True)
+            self._url_key = raw_url
+        url = self._url
+        headers = []
+        for name, value in request.headers.raw:
+            if not _is_token(name):
+                raise httpx.LocalProtocolError(f"invalid header name {name!r}")
+            headers.append((name.decode("ascii"), value.decode("utf-8", "surrogateescape")))
+        body = request.read() if isinstance(request.stream, httpx.ByteStream) else (
+            await request.aread())
+        timeouts = request.extensions.get("timeout")
+        if timeouts is not self._timeouts_key:  # the deliverer passes one dict every time
+            self._timeouts_key = timeouts
+            self._timeout = _client_timeout(timeouts, self._default_timeout)
+        timeout = self._timeout
+        _REUSED.set(False)
+        try:
+            try:
+                response = await session.request(request.method, url, data=body,
+                                                 headers=headers, allow_redirects=False,
+                                                 timeout=timeout)
+            except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
+                    aiohttp.ClientConnectionResetError) as exc:
+                if not (_REUSED.get() and _stale(exc)):
+                    raise
+                self.stale_retries += 1
+                fresh = self._fresh
+                if fresh is None:
+                    fresh = self._fresh = self._new_session(fresh=True)
+                response = await fresh.request(request.method, url, data=body,
+                                               headers=headers, allow_redirects=False,
+                                               timeout=timeout)
+        except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
+            raise _translate(exc) from exc
+        return httpx.Response(
+            response.status, headers=response.raw_headers, stream=AiohttpBody(response),
+            request=request,
+            extensions={"http_version": b"HTTP/1.1",
+                        "reason_phrase": (response.reason or "").encode("latin-1", "replace")},
+        )
+
+    async def aclose(self) -> None:
+        """Close every connection."""
+        for session in (self._session, self._fresh):
+            if session is not None:
+                await session.close()
+        self._session = self._fresh = None
+
+
+def _client_timeout(timeouts: Any, default: aiohttp.ClientTimeout) -> aiohttp.ClientTimeout:
+    """aiohttp's timeouts for httpx's ``timeout`` extension (seconds, None: no limit):
+    ``connect`` → ``sock_connect`` (TCP, tunnel, TLS), ``read`` → ``sock_read``
+    (between bytes), ``pool`` → ``connect`` (waiting for a connection slot plus
+    connecting, aiohttp's nearest). No extension: *default*."""
+    if not isinstance(timeouts, dict):
+        return default
+    return aiohttp.ClientTimeout(total=None, connect=timeouts.get("pool"),
+                                 sock_connect=timeouts.get("connect", default.sock_connect),
+                                 sock_read=timeouts.get("read"))
+
+
+def _stale(exc: BaseException) -> bool:
+    """True for a failure of a reused connection before any byte of the answer:
+    closed by the server (EOF without a partial head), reset, or unwritable."""
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        return isinstance(exc.message, str)  # a partial head comes as a message object
+    if isinstance(exc, aiohttp.ClientConnectionResetError):
+        return True
+    return isinstance(exc, aiohttp.ClientOSError) and exc.errno in _STALE_ERRNOS
+
+
+def _translate(exc: BaseException) -> httpx.TransportError:
+    """The httpx exception for an aiohttp failure (the module doc's table)."""
+    if isinstance(exc, _NotConnected):
+        cause = exc.__cause__
+        if isinstance(cause, aiohttp.ClientHttpProxyError):
+            return httpx.ProxyError(f"proxy refused the tunnel: {cause.status} {cause.message}")
+        return httpx.ConnectError(_describe(cause or exc))
+    if isinstance(exc, aiohttp.ConnectionTimeoutError):
+        return httpx.ConnectTimeout("no connection within the connect timeout")
+    if isinstance(exc, TimeoutError):  # aiohttp's read timeouts subclass it
+        return httpx.ReadTimeout(_describe(exc))
+    if isinstance(exc, aiohttp.ServerDisconnectedError):
+        if isinstance(exc.message, str):
+            return httpx.RemoteProtocolError("server disconnected without sending a response")
+        return httpx.RemoteProtocolError("server disconnected during the response head")
+    if isinstance(exc, aiohttp.ClientResponseError):  # a head the parser refused
+        return httpx.RemoteProtocolError(f"invalid response: {exc.message}")
+    if isinstance(exc, aiohttp.ClientPayloadError):
+        return httpx.RemoteProtocolError(_describe(exc))
+    if isinstance(exc, aiohttp.InvalidURL | aiohttp.NonHttpUrlClientError):
+        return httpx.UnsupportedProtocol(_describe(exc))
+    if isinstance(exc, ValueError):  # a header aiohttp refuses to write (control characters)
+        return httpx.LocalProtocolError(_describe(exc))
+    if isinstance(exc, OSError | aiohttp.ClientConnectionError):
+        return httpx.ReadError(_describe(exc))
+    return httpx.RemoteProtocolError(_describe(exc))
