@@ -15,8 +15,9 @@ test's folder (:meth:`Nginx.requests`, ``.log_text()``). The binaries come
 from ``scripts/install-tools.sh``; a test module that needs one skips when
 it is missing (:func:`need`).
 
-The pytest fixtures at the bottom (``pki``, ``nginx``, ``tinyproxy``,
-``squid``) are imported by the test modules that use them.
+The pytest fixtures at the bottom (``pki``, ``nginx``) are imported by
+``tests/conftest.py``, so every test can ask for them; the proxies are
+context managers (``with Tinyproxy(user=…, password=…) as proxy:``).
 """
 
 from __future__ import annotations
@@ -171,7 +172,8 @@ class Nginx:
         port = free_port()
         tls = ""
         if pki is not None:
-            tls = (f"ssl_certificate {pki.server_cert};\n    ssl_certificate_key {pki.server_key};\n")
+            tls = (f"ssl_certificate {pki.server_cert};\n"
+                   f"    ssl_certificate_key {pki.server_key};\n")
             if verify_client:
                 tls += f"    ssl_client_certificate {pki.ca};\n    ssl_verify_client on;\n"
         self.blocks.append(f"""
@@ -212,9 +214,10 @@ http {{
   {''.join(self.blocks)}
 }}
 """)
-        log = self.folder / "error.log"
-        self.proc = subprocess.Popen([binary, "-c", str(conf), "-p", str(self.folder)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        log = self.folder / "stderr.log"
+        with log.open("wb") as stderr:
+            self.proc = subprocess.Popen([binary, "-c", str(conf), "-p", str(self.folder)],
+                                         stdout=subprocess.DEVNULL, stderr=stderr)
         for port in self.ports():
             wait_for_port(port, self.proc, "nginx", log)
         return self
@@ -240,8 +243,9 @@ http {{
         return rows
 
 
-def large_head(headers: int = 18, size: int = 4096) -> str:
-    """nginx directives answering 200 with *headers* headers of *size* bytes each."""
+def large_head(headers: int = 20, size: int = 3800) -> str:
+    """nginx directives answering 200 with *headers* headers of *size* bytes each
+    (nginx's configuration parser takes at most ~4 KB per parameter)."""
     adds = "\n        ".join(f"add_header X-Large-{i} {'h' * size} always;"
                             for i in range(headers))
     return f"{adds}\n        {RECEIPT.replace('201', '200')}"
@@ -339,6 +343,14 @@ shutdown_lifetime 0 seconds
     def log_text(self) -> str:
         path = self.folder / "access.log"
         return path.read_text(errors="replace") if path.exists() else ""
+
+    def wait_for_log(self, text: str, seconds: float = 10.0) -> str:
+        """The access log once it contains *text* (squid logs a transaction, a
+        ``CONNECT`` tunnel included, when it ends)."""
+        deadline = time.monotonic() + seconds
+        while text not in (log := self.log_text()) and time.monotonic() < deadline:
+            time.sleep(0.02)
+        return log
 
 
 # ----------------------------------------------------------------------- fixtures

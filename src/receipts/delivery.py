@@ -42,7 +42,7 @@ from receipts.model import Job, Outcome, Reason, Verdict
 from receipts.proxy import ProxyChoice
 from receipts.retry import parse_retry_after
 from receipts.settings import redact_dsn
-from receipts.transport import AiohttpBody, AiohttpTransport, ResponseBody
+from receipts.transport import AiohttpBody, AiohttpTransport
 
 MAX_BODY_BYTES = 64 * 1024
 #: Most time spent connecting (TCP and TLS), seconds (never more than the deadline).
@@ -135,16 +135,16 @@ class TLSFileError(ValueError):
 
 
 class HttpDeliverer:
-    """Deliver receipts over HTTP: httpx requests and responses on a fast transport.
+    """Deliver receipts over HTTP: httpx requests and responses over aiohttp's client.
 
     Each delivery builds one ``httpx.Request`` and hands it to the transport
-    (by default :class:`~receipts.transport.Http11Transport`, whose module doc
-    says what it supports and how it fails); the answer is an
-    ``httpx.Response`` and failures are httpx's exceptions, classified by the
-    table of this module. ``httpx.AsyncClient`` is not used: its per-request
-    machinery (auth flow, redirects, cookies, event hooks) cost more CPU than
-    the whole exchange (bench/README.md) and does nothing this contract wants
-    (redirects are never followed, cookies never kept, proxies never read).
+    (by default :class:`~receipts.transport.AiohttpTransport`, whose module
+    doc says how it fails and when it sends a request again); the answer is
+    an ``httpx.Response`` and failures are httpx's exceptions, classified by
+    the table of this module. ``httpx.AsyncClient`` is not used: its
+    per-request machinery (auth flow, redirects, cookies, event hooks) costs
+    CPU and does nothing this contract wants (redirects are never followed,
+    cookies never kept; the proxy is chosen once, at start).
 
     The request: ``POST`` to *url* with ``Host``, ``User-Agent``, ``Accept:
     */*``, ``Content-Type: application/json``, ``Authorization`` (``Bearer``
@@ -260,7 +260,7 @@ class HttpDeliverer:
                 response = await self._transport.handle_async_request(request)
                 stream = response.stream
                 if response.is_success:
-                    if isinstance(stream, ResponseBody | AiohttpBody) and stream.skip_buffered():
+                    if isinstance(stream, AiohttpBody) and stream.skip_buffered():
                         # The usual small 2xx: its body came with the head.
                         return Outcome(Verdict.DELIVERED, Reason.DELIVERED, response.status_code)
                     scope.reschedule(min(deadline, loop.time() + SUCCESS_BODY_SECONDS))
