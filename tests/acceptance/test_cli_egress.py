@@ -55,11 +55,13 @@ def test_a_malformed_proxy_that_applies_is_one_line_and_exit_2(
     assert PROXY_SECRET not in result.stderr and down.accepted == 0
 
 
-def test_a_malformed_proxy_for_the_other_scheme_is_ignored_as_curl_ignores_it(
-        down: Listener) -> None:  # noqa: F811
-    result = receipts("worker", "--help", env={"HTTP_PROXY": "socks5://x:1"})
+def test_help_lists_the_proxy_setting_and_never_its_value() -> None:
+    result = receipts("worker", "--help", env={
+        "RECEIPTS_PROVIDER_PROXY": f"http://u:{PROXY_SECRET}@proxy.example:3128",
+        "HTTPS_PROXY": f"http://u:{PROXY_SECRET}@proxy.example:3128"})
     assert result.returncode == 0
-    assert "RECEIPTS_PROVIDER_PROXY" in result.stdout and PROXY_SECRET not in result.stdout
+    assert "RECEIPTS_PROVIDER_PROXY" in result.stdout
+    assert PROXY_SECRET not in result.stdout + result.stderr
 
 
 def test_the_worker_logs_which_proxy_applies_at_start_with_its_password_masked(
