@@ -12,8 +12,8 @@
 Every server is waited for by connecting to its port (never a fixed sleep)
 and stopped at the end of its ``with`` block; each writes its log into the
 test's folder (:meth:`Nginx.requests`, ``.log_text()``). The binaries come
-from ``scripts/install-tools.sh``; a test module that needs one skips when
-it is missing (:func:`need`).
+from ``scripts/install-tools.sh``; a test that needs a missing one fails
+saying so (:func:`need`).
 
 The pytest fixtures at the bottom (``pki``, ``nginx``) are imported by
 ``tests/conftest.py``, so every test can ask for them; the proxies are
@@ -42,13 +42,13 @@ START_SECONDS = 15.0
 
 
 def need(binary: str) -> str:
-    """The path of *binary* (``nginx``, ``tinyproxy``, ``squid``); skips the test when
-    it is not installed (``make tools`` installs them)."""
+    """The path of *binary* (``nginx``, ``tinyproxy``, ``squid``); fails the test when
+    it is not installed (``make tools``, which ``make test`` runs, installs them)."""
     for folder in ("", "/usr/sbin/", "/usr/bin/"):
         path = shutil.which(binary) if not folder else folder + binary
         if path and os.access(path, os.X_OK):
             return path
-    pytest.skip(f"{binary} is not installed (run `make tools`)")
+    pytest.fail(f"{binary} is not installed (run `make tools`)")
 
 
 def wait_for_port(port: int, proc: subprocess.Popen[bytes], what: str, log: Path) -> None:
@@ -218,8 +218,12 @@ http {{
         with log.open("wb") as stderr:
             self.proc = subprocess.Popen([binary, "-c", str(conf), "-p", str(self.folder)],
                                          stdout=subprocess.DEVNULL, stderr=stderr)
-        for port in self.ports():
-            wait_for_port(port, self.proc, "nginx", log)
+        try:
+            for port in self.ports():
+                wait_for_port(port, self.proc, "nginx", log)
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
     def ports(self) -> list[int]:
@@ -287,7 +291,11 @@ Allow 127.0.0.1
 {auth}""")
         self.proc = subprocess.Popen([binary, "-d", "-c", str(conf)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for_port(self.port, self.proc, "tinyproxy", self.folder / "tinyproxy.log")
+        try:
+            wait_for_port(self.port, self.proc, "tinyproxy", self.folder / "tinyproxy.log")
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *_: object) -> None:
@@ -332,7 +340,11 @@ shutdown_lifetime 0 seconds
         conf.chmod(0o644)
         self.proc = subprocess.Popen([binary, "-N", "-f", str(conf)],
                                      stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_for_port(self.port, self.proc, "squid", self.folder / "cache.log")
+        try:
+            wait_for_port(self.port, self.proc, "squid", self.folder / "cache.log")
+        except BaseException:
+            self.__exit__()
+            raise
         return self
 
     def __exit__(self, *_: object) -> None:

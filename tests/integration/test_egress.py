@@ -199,3 +199,18 @@ async def test_proxy_credentials_are_sent_to_the_proxy_and_never_shown(pki: Pki,
     texts += [choice.describe(), str(choice.safe_url), caplog.text]
     assert not [t for t in texts if SECRET in t]
     assert choice.describe() == f"http://alice:***@127.0.0.1:{proxy.port} (RECEIPTS_PROVIDER_PROXY)"
+
+
+async def test_tls_sends_the_provider_s_host_name(pki: Pki):
+    nginx = Nginx()
+    site = nginx.site(pki=pki, location="default_type text/plain;\n"
+                                        "        return 201 'sni=$ssl_server_name';")
+    with nginx:
+        transport = AiohttpTransport(tls=tls_context(pki.ca))
+        try:
+            by_name = site.url.replace("127.0.0.1", "localhost")
+            response = await transport.handle_async_request(httpx.Request("POST", by_name))
+            body = await response.aread()
+        finally:
+            await transport.aclose()
+    assert (response.status_code, body) == (201, b"sni=localhost")
