@@ -76,9 +76,11 @@ def _describe(exc: BaseException) -> str:
     return f"{type(exc).__name__}: {text}" if text else type(exc).__name__
 
 
-#: Seconds an idle keep-alive connection is kept for reuse.
+#: Seconds an idle keep-alive connection is kept for reuse: below the 5 s idle
+#: timeout of Node, Apache and uvicorn (docs/design.md, "The HTTP path").
 KEEPALIVE_SECONDS = 4.0
-#: Most header fields of a response head, and most bytes of one header line.
+#: Most header fields of a response head, and most bytes of one header line
+#: (aiohttp's defaults, stated here: a 72 KB head of 18 × 4 KB headers passes).
 MAX_RESPONSE_HEADERS = 128
 MAX_HEADER_LINE_BYTES = 8190
 
@@ -106,8 +108,9 @@ class _Connector(aiohttp.TCPConnector):
     aiohttp's public ``connect()`` hands out a pooled or a new connection; this
     override only observes which (a connection it has handed out before, so
     marked, is a reused one: :data:`_REUSED`), and turns every failure to
-    connect into :class:`_NotConnected` ("nothing sent"). A mark, not a
-    ``WeakSet``: the set cost ~25 µs per request in the A/B runs.
+    connect into :class:`_NotConnected` ("nothing sent"). A mark on the
+    protocol object, not a ``WeakSet`` of them: the set cost measurably more
+    per request (bench/README.md, "A maintained HTTP client").
     """
 
     async def connect(self, req: Any, traces: Any, timeout: Any) -> Any:
@@ -168,6 +171,10 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         keepalive_seconds: an idle connection older than this is closed.
         connect_timeout_seconds: most seconds to connect (TCP, proxy tunnel, TLS).
         proxy: ``http://[user:password@]host:port`` of an HTTP proxy, or None.
+
+    Attributes:
+        stale_retries: requests sent again on a fresh connection because the
+            reused one they went out on died before any byte of the answer.
     """
 
     def __init__(self, *, tls: ssl.SSLContext | None = None, max_connections: int = 100,
