@@ -17,7 +17,14 @@ saying so (:func:`need`).
 
 The pytest fixtures at the bottom (``pki``, ``nginx``) are imported by
 ``tests/conftest.py``, so every test can ask for them; the proxies are
-context managers (``with Tinyproxy(user=…, password=…) as proxy:``).
+context managers (``with Tinyproxy(user=…, password=…) as proxy:``). A
+provider that demands a client certificate, and one that rejects everything::
+
+    async def test_something(nginx: Nginx, pki: Pki) -> None:
+        mtls = nginx.site(pki=pki, verify_client=True)      # no certificate → 400
+        rejecting = nginx.site(location="return 400 '{\"error\": \"bad\"}';")
+        with nginx:
+            ...  # deliver to mtls.url / rejecting.url; nginx.requests() is its access log
 """
 
 from __future__ import annotations
