@@ -53,6 +53,8 @@ SETTING_HELP: dict[str, str] = {
     "database_schema": "schema of the receipts tables (default: the DSN's search_path; public)",
     "provider_url": "receipt provider endpoint (POST), http:// or https://",
     "provider_token": "bearer token sent to the provider (secret)",
+    "provider_proxy": "egress proxy for the provider, http://[user:pw@]host:port; wins over "
+                      "HTTPS_PROXY/HTTP_PROXY/NO_PROXY (secret)",
     "concurrency": "delivery slots per process",
     "lease_seconds": "lease of one attempt",
     "lease_margin_seconds": "lease minus this bounds the delivery timeout",
@@ -810,7 +812,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             settings = load_settings()
             if args.command == "worker":
                 check_worker_settings(settings)
-            configure_logging(settings.log_level, stream, secrets=settings.secrets())
+            from receipts.proxy import environment_secrets
+
+            configure_logging(settings.log_level, stream,
+                              secrets=[*settings.secrets(), *environment_secrets(os.environ)])
             warn_unknown_variables(os.environ)
         else:
             configure_logging("INFO" if args.command == "provider" else "WARNING", stream)

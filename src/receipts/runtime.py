@@ -13,8 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import os
 import signal
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
@@ -82,12 +83,18 @@ def make_queue(settings: Settings, pool: AsyncConnectionPool) -> JobQueue:
     )
 
 
-def make_deliverer(settings: Settings) -> HttpDeliverer:
-    """The HTTP deliverer the settings describe (URL, timeout, token, slots).
+def make_deliverer(settings: Settings, environ: Mapping[str, str] | None = None
+                   ) -> HttpDeliverer:
+    """The HTTP deliverer the settings describe (URL, timeout, token, slots, proxy).
 
-    Raises :class:`~receipts.settings.SettingsError` naming the setting when a
-    TLS file (private CA, client certificate or key) holds no usable PEM data.
+    The egress proxy is ``RECEIPTS_PROVIDER_PROXY``, else the standard
+    ``*_PROXY``/``NO_PROXY`` variables of *environ* (default ``os.environ``,
+    read here once; :mod:`receipts.proxy`). Raises
+    :class:`~receipts.settings.SettingsError` naming the setting when a TLS
+    file (private CA, client certificate or key) holds no usable PEM data, or
+    when the proxy that applies is not a usable URL.
     """
+    proxy = settings.provider_proxy_choice(os.environ if environ is None else environ)
     token = settings.provider_token.get_secret_value() if settings.provider_token else None
     # Loading the CA bundle costs CPU (bench/README.md): only an https provider needs it.
     tls = None
@@ -105,6 +112,7 @@ def make_deliverer(settings: Settings) -> HttpDeliverer:
         token=token,
         max_connections=settings.concurrency,
         tls=tls,
+        proxy=proxy,
     )
 
 
@@ -233,6 +241,8 @@ async def run_worker(settings: Settings, deliverer: Deliverer | None = None) -> 
             "synchronous_commit": "role setting" if settings.pgbouncer else (
                 settings.synchronous_commit),
             "event_loop": event_loop_name(),
+            # Which egress proxy the provider's requests take, credentials masked.
+            "proxy": settings.provider_proxy_choice(os.environ).describe(),
         })
         with worker_gc():
             await runtime.worker.run()
