@@ -37,9 +37,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import random
 import socket
 import time
+import uuid
 from collections.abc import Iterable
 from datetime import datetime
 
@@ -137,6 +139,8 @@ class Worker:
         self._db_ok = False
         self._busy_since: float | None = None
         self._flow_read_at = 0.0  # monotonic: when the fleet's flow state was last read
+        #: Rejections the gate holds: job id → (attempt, outcome, its deadline timer).
+        self._held: dict[uuid.UUID, tuple[Attempt, Outcome, asyncio.TimerHandle]] = {}
         #: Who made an attempt, in its history: the pod (host) name.
         self.name = socket.gethostname()[:100]
         #: Record first-attempt deliveries too (the row itself tells them otherwise).
@@ -147,8 +151,9 @@ class Worker:
         #: (tests assert it never exceeds 0).
         self.max_overclaim = 0
         metrics.slots.set(settings.concurrency)
-        # Read when scraped: nothing to update per delivery.
-        metrics.inflight.set_function(lambda: len(self._inflight))
+        # Read when scraped: nothing to update per delivery. A held rejection's job
+        # is still leased to this pod, its outcome not yet written: it counts.
+        metrics.inflight.set_function(lambda: len(self._inflight) + len(self._held))
         self._probe_seconds = metrics.statement_duration.labels("commit_probe")
         #: receipts_delivery_duration_seconds by outcome, labelled once (labels() locks).
         self._delivery_seconds = {reason: metrics.delivery_duration.labels(reason)
@@ -302,7 +307,7 @@ class Worker:
         if probe_until is not None:
             if result.attempts:
                 gate.start_probe(result.attempts[0].job.id, probe_until,
-                                 state.pause_left_seconds or 0.0)
+                                 state.pause_left_seconds or 0.0, state.pause_reason)
                 log.info("provider_probe", extra=job_fields(result.attempts[0].job, "probe"))
             return 0.0, False
         if admission is not None:
@@ -365,6 +370,8 @@ class Worker:
                 log.warning("provider_paused", extra={
                     "reason": str(self.gate.reason),
                     "pause_seconds": round(self.gate.pause_left(), 3)})
+        if self._held:
+            self._settle_held()
 
     def _delivery_done(self, task: asyncio.Task[None]) -> None:
         self._inflight.discard(task)
@@ -423,18 +430,59 @@ class Worker:
         if self.record_all or outcome.verdict is not Verdict.DELIVERED or job.attempt > 1:
             self.completer.record(AttemptRecord.of(job, outcome, duration_seconds=took,
                                                    worker=self.name))
-        decision = self.gate.judge(job.id, outcome)
+        if outcome.verdict is Verdict.PERMANENT:
+            # A rejection may be held until the flow rule has judged the answers
+            # after it; never past the lease (the write needs its margin).
+            hold = (attempt.claimed_at + self.settings.lease_seconds
+                    - self.settings.lease_margin - time.monotonic())
+            decision = self.gate.judge(job.id, outcome, order_id=job.order_id,
+                                       hold_seconds=hold)
+        else:
+            decision = self.gate.judge(job.id, outcome)
+        if decision.hold_seconds is not None:  # before any await: settle() may run meanwhile
+            self._hold(attempt, outcome, decision.hold_seconds)
         if decision.probe or decision.pause is not None:
             await self._act_on_flow(attempt, outcome, decision.pause, decision.resume,
                                     decision.probe)
         # The completer owns the write from here; the slot is free when we return.
         if outcome.verdict is Verdict.DELIVERED:
             self.completer.ack(attempt)
-            return
+        elif decision.hold_seconds is None:
+            self._write_failure(attempt, outcome, requeue=decision.requeue,
+                                refund=decision.refund)
+        if self._held:  # this answer may have decided held ones
+            self._settle_held()
+
+    def _write_failure(self, attempt: Attempt, outcome: Outcome, *, requeue: bool,
+                       refund: bool) -> None:
+        """Hand a failed attempt to the completer: failed when permanent (unless
+        *requeue*: a systemic rejection, written as a retry), else ready after its backoff."""
+        if requeue:
+            outcome = dataclasses.replace(outcome, verdict=Verdict.RETRY)
         permanent = outcome.verdict is Verdict.PERMANENT
         delay = 0.0 if permanent else self.policy.delay(
-            job.attempt, retry_after_seconds=outcome.retry_after_seconds)
-        self.completer.reschedule(Reschedule(attempt, outcome, delay, decision.refund))
+            attempt.job.attempt, retry_after_seconds=outcome.retry_after_seconds)
+        self.completer.reschedule(Reschedule(attempt, outcome, delay, refund or requeue))
+
+    def _hold(self, attempt: Attempt, outcome: Outcome, seconds: float) -> None:
+        """Keep a rejection (and the job's lease) for at most *seconds*, slot freed."""
+        timer = asyncio.get_running_loop().call_later(seconds, self._settle_held)
+        self._held[attempt.job.id] = (attempt, outcome, timer)
+        log.info("rejection_held", extra={**job_fields(attempt.job, outcome.reason),
+                                          "hold_seconds": round(seconds, 3)})
+
+    def _settle_held(self, *, final: bool = False) -> None:
+        """Write the held rejections the gate has decided (all of them when *final*)."""
+        requeue, fail = self.gate.settle(final=final)
+        for job_id, requeued in [(i, True) for i in requeue] + [(i, False) for i in fail]:
+            entry = self._held.pop(job_id, None)
+            if entry is None:
+                continue
+            attempt, outcome, timer = entry
+            timer.cancel()
+            if requeued:
+                log.info("rejection_requeued", extra=job_fields(attempt.job, outcome.reason))
+            self._write_failure(attempt, outcome, requeue=requeued, refund=requeued)
 
     async def _act_on_flow(self, attempt: Attempt, outcome: Outcome,
                            pause: tuple[PauseReason, float] | None, resume: datetime | None,
@@ -444,7 +492,10 @@ class Worker:
         try:
             if pause is not None:
                 reason, seconds = pause
-                flow = await self.queue.extend_pause(reason, seconds)
+                flow = await self.queue.extend_pause(
+                    reason, seconds,
+                    next_probe_seconds=min(seconds, self.gate.policy.probe_interval_seconds),
+                    probe_outcome=str(outcome.reason) if probe else None)
                 self.metrics.provider_pauses.labels(reason).inc()
                 log.warning("provider_pause_extended", extra={
                     **fields, "reason": str(reason), "pause_seconds": round(seconds, 3)})
@@ -452,7 +503,7 @@ class Worker:
                 if probe:
                     self.metrics.provider_probes.labels("failed").inc()
             elif resume is not None:
-                resumed = await self.queue.resume(resume)
+                resumed = await self.queue.resume(resume, probe_outcome=str(outcome.reason))
                 self.metrics.provider_probes.labels("resumed").inc()
                 self._observe_flow(FlowState() if resumed else self.gate_state())
             elif probe:
@@ -530,6 +581,8 @@ class Worker:
             if abandoned:
                 log.warning("deliveries_abandoned", extra={"count": len(abandoned)})
                 await asyncio.wait(abandoned, timeout=1.0)
+        if self._held:  # stopping is no evidence: give the held rejections back
+            self._settle_held(final=True)
         await self.completer.close(timeout_seconds=ack_flush_seconds(self.settings))
         log.info("stopped")
 
