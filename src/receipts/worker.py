@@ -49,7 +49,7 @@ from receipts.admission import AdmissionController, AdmissionPolicy
 from receipts.completion import Completer
 from receipts.db import notifications, statement_deadline
 from receipts.delivery import Deliverer
-from receipts.errors import QueueError
+from receipts.errors import DatabaseUnavailable, QueueError
 from receipts.flow import FlowPolicy, ProviderGate
 from receipts.jobqueue import WorkerQueue
 from receipts.logs import get_logger, job_fields
@@ -75,7 +75,14 @@ STOP_CLAIM_SECONDS = 1.0
 PAUSE_RECHECK_SECONDS = 5.0
 WATCHDOG_SLACK_SECONDS = 10.0
 OUTAGE_BACKOFF_FIRST_SECONDS = 0.1
+#: Backoff cap after a claim the database refused (an error in the statement).
 OUTAGE_BACKOFF_MAX_SECONDS = 30.0
+#: Backoff cap while the database cannot be reached: each such claim already
+#: waited for the pool (its timeout, 5 s), during which the pool's reconnection
+#: attempt hands it the first connection the database accepts; a short cap keeps
+#: one such wait always pending, so the worker is ready within seconds of the
+#: database's return, whatever the outage's length (docs/design.md §4).
+UNAVAILABLE_BACKOFF_MAX_SECONDS = 1.0
 #: While the queue has work and deliveries are in flight, the claim loop waits
 #: up to this long (seconds) for a tenth of the slots to be free before it claims.
 CLAIM_LINGER_SECONDS = 0.005
@@ -137,6 +144,7 @@ class Worker:
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self._db_ok = False
+        self._unreachable = False  # the last claim failed for want of a connection
         self._busy_since: float | None = None
         self._flow_read_at = 0.0  # monotonic: when the fleet's flow state was last read
         #: Rejections the gate holds: job id → (attempt, outcome, its deadline timer).
@@ -252,7 +260,9 @@ class Worker:
             wait = await self.step(free)
             if wait is None:  # the database failed us
                 await self._sleep(backoff * random.uniform(0.5, 1.0), wakeable=False)
-                backoff = min(backoff * 2, OUTAGE_BACKOFF_MAX_SECONDS)
+                cap = (UNAVAILABLE_BACKOFF_MAX_SECONDS if self._unreachable
+                       else OUTAGE_BACKOFF_MAX_SECONDS)
+                backoff = min(backoff * 2, cap)
                 continue
             backoff = OUTAGE_BACKOFF_FIRST_SECONDS
             seconds, wakeable = wait
@@ -299,6 +309,7 @@ class Worker:
             result = await self.claim_once(limit, probe=probe_until is not None)
         except QueueError as exc:
             self._db_state(False)
+            self._unreachable = isinstance(exc, DatabaseUnavailable)
             self.metrics.db_errors.labels("claim").inc()
             log.warning("claim_failed", extra={"error": str(exc)})
             return None
