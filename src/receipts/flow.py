@@ -350,6 +350,9 @@ class ProviderGate:
         lease still allows; default ``window_seconds``).
         """
         reason = outcome.reason
+        if reason is Reason.DELIVERED and job_id != self.probe_job:  # the common case
+            self.detector.observe(job_id)
+            return NO_DECISION
         rejection = rejection_signature(outcome, order_id)
         permanent = outcome.verdict is Verdict.PERMANENT
         provider_failed = rejection is None and (

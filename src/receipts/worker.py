@@ -15,18 +15,22 @@ Shape (docs/design.md §4, §11):
   cut short by a LISTEN/NOTIFY wake-up (one extra direct connection, off
   behind PgBouncer transaction pooling). Polling is always the safety net.
 * Provider flow control: every claim reads the fleet-wide pause; while it
-  holds, the pod sleeps until it runs out, holding no connection and no lock.
-  Then one pod wins the probe and claims one job; its answer resumes the fleet
-  or doubles the pause. Outcomes feed the :class:`~receipts.flow.ProviderGate`,
-  which may extend the pause (outage, 401/403, ``Retry-After``). Under a
-  fleet-wide rate limit a claim that ran out of tokens sleeps until the next
-  token.
+  holds, the pod sleeps until the next probe is due (every few seconds,
+  however long the pause) or the pause ends, holding no connection and no
+  lock. One pod wins the probe and claims one job; its answer resumes the
+  fleet or doubles the pause. Outcomes feed the
+  :class:`~receipts.flow.ProviderGate`, which may extend the pause (outage,
+  systemic rejection, 401/403, ``Retry-After``) and may hold a 4xx verdict
+  (the job's lease, not its slot) until later answers tell a bad order from
+  a provider rejecting everything. Under a fleet-wide rate limit a claim that
+  ran out of tokens sleeps until the next token.
 * Admission control (on by default): claims also spend a local token bucket
   whose rate an AIMD limiter adapts to the claim and ack statements' latency,
   so a drain leaves the checkout database its headroom
   (:mod:`receipts.admission`).
-* Database outage: the loop backs off (jittered, ≤ 30 s), ``/readyz`` says
-  not ready, and it resumes by itself.
+* Database outage: the loop backs off (jittered; ≤ 1 s while the database
+  cannot be reached, ≤ 30 s after an error in a statement), ``/readyz`` says
+  not ready, and it resumes by itself within seconds of the database's return.
 * Stop: claim nothing more, let in-flight deliveries finish for up to
   ``min(shutdown_grace_seconds, delivery_timeout_seconds)``, abandon the rest
   (their leases expire and recovery returns them), flush the completer,
