@@ -8,6 +8,9 @@ import random
 import uuid
 from datetime import UTC, datetime
 
+import httpx
+
+from receipts.delivery import classify
 from receipts.flow import (
     FlowPolicy,
     OutageDetector,
@@ -293,3 +296,21 @@ def test_an_outage_probe_answered_4xx_resumes_and_its_verdict_is_held():
     g.start_probe(probe, until, 5)
     d = g.judge(probe, rejected(422, "order cannot receive a receipt"))
     assert d.resume == until and d.probe and d.hold_seconds is not None and not d.requeue
+
+
+#: What nginx 1.22 answers when `ssl_verify_client on` gets no client certificate.
+NGINX_NO_CERTIFICATE = (
+    b"<html>\r\n<head><title>400 No required SSL certificate was sent</title></head>\r\n"
+    b"<body>\r\n<center><h1>400 Bad Request</h1></center>\r\n<center>No required SSL "
+    b"certificate was sent</center>\r\n<hr><center>nginx/1.22.1</center>\r\n</body>\r\n"
+    b"</html>\r\n")
+
+
+def test_nginx_refusing_a_missing_client_certificate_is_a_systemic_rejection():
+    answer = classify(400, httpx.Headers({"content-type": "text/html"}), NGINX_NO_CERTIFICATE)
+    assert answer.verdict is Verdict.PERMANENT  # alone, it would fail the job
+    g = gate()
+    decisions = [g.judge(uuid.uuid4(), answer, order_id=f"order-{i}") for i in range(5)]
+    assert all(d.hold_seconds for d in decisions[:4])
+    assert decisions[4].pause[0] is PauseReason.REJECTING  # type: ignore[index]
+    assert len(g.settle()[0]) == 4
