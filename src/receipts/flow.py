@@ -30,11 +30,13 @@ The rules:
   rejection is *held* instead of failing the job at once: it fails when the
   provider has since accepted ``min_jobs`` other distinct jobs, or the rule
   has judged a whole window of later answers (``window_jobs`` distinct jobs)
-  without declaring a systemic rejection, or after ``window_seconds``
-  (bounded by the lease); it becomes a retry with its attempt given back if
-  a systemic rejection is declared meanwhile. So the first rejections of a
-  systemic one fail no job, and a genuine bad order among good ones fails as
-  soon as a few later deliveries show the provider accepting others.
+  without declaring a systemic rejection, or when the pod has nothing more
+  in flight and nothing more to claim (no answer is coming), or after
+  ``window_seconds`` (bounded by the lease); it becomes a retry with its
+  attempt given back if a systemic rejection is declared meanwhile. So the
+  first rejections of a systemic one fail no job, and a genuine bad order
+  fails as soon as a few later deliveries show the provider accepting
+  others, or at once in a quiet queue.
 * **Credentials.** A 401/403 pauses the fleet for ``auth_pause_seconds``: a
   bad token must not burn every job's attempts.
 * **Retry-After.** A 429 carrying ``Retry-After`` pauses the fleet for that
@@ -413,7 +415,8 @@ class ProviderGate:
         self._held[job_id] = _Held(detector.answered, detector.accepted, self._now() + hold)
         return Decision(hold_seconds=hold, resume=resume, probe=probe)
 
-    def settle(self, *, final: bool = False) -> tuple[list[uuid.UUID], list[uuid.UUID]]:
+    def settle(self, *, final: bool = False, idle: bool = False
+               ) -> tuple[list[uuid.UUID], list[uuid.UUID]]:
         """Decide held rejections: returns (ids to retry with the attempt given back,
         ids to fail now); ids not returned stay held.
 
@@ -423,7 +426,10 @@ class ProviderGate:
         provider has accepted ``min_jobs`` distinct jobs answered after it (it
         judges orders, it does not reject everything), or the detector has
         judged ``window_jobs`` distinct later answers without declaring a
-        systemic rejection, or at its deadline.
+        systemic rejection, or at its deadline; every one fails when *idle*
+        (the pod has nothing in flight and the queue gave it nothing more: no
+        further answer will come to decide, and fewer than ``min_jobs`` could
+        not make a systemic rejection anyway).
         """
         if not self._held:
             self._systemic = False
@@ -435,7 +441,7 @@ class ProviderGate:
             return ids, []
         now, answered, accepted = self._now(), self.detector.answered, self.detector.accepted
         due = [job_id for job_id, h in self._held.items()
-               if accepted - h.accepted >= self.policy.min_jobs
+               if idle or accepted - h.accepted >= self.policy.min_jobs
                or answered - h.answered >= self.policy.window_jobs or now >= h.deadline]
         for job_id in due:
             del self._held[job_id]

@@ -336,6 +336,8 @@ class Worker:
             return self.settings.poll_interval_seconds * random.uniform(0.75, 1.25), False
         self._backlogged = len(result.attempts) >= limit
         self.completer.busy = self._backlogged
+        if self._held and not self._inflight:  # nothing more to hear: decide them now
+            self._settle_held(idle=True)
         if self._backlogged:
             return 0.0, False
         tokens = result.flow.tokens
@@ -466,7 +468,9 @@ class Worker:
             self._write_failure(attempt, outcome, requeue=decision.requeue,
                                 refund=decision.refund)
         if self._held:  # this answer may have decided held ones
-            self._settle_held()
+            # The last delivery in flight, and the last claim found no more work:
+            # no answer is coming that could still decide them.
+            self._settle_held(idle=len(self._inflight) <= 1 and not self._backlogged)
 
     def _write_failure(self, attempt: Attempt, outcome: Outcome, *, requeue: bool,
                        refund: bool) -> None:
@@ -486,9 +490,9 @@ class Worker:
         log.info("rejection_held", extra={**job_fields(attempt.job, outcome.reason),
                                           "hold_seconds": round(seconds, 3)})
 
-    def _settle_held(self, *, final: bool = False) -> None:
-        """Write the held rejections the gate has decided (all of them when *final*)."""
-        requeue, fail = self.gate.settle(final=final)
+    def _settle_held(self, *, final: bool = False, idle: bool = False) -> None:
+        """Write the held rejections the gate has decided (see :meth:`ProviderGate.settle`)."""
+        requeue, fail = self.gate.settle(final=final, idle=idle)
         for job_id, requeued in [(i, True) for i in requeue] + [(i, False) for i in fail]:
             entry = self._held.pop(job_id, None)
             if entry is None:

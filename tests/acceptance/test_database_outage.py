@@ -63,7 +63,9 @@ def test_workers_are_ready_soon_after_a_long_database_outage_and_hide_frozen_gau
             env = {"RECEIPTS_DATABASE_URL": dsn,
                    "RECEIPTS_PROVIDER_URL": provider.url("/receipts"),
                    "RECEIPTS_METRICS_PORT": str(metrics_port),
-                   "RECEIPTS_QUEUE_STATS_INTERVAL_SECONDS": str(STATS_INTERVAL_SECONDS)}
+                   "RECEIPTS_QUEUE_STATS_INTERVAL_SECONDS": str(STATS_INTERVAL_SECONDS),
+                   # Leases that outlive the outage: the acks written when it ends land.
+                   "RECEIPTS_LEASE_SECONDS": str(2 * OUTAGE_SECONDS)}
             workers.append(sup.start(f"worker-{i}", ["worker"], env, port=metrics_port))
         for w in workers:
             w.wait_healthy()
@@ -71,6 +73,12 @@ def test_workers_are_ready_soon_after_a_long_database_outage_and_hide_frozen_gau
                                       " WHERE state = 'done'") == [(100,)], "the jobs done", 60)
         until(lambda: all(ready(w) and ("receipts_ready_jobs", ()) in w.scrape()
                           for w in workers), "workers ready, gauges read", 30)
+        # Deliveries in flight when the database goes: their acks wait through the outage,
+        # and a worker is ready only once they are written too.
+        provider.request("PUT", "/faults", json={"latency_seconds": 3}).raise_for_status()
+        enqueue_many(dsn, [f"order-slow-{i}" for i in range(20)])
+        until(lambda: sum(w.scrape().value("receipts_inflight_deliveries") for w in workers)
+              >= 10, "deliveries in flight", 30)
 
         own_server.stop()
         down_at = time.monotonic()
@@ -105,9 +113,12 @@ def test_workers_are_ready_soon_after_a_long_database_outage_and_hide_frozen_gau
               + ", ".join(f"{s:.2f}s" for s in sorted(ready_after.values())))
         assert min(failures) >= 6  # the claim loop's backoff had reached its cap
         assert max(ready_after.values()) <= 5.0
+        writes = [w.scrape().by_label("receipts_db_errors_total", "statement").get("ack", 0)
+                  for w in workers]
+        assert sum(writes) > 0  # the acks of the deliveries in flight had been waiting
         enqueue_many(dsn, [f"order-after-{i}" for i in range(50)])
         until(lambda: fetch_rows(dsn, "SELECT count(*) FROM receipt_jobs"
-                                      " WHERE state = 'done'") == [(150,)],
-              "deliveries after the outage", 60)
+                                      " WHERE state = 'done'") == [(170,)],
+              "every job delivered, those in flight during the outage included", 60)
         until(lambda: all(("receipts_ready_jobs", ()) in w.scrape() for w in workers),
               "the queue gauges back", 3 * STATS_INTERVAL_SECONDS + 5)

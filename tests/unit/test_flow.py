@@ -256,6 +256,15 @@ def test_a_held_rejection_fails_at_its_deadline_when_too_few_answers_come():
     assert g.judge(uuid.uuid4(), rejected(), hold_seconds=0).hold_seconds is None  # no time
 
 
+def test_held_rejections_fail_when_no_further_answer_can_come():
+    g = gate()
+    held = [uuid.uuid4() for _ in range(3)]
+    for job in held:
+        g.judge(job, rejected())
+    assert g.settle() == ([], [])
+    assert g.settle(idle=True) == ([], held)  # three could never make a systemic rejection
+
+
 def test_stopping_gives_the_held_rejections_back():
     g = gate()
     held = [uuid.uuid4() for _ in range(2)]

@@ -381,12 +381,31 @@ async def test_a_few_bad_orders_among_good_ones_still_fail_at_once():
 
 async def test_a_stopping_worker_gives_its_held_rejections_back():
     queue = FakeQueue()
-    queue.add(2)
-    deliverer = ScriptedDeliverer(lambda job: rejected())
-    async with Loop(queue, deliverer) as loop:
+    rejected_ids = set(queue.add(2))
+    queue.add(2)  # these two answer only after the stop: evidence still to come
+    answered = asyncio.Event()
+
+    class Deliverer(ScriptedDeliverer):
+        async def deliver(self, job: Job) -> Outcome:
+            if job.id in rejected_ids:
+                return rejected()
+            await answered.wait()
+            return outcome(200)
+
+    async with Loop(queue, Deliverer()) as loop:
         await until(lambda: loop.worker.gate.held == 2)
-        assert loop.value("receipts_inflight_deliveries") == 2  # still this pod's leases
-    assert queue.count(JobState.READY) == 2 and queue.refunds == 2
+        assert loop.value("receipts_inflight_deliveries") == 4  # held: still this pod's leases
+    assert {r.id for r in queue.rows.values() if r.state is JobState.READY} >= rejected_ids
+    assert queue.count(JobState.FAILED) == 0 and queue.refunds >= 2
+
+
+async def test_a_lone_bad_order_in_a_quiet_queue_fails_at_once():
+    queue = FakeQueue()
+    queue.add(1)
+    deliverer = ScriptedDeliverer(lambda job: rejected("order cannot receive a receipt", 422))
+    async with Loop(queue, deliverer) as loop:
+        await until(lambda: queue.count(JobState.FAILED) == 1, timeout=1)  # not 30 s later
+    assert loop.worker.gate.held == 0 and queue.pauses == []
 
 
 async def test_a_long_pause_is_probed_every_interval_and_resumes_as_soon_as_the_provider_is_back():
