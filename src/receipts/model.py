@@ -169,9 +169,11 @@ class FlowState:
     """The fleet-wide provider state as one statement saw it.
 
     Attributes:
-        pause_reason: why the fleet is paused, or None when it is not.
-        pause_left_seconds: seconds until the next probe may start (≤ 0 when a
-            probe is due); None when not paused.
+        pause_reason: why the fleet is paused (the effective reason), or None
+            when it is not.
+        pause_left_seconds: for a probed pause (:attr:`PauseReason.probed`),
+            seconds until the next probe may start (≤ 0 when one is due); for
+            the others, until the pause ends; None when not paused.
         tokens: tokens in the rate-limit bucket after this statement, or None
             when the statement did not use the bucket.
     """
