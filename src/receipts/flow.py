@@ -28,10 +28,10 @@ The rules:
   reason ``rejecting`` and probe, as for an outage.
 * **Held verdicts.** A 4xx rejection that is not (yet) part of a systemic
   rejection is *held* instead of failing the job at once: it fails when the
-  provider has since accepted ``min_jobs`` other distinct jobs, or the rule
-  has judged a whole window of later answers (``window_jobs`` distinct jobs)
-  without declaring a systemic rejection, or when the pod has nothing more
-  in flight and nothing more to claim (no answer is coming), or after
+  provider has accepted ``min_jobs`` deliveries *sent after the rejection
+  arrived* (so it is not rejecting everything now; answers to requests
+  already in flight prove nothing), or when the pod has nothing more in
+  flight and nothing more to claim (no answer is coming), or after
   ``window_seconds`` (bounded by the lease); it becomes a retry with its
   attempt given back if a systemic rejection is declared meanwhile. So the
   first rejections of a systemic one fail no job, and a genuine bad order
@@ -58,6 +58,7 @@ The rules:
 
 from __future__ import annotations
 
+import heapq
 import random
 import re
 import time
@@ -75,6 +76,8 @@ PROVIDER_FAILURES = frozenset({
 })
 #: Outcomes that prove the provider is up and answering (a probe of these resumes).
 PROVIDER_ANSWERS = frozenset({Reason.DELIVERED, Reason.REJECTED, Reason.IN_PROGRESS})
+#: Answers that show the provider accepting an order (evidence against a held rejection).
+_ACCEPTED = frozenset({Reason.DELIVERED, Reason.IN_PROGRESS})
 #: The rejection signature of every TLS failure (:func:`tls_failure`).
 TLS_SIGNATURE = "tls"
 
@@ -216,10 +219,6 @@ class OutageDetector:
         self._latest: OrderedDict[uuid.UUID, tuple[float, str | None]] = OrderedDict()
         self._failures = 0  # failed answers in the window
         self._rejections: Counter[str] = Counter()  # rejections in the window, by signature
-        #: Distinct jobs answered so far, and of those accepted (delivered or 409)
-        #: so far: monotonic, never reset; held verdicts count what came after them.
-        self.answered = 0
-        self.accepted = 0
 
     def observe(self, job_id: uuid.UUID, failed: bool = False, *,
                 rejection: str | None = None) -> PauseReason | None:
@@ -233,12 +232,8 @@ class OutageDetector:
         now: float = self._clock()  # type: ignore[operator]
         kind = _FAILED if failed else rejection
         previous = self._latest.pop(job_id, None)
-        if previous is None:
-            self.answered += 1
-        else:
+        if previous is not None:
             self._forget(previous[1])
-        if kind is None and (previous is None or previous[1] is not None):
-            self.accepted += 1
         self._latest[job_id] = (now, kind)
         if kind is _FAILED:
             self._failures += 1
@@ -275,10 +270,9 @@ class OutageDetector:
 
 @dataclass(slots=True)
 class _Held:
-    """A held rejection: the detector's counts when it was held, and its deadline."""
+    """A held rejection: when it was held, and its deadline (monotonic seconds)."""
 
-    answered: int
-    accepted: int
+    since: float
     deadline: float
 
 
@@ -305,6 +299,9 @@ class ProviderGate:
         self.probe_reason: PauseReason | None = None
         self._held: dict[uuid.UUID, _Held] = {}
         self._systemic = False  # a systemic rejection was just declared here
+        #: Send times of the latest accepted deliveries (a min-heap of at most
+        #: min_jobs), the evidence that fails a held rejection.
+        self._accepted: list[float] = []
 
     def _now(self) -> float:
         return self._clock()  # type: ignore[operator,no-any-return]
@@ -344,17 +341,20 @@ class ProviderGate:
         self.probe_reason = reason or self.reason
 
     def judge(self, job_id: uuid.UUID, outcome: Outcome, *, order_id: str = "",
-              hold_seconds: float | None = None) -> Decision:
+              hold_seconds: float | None = None, sent_at: float | None = None) -> Decision:
         """Decide what *outcome* of *job_id* means for the fleet (see the module doc).
 
         *order_id* is the job's order (masked out of a rejection's shape);
         *hold_seconds* bounds how long a rejection may be held (the time its
-        lease still allows; default ``window_seconds``).
+        lease still allows; default ``window_seconds``); *sent_at* is when the
+        delivery began, on this gate's clock (default: now).
         """
         reason = outcome.reason
-        if reason is Reason.DELIVERED and job_id != self.probe_job:  # the common case
-            self.detector.observe(job_id)
-            return NO_DECISION
+        if reason in _ACCEPTED:
+            self._accept(self._now() if sent_at is None else sent_at)
+            if reason is Reason.DELIVERED and job_id != self.probe_job:  # the common case
+                self.detector.observe(job_id)
+                return NO_DECISION
         rejection = rejection_signature(outcome, order_id)
         permanent = outcome.verdict is Verdict.PERMANENT
         provider_failed = rejection is None and (
@@ -411,8 +411,8 @@ class ProviderGate:
             hold_seconds, self.policy.window_seconds)
         if hold <= 0:
             return Decision(resume=resume, probe=probe)
-        detector = self.detector
-        self._held[job_id] = _Held(detector.answered, detector.accepted, self._now() + hold)
+        now = self._now()
+        self._held[job_id] = _Held(now, now + hold)
         return Decision(hold_seconds=hold, resume=resume, probe=probe)
 
     def settle(self, *, final: bool = False, idle: bool = False
@@ -423,10 +423,9 @@ class ProviderGate:
         Every held rejection becomes a retry once a systemic rejection is declared
         (here, or in the fleet state this pod read), or when *final* (the worker
         stops: too little evidence to fail anything). One fails once the
-        provider has accepted ``min_jobs`` distinct jobs answered after it (it
-        judges orders, it does not reject everything), or the detector has
-        judged ``window_jobs`` distinct later answers without declaring a
-        systemic rejection, or at its deadline; every one fails when *idle*
+        provider has accepted ``min_jobs`` deliveries sent after it was held
+        (it judges orders, it does not reject everything now), or at its
+        deadline; every one fails when *idle*
         (the pod has nothing in flight and the queue gave it nothing more: no
         further answer will come to decide, and fewer than ``min_jobs`` could
         not make a systemic rejection anyway).
@@ -439,13 +438,23 @@ class ProviderGate:
             self._held.clear()
             self._systemic = False
             return ids, []
-        now, answered, accepted = self._now(), self.detector.answered, self.detector.accepted
+        now = self._now()
+        # The min_jobs-th latest send time of an accepted delivery: every held
+        # rejection before it has seen min_jobs acceptances sent after it.
+        proof = self._accepted[0] if len(self._accepted) >= self.policy.min_jobs else None
         due = [job_id for job_id, h in self._held.items()
-               if idle or accepted - h.accepted >= self.policy.min_jobs
-               or answered - h.answered >= self.policy.window_jobs or now >= h.deadline]
+               if idle or now >= h.deadline or (proof is not None and proof >= h.since)]
         for job_id in due:
             del self._held[job_id]
         return [], due
+
+    def _accept(self, sent_at: float) -> None:
+        """Count an accepted delivery sent at *sent_at* (keeps the latest min_jobs)."""
+        accepted = self._accepted
+        if len(accepted) < self.policy.min_jobs:
+            heapq.heappush(accepted, sent_at)
+        elif sent_at > accepted[0]:
+            heapq.heapreplace(accepted, sent_at)
 
     def _pause_for(self, job_id: uuid.UUID, outcome: Outcome) -> tuple[PauseReason, float] | None:
         if outcome.reason is Reason.AUTH_REJECTED:

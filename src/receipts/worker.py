@@ -432,6 +432,7 @@ class Worker:
     async def _deliver(self, attempt: Attempt) -> None:
         job = attempt.job
         start = time.perf_counter()
+        sent_at = time.monotonic()  # the flow gate's clock: held rejections compare it
         try:
             outcome = await self.deliverer.deliver(job)
         except Exception as exc:
@@ -453,9 +454,9 @@ class Worker:
             hold = (attempt.claimed_at + self.settings.lease_seconds
                     - self.settings.lease_margin - time.monotonic())
             decision = self.gate.judge(job.id, outcome, order_id=job.order_id,
-                                       hold_seconds=hold)
+                                       hold_seconds=hold, sent_at=sent_at)
         else:
-            decision = self.gate.judge(job.id, outcome)
+            decision = self.gate.judge(job.id, outcome, sent_at=sent_at)
         if decision.hold_seconds is not None:  # before any await: settle() may run meanwhile
             self._hold(attempt, outcome, decision.hold_seconds)
         if decision.probe or decision.pause is not None:

@@ -381,8 +381,8 @@ async def test_a_few_bad_orders_among_good_ones_still_fail_at_once():
 
 async def test_a_stopping_worker_gives_its_held_rejections_back():
     queue = FakeQueue()
+    queue.add(2)  # claimed first, these answer only after the stop: evidence still to come
     rejected_ids = set(queue.add(2))
-    queue.add(2)  # these two answer only after the stop: evidence still to come
     answered = asyncio.Event()
 
     class Deliverer(ScriptedDeliverer):
