@@ -425,10 +425,10 @@ class ProviderGate:
         stops: too little evidence to fail anything). One fails once the
         provider has accepted ``min_jobs`` deliveries sent after it was held
         (it judges orders, it does not reject everything now), or at its
-        deadline; every one fails when *idle*
-        (the pod has nothing in flight and the queue gave it nothing more: no
-        further answer will come to decide, and fewer than ``min_jobs`` could
-        not make a systemic rejection anyway).
+        deadline; every one fails when *idle* (the pod has nothing in flight
+        and the queue gave it nothing more: no further answer will come to
+        decide, and fewer than ``min_jobs`` could not make a systemic
+        rejection anyway).
         """
         if not self._held:
             self._systemic = False
