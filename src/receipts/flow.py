@@ -351,7 +351,8 @@ class ProviderGate:
         """
         reason = outcome.reason
         if reason in _ACCEPTED:
-            self._accept(self._now() if sent_at is None else sent_at)
+            if self._held:  # an acceptance answered while none is held proves nothing later
+                self._accept(self._now() if sent_at is None else sent_at)
             if reason is Reason.DELIVERED and job_id != self.probe_job:  # the common case
                 self.detector.observe(job_id)
                 return NO_DECISION
