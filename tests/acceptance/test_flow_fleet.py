@@ -239,19 +239,21 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 class TlsProvider:
     """A receipt provider over TLS (Python's ssl module, a thread per connection) that may
-    demand a client certificate. TLS 1.2 at most, so a missing certificate fails the
-    handshake itself; after a failed handshake the server sends its alert and reads the
-    client out before closing (no reset), as a TLS terminator does, so the alert arrives.
+    demand a client certificate. With TLS 1.2 at most a missing certificate fails the
+    handshake itself; with TLS 1.3 the client's handshake completes and the server's
+    alert arrives on its first read, after the request was written. After a failed
+    handshake the server sends its alert and reads the client out before closing (no
+    reset), as a TLS terminator does, so the alert arrives.
     Every request it accepts is answered 201."""
 
-    def __init__(self, pki: Path) -> None:
+    def __init__(self, pki: Path, maximum_version: ssl.TLSVersion) -> None:
         self.require_client_cert = True
         self.handshakes_refused = 0
         self.delivered: list[float] = []  # monotonic times of the 201s
         self._contexts = {}
         for required in (True, False):
             context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
-            context.maximum_version = ssl.TLSVersion.TLSv1_2
+            context.maximum_version = maximum_version
             context.load_cert_chain(pki / "server.pem", pki / "server.key")
             if required:
                 context.load_verify_locations(pki / "ca.pem")
@@ -309,9 +311,12 @@ class TlsProvider:
         self._listener.close()
 
 
-def test_a_tls_failure_of_every_connection_pauses_the_fleet_for_rejecting(dsn, sup, pki):
+@pytest.mark.parametrize("version", [ssl.TLSVersion.TLSv1_2, ssl.TLSVersion.TLSv1_3],
+                         ids=["tls1.2", "tls1.3"])
+def test_a_tls_failure_of_every_connection_pauses_the_fleet_for_rejecting(
+        dsn, sup, pki, version):
     """The provider demands a client certificate the workers do not have."""
-    server = TlsProvider(pki)
+    server = TlsProvider(pki, version)
     try:
         enqueue_many(dsn, [f"order-{i}" for i in range(200)])
         workers = []
