@@ -1,9 +1,12 @@
-"""The named SQL statements of ``sql/queries.sql``, loaded once.
+"""The named SQL statements of ``sql/queries.sql`` and ``sql/operations.sql``, loaded once.
 
-Each runtime statement is a ``-- name: NAME`` block in one file; a method of
-:class:`receipts.jobqueue.JobQueue` (or :mod:`receipts.enqueue`) carries the
-name of the block it runs, so a reader goes from the method to the SQL
-without a search. This module needs only psycopg's ``sql`` composer.
+Each runtime statement is a ``-- name: NAME`` block: the queue's own (claim,
+ack, recovery, review) in ``queries.sql``, the operator's (fleet pause,
+heartbeats, bulk actions; :mod:`receipts.operations`) in
+``operations.sql``. A method of :class:`receipts.jobqueue.JobQueue`,
+:class:`receipts.operations.Operations` (or :mod:`receipts.enqueue`)
+carries the name of the block it runs, so a reader goes from the method to
+the SQL without a search. This module needs only psycopg's ``sql`` composer.
 
 Every table is written ``{schema}.receipt_jobs`` in the file and qualified
 here with the configured schema (:func:`receipts.settings.schema_for`), so a
@@ -46,21 +49,28 @@ def qualifier(schema: str | None) -> str:
     return f'"{schema}".'
 
 
+#: The files of named statements, in load order (a name may be defined once).
+STATEMENT_FILES = ("sql/queries.sql", "sql/operations.sql")
+
+
 @cache
 def statements(schema: str | None = DEFAULT_SCHEMA) -> dict[str, str]:
-    """All named statements of ``sql/queries.sql`` keyed by name, tables in *schema*.
+    """All named statements of :data:`STATEMENT_FILES` keyed by name, tables in *schema*.
 
     Loaded once per schema. Raises ``ValueError`` for a bad schema name
-    (:func:`qualifier`).
+    (:func:`qualifier`) or a name defined twice.
     """
     prefix = qualifier(schema)
-    text = resources.files("receipts").joinpath("sql/queries.sql").read_text("utf-8")
-    text = text.replace("{schema}.", prefix)
     blocks: dict[str, str] = {}
-    for chunk in re.split(r"^-- name: ", text, flags=re.M)[1:]:
-        name, _, body = chunk.partition("\n")
-        lines = [ln for ln in body.splitlines() if not ln.lstrip().startswith("--")]
-        blocks[name.strip()] = "\n".join(lines).strip().rstrip(";")
+    for path in STATEMENT_FILES:
+        text = resources.files("receipts").joinpath(path).read_text("utf-8")
+        text = text.replace("{schema}.", prefix)
+        for chunk in re.split(r"^-- name: ", text, flags=re.M)[1:]:
+            name, _, body = chunk.partition("\n")
+            lines = [ln for ln in body.splitlines() if not ln.lstrip().startswith("--")]
+            if name.strip() in blocks:
+                raise ValueError(f"statement {name.strip()!r} is defined twice ({path})")
+            blocks[name.strip()] = "\n".join(lines).strip().rstrip(";")
     return blocks
 
 
