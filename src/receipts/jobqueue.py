@@ -46,7 +46,14 @@ from receipts.model import (
     Reschedule,
     Verdict,
 )
-from receipts.statements import DEFAULT_SCHEMA, claim_query, qualifier, query, statements
+from receipts.statements import (
+    DEFAULT_SCHEMA,
+    WORKER_TAG,
+    claim_query,
+    qualifier,
+    query,
+    statements,
+)
 
 
 def _age(created_at: datetime | None) -> float | None:
@@ -184,6 +191,10 @@ class JobQueue:
         schema: the schema that holds the tables; every statement names it,
             so no session ``search_path`` applies (``ValueError`` for a name
             that is not a lower-case identifier).
+        worker_tag: this worker process's 8 hex digits (its
+            ``receipt_workers`` row, :mod:`receipts.heartbeat`); every lease
+            token its claims write ends in them (``claim_query``). None:
+            wholly random tokens.
 
     Every method raises :class:`~receipts.errors.DatabaseUnavailable` when the
     database cannot be reached, :class:`~receipts.errors.SchemaMissing` before
@@ -201,8 +212,12 @@ class JobQueue:
         max_in_progress: int = 20,
         deadline_seconds: float | None = None,
         schema: str = DEFAULT_SCHEMA,
+        worker_tag: str | None = None,
     ) -> None:
         self.pool = pool
+        if worker_tag is not None and not WORKER_TAG.match(worker_tag):
+            raise ValueError(f"a worker tag is 8 lower-case hex digits, not {worker_tag!r}")
+        self.worker_tag = worker_tag
         qualifier(schema)  # a bad name fails here, not at the first statement
         self.schema = schema
         self.deadline_seconds = deadline_seconds
@@ -251,7 +266,8 @@ class JobQueue:
         }
         if self.rate > 0:
             params |= {"rate": self.rate, "burst": self.burst}
-        statement = claim_query(limit, limited=self.rate > 0, schema=self.schema)
+        statement = claim_query(limit, limited=self.rate > 0, schema=self.schema,
+                                tag=self.worker_tag)
         rows = await self._rows(statement, params)
         claimed_at = time.monotonic()
         attempts = [

@@ -83,12 +83,33 @@ def query(name: str, schema: str | None = DEFAULT_SCHEMA) -> sql.SQL:
     return sql.SQL(statements(schema)[name])  # type: ignore[arg-type,unused-ignore]
 
 
+#: The lease token expression of the claim statements, as ``queries.sql`` writes it.
+RANDOM_TOKEN = "lease_token = gen_random_uuid(),"
+#: A worker's tag: 8 lower-case hex digits (``receipt_workers.tag``).
+WORKER_TAG = re.compile(r"^[0-9a-f]{8}$")
+
+
 @cache
-def claim_query(limit: int, *, limited: bool = False,
-                schema: str | None = DEFAULT_SCHEMA) -> sql.Composed:
+def claim_query(limit: int, *, limited: bool = False, schema: str | None = DEFAULT_SCHEMA,
+                tag: str | None = None) -> sql.Composed:
     """The claim statement with *limit* as a literal (docs/design.md §10: no bind LIMIT).
 
     *limited* selects the variant that charges the fleet-wide token bucket.
+    With *tag* (a worker's 8 hex digits, :data:`WORKER_TAG`), each lease token
+    the claim writes ends in those digits instead of random ones (90 random
+    bits stay), so whoever reads a running job's token can name the worker
+    that holds it (``receipt_workers``; the review page). The tag is an
+    argument here rather than a parameter of the statement, so the text in
+    ``queries.sql`` stays a complete statement for pgbench and EXPLAIN.
+    Raises ``ValueError`` for a tag that is not 8 lower-case hex digits.
     """
-    name = "claim_limited" if limited else "claim"
-    return sql.SQL(statements(schema)[name]).format(limit=sql.Literal(limit))  # type: ignore[arg-type,unused-ignore]
+    text = statements(schema)["claim_limited" if limited else "claim"]
+    if tag is not None:
+        if not WORKER_TAG.match(tag):
+            raise ValueError(f"a worker tag is 8 lower-case hex digits, not {tag!r}")
+        if text.count(RANDOM_TOKEN) != 1:
+            raise ValueError("the claim statement no longer writes one gen_random_uuid() token")
+        # The token's text is 8-4-4-4-12 hex digits: characters 29-36 are its last 8.
+        text = text.replace(RANDOM_TOKEN, "lease_token = overlay(gen_random_uuid()::text"
+                            f" PLACING '{tag}' FROM 29)::uuid,")
+    return sql.SQL(text).format(limit=sql.Literal(limit))  # type: ignore[arg-type,unused-ignore]

@@ -137,6 +137,9 @@ class Worker:
         self._db_ok = False
         self._busy_since: float | None = None
         self._flow_read_at = 0.0  # monotonic: when the fleet's flow state was last read
+        #: Monotonic time of the last claim that returned a job (None: none yet);
+        #: the heartbeat reports it (:mod:`receipts.heartbeat`).
+        self.last_claim_at: float | None = None
         #: Who made an attempt, in its history: the pod (host) name.
         self.name = socket.gethostname()[:100]
         #: Record first-attempt deliveries too (the row itself tells them otherwise).
@@ -345,6 +348,7 @@ class Worker:
         self.metrics.claim_batch.observe(len(result.attempts))
         if result.attempts:
             self.metrics.jobs_claimed.inc(len(result.attempts))
+            self.last_claim_at = time.monotonic()
         if result.flow.tokens is not None:
             self.metrics.provider_tokens.set(result.flow.tokens)
         for attempt in result.attempts:

@@ -13,6 +13,7 @@ import pytest
 from receipts import bulk, fleet
 from receipts.db import borrow, make_pool
 from receipts.errors import StatementTimeout
+from receipts.heartbeat import new_tag
 from receipts.jobqueue import JobQueue, ReviewFilter
 from receipts.model import JobState, PauseReason
 from receipts.operations import Operations
@@ -118,6 +119,42 @@ async def test_pause_requests_are_checked() -> None:
 
 
 # ------------------------------------------------------- heartbeats, holders
+
+
+async def test_a_lease_token_names_the_worker_that_holds_the_job(
+        dsn: str, ops: Operations) -> None:
+    tag = new_tag()
+    pool = make_pool(make_settings(dsn), "worker", max_size=1)
+    await pool.open(wait=True)
+    try:
+        tagged = JobQueue(pool, lease_seconds=30, max_attempts=5, worker_tag=tag)
+        enqueue_many(dsn, ["held-1", "held-2"])
+        jobs = await claim_jobs(tagged, 2)
+        assert {j.token.hex[-8:] for j in jobs} == {tag}
+        assert len({j.token for j in jobs}) == 2 and all(j.token.version == 4 for j in jobs)
+        await ops.heartbeat(tag=tag, pod="receipts-worker-7f9c", pid=42, version="0.3.0",
+                            slots=32, inflight=2, claimed_total=2, uptime_seconds=90,
+                            since_claim_seconds=1.5)
+        (seen,) = await ops.workers_seen(seconds=120)
+        assert (seen["pod"], seen["slots"], seen["inflight"], seen["claimed_total"]) == (
+            "receipts-worker-7f9c", 32, 2, 2)
+        assert timedelta(seconds=89) < seen["seen_at"] - seen["started_at"] <= timedelta(
+            seconds=91)
+        rows = await tagged.review_jobs(ReviewFilter(state=JobState.RUNNING))
+        assert {r["holder"] for r in rows} == {"receipts-worker-7f9c"}
+        assert {r["expired"] for r in rows} == {False}
+        # The second beat keeps the start and the last claim; a stopping one says so.
+        await ops.heartbeat(tag=tag, pod="receipts-worker-7f9c", pid=42, version="0.3.0",
+                            slots=32, inflight=0, claimed_total=2, uptime_seconds=95,
+                            since_claim_seconds=None, stopped=True)
+        (again,) = await ops.workers_seen(seconds=120)
+        assert again["started_at"] == seen["started_at"]
+        assert again["last_claim_at"] == seen["last_claim_at"]
+        assert again["stopped_at"] is not None
+        assert fetch_rows(dsn, "SELECT n_tup_hot_upd FROM pg_stat_user_tables"
+                               " WHERE relname = 'receipt_workers'")  # a plain table
+    finally:
+        await pool.close()
 
 
 async def test_running_jobs_can_be_listed_by_whether_their_lease_expired(

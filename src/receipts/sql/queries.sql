@@ -97,7 +97,8 @@ FROM new, (SELECT count(*) FROM wake) AS woken;
 -- one probe (%(probe)s) that won begin_probe. The pause check is one
 -- primary-key read of a one-row table, run once per statement (an InitPlan).
 -- Every row returned carries the flow state; with no job claimed one row
--- comes back whose job columns are NULL.
+-- comes back whose job columns are NULL. A worker's claims end each token in
+-- its tag (receipts.statements.claim_query), naming the lease's holder.
 WITH flow AS (
   -- A Retry-After pause ends by itself when its time is up (the provider said
   -- when); an outage or auth pause ends only when a probe is answered.
