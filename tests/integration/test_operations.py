@@ -103,7 +103,7 @@ async def test_resume_lifts_only_the_pause_the_operator_saw(ops: Operations,
     outcome = await fleet.resume(ops, author="test", expected_until=seen)
     assert not outcome.lifted and outcome.reason == "auth"
     assert (await ops.fleet_flow()).reason == "auth"
-    assert (await fleet.resume(ops, author="test")).lifted  # the command line lifts whatever is there
+    assert (await fleet.resume(ops, author="test")).lifted  # the CLI lifts whatever is there
     assert not (await ops.fleet_flow()).paused
 
 
