@@ -558,14 +558,15 @@ class JobQueue:
                                 view.params() | {"cap": cap})
         return int(rows[0][0])
 
-    async def count_now(self, view: ReviewFilter, *,
-                        timeout_seconds: float) -> tuple[datetime, int | None]:
+    async def count_now(self, view: ReviewFilter, *, timeout_seconds: float,
+                        cap: int | None = None) -> tuple[datetime, int | None]:
         """The database's time now, and how many jobs match *view* up to then.
 
         One transaction: ``statement_timestamp()`` is read first and bounds the
         count (``cutoff``, the moment a bulk action is confirmed); the count
-        runs under ``SET LOCAL statement_timeout`` = *timeout_seconds* and is
-        None when it did not finish in time.
+        (of at most *cap* rows, None: all) runs under ``SET LOCAL
+        statement_timeout`` = *timeout_seconds* and is None when it did not
+        finish in time (a selective filter over many rows).
         """
         now: datetime | None = None
         try:
@@ -578,7 +579,7 @@ class JobQueue:
                 now = row[0]
                 bounded = dataclasses.replace(view, cutoff=now)
                 cur = await conn.execute(_review_query("review_count", bounded, self.schema),
-                                         bounded.params() | {"cap": None})
+                                         bounded.params() | {"cap": cap})
                 counted = await cur.fetchone()
                 assert counted is not None
                 return row[0], int(counted[0])

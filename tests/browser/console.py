@@ -95,10 +95,12 @@ async def seed(dsn: str, queue: JobQueue) -> dict[str, Job]:
 @asynccontextmanager
 async def serve(pg18: Server, admin_token: str | None, *, viewer_token: str | None = None,
                 options: UiOptions | None = None, loopback_only: bool = True,
-                seeded: bool = True, pool_size: int = 4) -> AsyncIterator[Served]:
-    """The console over a fresh database (seeded with :func:`seed` unless told not to)."""
+                seeded: bool = True, pool_size: int = 4,
+                settings: dict[str, object] | None = None) -> AsyncIterator[Served]:
+    """The console over a fresh database (seeded with :func:`seed` unless told not to);
+    *settings* override the test settings of its pool (say, the statement timeout)."""
     dsn = pg18.new_database()
-    pool = make_pool(make_settings(dsn), "ui", max_size=pool_size)
+    pool = make_pool(make_settings(dsn, **(settings or {})), "ui", max_size=pool_size)
     await pool.open(wait=True)
     queue = JobQueue(pool, lease_seconds=30, max_attempts=5)
     jobs = await seed(dsn, queue) if seeded else {}

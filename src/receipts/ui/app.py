@@ -62,8 +62,10 @@ log = get_logger("ui")
 
 PAGE_SIZE = 50
 MAX_SELECTION = 500
-#: A list's count stops at this many (shown as "10,000+"): a count costs at most that.
+#: A list's count stops at this many (shown as "10,000+") or after LIST_COUNT_SECONDS
+#: (a selective filter over many rows: shown as "many"), whichever comes first.
 LIST_COUNT_CAP = 10_000
+LIST_COUNT_SECONDS = 1.0
 #: A filter action's count must finish within this (seconds), else it says "at least".
 CONFIRM_COUNT_SECONDS = 2.0
 CONFIRM_COUNT_CAP = 100_000
@@ -421,8 +423,9 @@ async def index(request: web.Request) -> web.Response:
     snapshot = await console.monitor.current()
     key = urlencode(filter_fields(view)) + "|" + request.query.get("after", "")
 
-    async def load() -> tuple[int, list[dict[str, Any]]]:
-        count = await console.queue.review_count(view, cap=LIST_COUNT_CAP)
+    async def load() -> tuple[int | None, list[dict[str, Any]]]:
+        _, count = await console.queue.count_now(view, timeout_seconds=LIST_COUNT_SECONDS,
+                                                 cap=LIST_COUNT_CAP)
         rows = await console.queue.review_jobs(view, limit=PAGE_SIZE, after=cursor)
         return count, rows
 
@@ -437,7 +440,9 @@ async def index(request: web.Request) -> web.Response:
         request, "index.html", snapshot=snapshot, stats=snapshot.stats, flow=snapshot.flow,
         workers=snapshot.workers, live_workers=snapshot.live_workers,
         bulk_actions=snapshot.bulk, view=view, fields=filter_fields(view),
-        count=count, count_capped=count >= LIST_COUNT_CAP, rows=rows, next_url=next_url,
+        count=count, count_text=("many" if count is None else number(count)
+                                 + ("+" if count >= LIST_COUNT_CAP else "")),
+        rows=rows, next_url=next_url,
         first_url="/?" + urlencode(filter_fields(view)) if cursor else None,
         reasons=[str(r) for r in Reason], current_state=str(view.state),
         can_retry=view.state in ACTION_STATES["retry"],
