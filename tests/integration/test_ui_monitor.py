@@ -38,6 +38,11 @@ async def test_fifty_viewers_share_one_reading_per_interval(dsn: str) -> None:
         assert monitor.next_sample_in() == 0
         monitor._read_at = clock[0]
         assert monitor.next_sample_in() == 60.0
+        # A slow reading stretches the interval: at most a tenth of the time is spent reading.
+        monitor.reading_seconds = 2.0
+        assert monitor.interval() == 20.0
+        monitor.viewed()
+        assert monitor.next_sample_in() == 20.0
     finally:
         await pool.close()
 

@@ -452,6 +452,7 @@ async def index(request: web.Request) -> web.Response:
         legend=legend(), history_since=(console.monitor.history[0].at
                                         if console.monitor.history else None),
         done_value=done_value, done_note=done_note, monitor_error=console.monitor.error,
+        sample_seconds=console.monitor.interval(),
         rate=console.options.rate, burst=console.options.burst, live=True,
         title=f"receipts console · {view.state}")
 

@@ -10,6 +10,10 @@ again and again must cost the same for one viewer as for fifty:
   the same reading.
 * While nobody has looked for ``idle_seconds``, the monitor samples only every
   ``idle_refresh_seconds`` (the chart keeps its hour at a coarser grain).
+* A reading never takes more than a tenth of one database session's time:
+  when one takes longer than a tenth of the interval (the gauges count a
+  million failed rows, say), the interval stretches to ten times the reading
+  (:data:`MAX_DUTY`).
 * The chart's history is those readings, kept **in memory** (no table, no
   extra statement); a page that has just started shows what it has seen so
   far and says since when. Prometheus keeps the long history
@@ -50,6 +54,8 @@ DONE_EXACT_BELOW = 100_000
 WORKERS_SECONDS = 900.0
 #: Bulk actions created within this many seconds (or still running) are listed.
 BULK_SECONDS = 86_400.0
+#: The most of one database session's time the shared reading may take.
+MAX_DUTY = 0.1
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,6 +119,7 @@ class Monitor:
         self.readings = 0
         self.error: str | None = None
         self._read_at: float | None = None  # monotonic: the last successful reading
+        self.reading_seconds = 0.0  # how long the last reading took
         self._viewed_at = -1e9
         self._done: int | None = None
         self._done_at = -1e9
@@ -126,9 +133,14 @@ class Monitor:
         """True when the database answered a reading within the last *seconds*."""
         return self._read_at is not None and self._clock() - self._read_at <= seconds
 
+    def interval(self) -> float:
+        """Seconds between readings while viewed: ``refresh_seconds``, or longer when a
+        reading is slow (at most :data:`MAX_DUTY` of the time is spent reading)."""
+        return max(self.refresh_seconds, self.reading_seconds / MAX_DUTY)
+
     def _fresh(self) -> bool:
         return self._read_at is not None and (
-            self._clock() - self._read_at < self.refresh_seconds * 0.9)
+            self._clock() - self._read_at < self.interval() * 0.9)
 
     async def current(self) -> Snapshot:
         """A reading at most ``refresh_seconds`` old, shared with concurrent callers.
@@ -155,6 +167,7 @@ class Monitor:
             return await self._refresh()
 
     async def _refresh(self) -> Snapshot:
+        began = time.perf_counter()
         try:
             stats = await self.queue.queue_stats()
             flow = await self.operations.fleet_flow(rate=self.rate, burst=self.burst)
@@ -177,6 +190,7 @@ class Monitor:
             raise
         self.error = None
         self._read_at = self._clock()
+        self.reading_seconds = time.perf_counter() - began
         self.readings += 1
         snapshot = Snapshot(flow.now, stats, flow, workers, bulk, self._done)
         self.snapshot = snapshot
@@ -189,7 +203,7 @@ class Monitor:
     def next_sample_in(self) -> float:
         """Seconds until the background loop should read again."""
         viewed = self._clock() - self._viewed_at <= self.idle_seconds
-        every = self.refresh_seconds if viewed else self.idle_refresh_seconds
+        every = self.interval() if viewed else max(self.idle_refresh_seconds, self.interval())
         if self._read_at is None:
             return 0.0
         return max(0.0, self._read_at + every - self._clock())
