@@ -15,7 +15,7 @@ measurements, each printed with the machine's load average:
    the server's CPU and WAL per job.
 2. **The console's shared reading** (``Monitor``: queue gauges, flow state,
    workers, bulk actions, revoked sessions) on 1,000,000 failed + 100,000 done
-   + 1,000 ready rows: median milliseconds and server CPU per reading — the
+   + 1,000 ready rows (``--reading-rows``): median milliseconds and server CPU per reading — the
    whole recurring cost of the console, paid once per interval whatever the
    number of viewers.
 3. **Heartbeats**: 16 workers' upserts, 50 each: median milliseconds, WAL
@@ -89,13 +89,15 @@ def tagged_tokens(bench: Bench, rounds: int, jobs: int) -> dict[str, Any]:
             for variant, runs in out.items()} | {"runs_each": 2 * rounds, "jobs": jobs}
 
 
-def shared_reading(bench: Bench, readings: int) -> dict[str, Any]:
-    """Milliseconds and server CPU of one console reading on a million-row queue."""
+def shared_reading(bench: Bench, readings: int, failed: int) -> dict[str, Any]:
+    """Milliseconds and server CPU of one console reading on *failed* failed rows, a tenth
+    as many done and 1,000 ready."""
     with bench.database("reading") as dsn:
         execute(dsn, "INSERT INTO receipt_jobs (id, order_id, state, attempts, last_error,"
                      " finished_at) SELECT gen_random_uuid(), 'f-' || g, 'failed', 5, 'x',"
-                     " now() - make_interval(secs => g) FROM generate_series(1, 1000000) g")
-        fill_ready(dsn, 100_000, prefix="d", state="done")
+                     " now() - make_interval(secs => g) FROM generate_series(1, %(n)s) g",
+                {"n": failed})
+        fill_ready(dsn, failed // 10, prefix="d", state="done")
         fill_ready(dsn, 1_000, prefix="r")
         settle(dsn, "receipt_jobs")
 
@@ -122,7 +124,7 @@ def shared_reading(bench: Bench, readings: int) -> dict[str, Any]:
         times, cpu_ms = asyncio.run(measure())
     return {"median_ms": statistics.median(times), "max_ms": max(times),
             "server_cpu_ms_per_reading": cpu_ms, "readings": readings,
-            "rows": "1,000,000 failed + 100,000 done + 1,000 ready"}
+            "rows": f"{failed:,} failed + {failed // 10:,} done + 1,000 ready"}
 
 
 def heartbeats(bench: Bench, workers: int = 16, beats: int = 50) -> dict[str, Any]:
@@ -203,6 +205,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--rounds", type=int, default=3, help="A B B A rounds of the drain (3)")
     parser.add_argument("--drain-jobs", type=int, default=50_000, help="jobs per drain (50000)")
     parser.add_argument("--readings", type=int, default=20, help="console readings (20)")
+    parser.add_argument("--reading-rows", type=int, default=1_000_000,
+                        help="failed rows under the console's reading (1000000)")
     parser.add_argument("--bulk-rows", type=int, default=1_000_000,
                         help="failed jobs of the bulk retry (1000000; 0 skips it)")
     parser.add_argument("--json", help="also write the figures to this file")
@@ -212,7 +216,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         results["tagged_tokens"] = tagged_tokens(bench, args.rounds, args.drain_jobs)
         print("tagged tokens:", json.dumps(results["tagged_tokens"]), flush=True)
-        results["shared_reading"] = shared_reading(bench, args.readings)
+        results["shared_reading"] = shared_reading(bench, args.readings, args.reading_rows)
         print("shared reading:", json.dumps(results["shared_reading"]), flush=True)
         results["heartbeats"] = heartbeats(bench)
         print("heartbeats:", json.dumps(results["heartbeats"]), flush=True)

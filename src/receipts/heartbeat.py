@@ -38,8 +38,8 @@ log = get_logger("heartbeat")
 HEARTBEAT_SECONDS = 20.0
 #: Rows not seen for this long (seconds) are deleted when a worker starts.
 FORGET_AFTER_SECONDS = 86_400.0
-#: How long a stopping worker spends on its last heartbeat, seconds.
-LAST_BEAT_SECONDS = 2.0
+#: How long a stopping worker spends on its last heartbeat at most, seconds.
+LAST_BEAT_SECONDS = 1.0
 
 
 def new_tag() -> str:
@@ -98,7 +98,11 @@ class Heartbeat:
             await asyncio.sleep(self.interval_seconds * random.uniform(0.8, 1.2))
 
     async def stop(self) -> None:
-        """The last heartbeat, marking the process stopped (best effort, ≤ 2 s)."""
+        """The last heartbeat, marking the process stopped: best effort, at most
+        :data:`LAST_BEAT_SECONDS`, and only while the database answers the worker
+        (a stop during an outage must not wait for it; the row then ages out)."""
+        if not self.worker.is_ready():
+            return
         with contextlib.suppress(TimeoutError):
             async with asyncio.timeout(LAST_BEAT_SECONDS):
                 await self.beat(stopped=True)
