@@ -43,7 +43,7 @@ from receipts.errors import DatabaseUnavailable, QueueError, StatementTimeout
 from receipts.jobqueue import JobQueue, ReviewFilter
 from receipts.logs import get_logger
 from receipts.model import JobState, Reason
-from receipts.operations import Operations
+from receipts.operations import Operations, bulk_view
 from receipts.settings import Settings
 from receipts.ui.chart import depth_chart, legend
 from receipts.ui.monitor import Monitor, Snapshot
@@ -606,14 +606,8 @@ async def bulk_page(request: web.Request) -> web.Response:
     abandoned = (row["status"] == "running"
                  and row["idle_seconds"] > console.options.bulk_policy.stale_seconds)
     return _render(request, "bulk.html", action=row, abandoned=abandoned,
-                   filter_text=bulk.describe_filter(_bulk_view(row)), live=True,
+                   filter_text=bulk.describe_filter(bulk_view(row)), live=True,
                    title=f"bulk {row['action']} · {row['status']}")
-
-
-def _bulk_view(row: dict[str, Any]) -> ReviewFilter:
-    from receipts.operations import bulk_view
-
-    return bulk_view(row)
 
 
 async def bulk_stop(request: web.Request) -> web.Response:
@@ -665,7 +659,7 @@ async def fleet_pause(request: web.Request) -> web.Response:
                                  "paused": outcome.paused, "replace": form.get("replace") == "1",
                                  "session": session.short_id if session else None,
                                  "peer": request.remote})
-    await console.monitor.refresh()
+    await _reread(console)
     if not outcome.paused:
         return _message(request, 409, "Not paused", fleet.refusal(outcome) + ".")
     raise web.HTTPSeeOther("/#provider")
@@ -683,13 +677,20 @@ async def fleet_resume(request: web.Request) -> web.Response:
                                  "reason": outcome.reason,
                                  "session": session.short_id if session else None,
                                  "peer": request.remote})
-    await console.monitor.refresh()
+    await _reread(console)
     if not outcome.lifted:
         return _message(request, 409, "Not resumed",
                         "The pause changed since the page was drawn (another pod or operator "
                         "extended or replaced it), or it already ended; nothing was lifted. "
                         "Look at the provider panel again.")
     raise web.HTTPSeeOther("/#provider")
+
+
+async def _reread(console: Console) -> None:
+    """Read the shared state again after an action (its page shows the result); the action
+    is done whatever this reading says, so a failure here is only logged by the monitor."""
+    with contextlib.suppress(QueueError):
+        await console.monitor.refresh()
 
 
 async def recover(request: web.Request) -> web.Response:
@@ -710,7 +711,7 @@ async def recover(request: web.Request) -> web.Response:
                                  "to_failed": to_failed,
                                  "session": session.short_id if session else None,
                                  "peer": request.remote})
-    await console.monitor.refresh()
+    await _reread(console)
     return _message(request, 200, "Recovered expired leases",
                     f"{to_ready} expired lease(s) went back to ready (due after the recovery "
                     f"delay) and {to_failed} to failed (their last attempt).",

@@ -211,6 +211,9 @@ class Monitor:
     async def run(self) -> None:
         """Sample in the background until cancelled (the chart's history)."""
         while True:
+            if self.queue.pool.closed:  # `receipts ui` binds its port before it opens the pool
+                await asyncio.sleep(0.2)
+                continue
             wait = self.next_sample_in()
             if wait > 0:
                 await asyncio.sleep(min(wait, 1.0))
