@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test lint tools bench chaos clean lock
+.PHONY: demo test docs lint tools bench chaos clean lock
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,12 @@ tools:
 test: $(STAMP) tools
 	PATH="$(CURDIR)/.tools/bin:$(CURDIR)/$(BIN):$$PATH" $(BIN)/pytest -q -p no:cacheprovider $(PYTEST_ARGS)
 
+## The documentation site, built into site/ with every warning an error (broken links and
+## anchors fail). The reference pages are generated from the code: python scripts/gen_docs.py.
+docs: $(STAMP)
+	$(BIN)/python scripts/gen_docs.py --check
+	NO_MKDOCS_2_WARNING=1 $(BIN)/mkdocs build --strict --clean --site-dir site
+
 ## The side-by-side benchmark (bench/README.md); ~38 min on 2 cores.
 bench:
 	bash bench/run.sh $(BENCH_ARGS)
@@ -41,9 +47,9 @@ lock: $(STAMP)
 		--output-file requirements.lock
 
 lint: $(STAMP)
-	$(BIN)/ruff check src tests bench
+	$(BIN)/ruff check src tests bench scripts
 	$(BIN)/mypy
 
 clean:
-	rm -rf $(VENV) .tools .tmp build dist src/*.egg-info .hypothesis .mypy_cache .ruff_cache
+	rm -rf $(VENV) .tools .tmp site build dist src/*.egg-info .hypothesis .mypy_cache .ruff_cache
 	find . -name __pycache__ -type d -prune -exec rm -rf {} +

@@ -104,6 +104,32 @@ class RecordingHttp:
         await self._inner.aclose()
 
 
+#: --transport choices: the HTTP client under the deliverer.
+TRANSPORTS = ("aiohttp", "httpx")
+
+
+def http_deliverer(settings: Any, transport: str) -> Any:
+    """The deliverer ``make_deliverer`` builds, over *transport* (:data:`TRANSPORTS`):
+    ``aiohttp`` (the default adapter) or ``httpx`` (httpx's own default transport,
+    httpcore + h11). (The hand-written HTTP/1.1 transport these were measured against
+    is gone; its figures are in bench/README.md.)"""
+    import httpx
+
+    from receipts import transport as http
+    from receipts.delivery import CONNECT_SECONDS, HttpDeliverer
+
+    slots = settings.concurrency
+    connect = min(CONNECT_SECONDS, settings.delivery_timeout_seconds)
+    chosen: httpx.AsyncBaseTransport
+    if transport == "aiohttp":
+        chosen = http.AiohttpTransport(max_connections=slots, connect_timeout_seconds=connect)
+    else:
+        chosen = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=slots),
+                                          trust_env=False)
+    return HttpDeliverer(settings.provider_url, timeout_seconds=settings.delivery_timeout_seconds,
+                         max_connections=slots, transport=chosen)
+
+
 def run_receipts(args: argparse.Namespace) -> None:
     from receipts.logs import configure_logging
     from receipts.runtime import run_on_loop, run_worker
@@ -132,8 +158,11 @@ def run_receipts(args: argparse.Namespace) -> None:
     if args.provider_url:
         from receipts.runtime import make_deliverer
 
-        # What `receipts worker` builds (None: run_worker builds it the same way).
-        deliverer = RecordingHttp(make_deliverer(settings), record) if record is not None else None
+        # What `receipts worker` builds (None: run_worker builds it the same way),
+        # or the same deliverer over another transport (--transport, for A/B runs).
+        deliverer = http_deliverer(settings, args.transport) if args.transport else None
+        if record is not None:
+            deliverer = RecordingHttp(deliverer or make_deliverer(settings), record)
     else:
         deliverer = NoopDeliverer(record)
     _wait_for_go()
@@ -242,6 +271,9 @@ def main(argv: list[str] | None = None) -> None:
                    help="receipts: fleet-wide provider rate limit, jobs/s (default 0: none)")
     p.add_argument("--burst", type=float, default=None,
                    help="receipts: token bucket capacity, jobs (default: 1 s of the limit)")
+    p.add_argument("--transport", choices=TRANSPORTS,
+                   help="receipts over HTTP: the client under the deliverer (default: "
+                        "what `receipts worker` builds)")
     p.add_argument("--profile", help="receipts: py-spy raw profile to this file")
     p.add_argument("--profile-seconds", type=float, default=6.0)
     args = p.parse_args(argv)

@@ -17,22 +17,31 @@ Cycle − provider call = the time a slot waits between the end of one
 delivery and the start of the next (the claim statement, the claim linger,
 the drain's ramp and tail). Options: ``--runs`` (default 2), ``--jobs``,
 ``--slots``, ``--latency-ms``.
+
+``--transports aiohttp,httpx`` compares HTTP clients under the deliverer
+(``bench.child --transport``): each run drains once per transport, in
+A B, then B A order (A B B A …, so a machine that speeds up or slows down
+during the runs favours neither), and the end prints each one's median CPU
+per delivery and drain rate, and their ratios to the first.
 """
 
 from __future__ import annotations
 
 import argparse
+import statistics
 from typing import Any
 
 from bench.pg import Bench
 from bench.scenarios import receipts_drain
 
 
-def one_run(bench: Bench, *, jobs: int, slots: int, latency_ms: float) -> dict[str, Any]:
+def one_run(bench: Bench, *, jobs: int, slots: int, latency_ms: float,
+            transport: str | None = None) -> dict[str, Any]:
     """One drain (:func:`bench.scenarios.receipts_drain`, its ``/metrics`` scraped at
     the end); returns its figures (milliseconds where named ``_ms``)."""
     drain = receipts_drain(bench, jobs=jobs, concurrency=slots, batch=100,
-                           provider_latency_ms=latency_ms, admission=False, scrape=True)
+                           provider_latency_ms=latency_ms, admission=False, scrape=True,
+                           transport=transport)
     samples = drain["samples"]
     rate = drain["jobs_per_second"]
     call_sum = samples.total("receipts_delivery_duration_seconds_sum")
@@ -48,7 +57,17 @@ def one_run(bench: Bench, *, jobs: int, slots: int, latency_ms: float) -> dict[s
         "statements": {name: {"mean_ms": sums[name] / n * 1000, "count": int(n)}
                        for name, n in counts.items() if n},
         "worker_cpu_us_per_job": drain["worker_cpu_us_per_job"],
+        "not_done": drain["not_done"],
     }
+
+
+def _line(r: dict[str, Any]) -> str:
+    statements = ", ".join(f"{name} {v['mean_ms']:.2f} ms × {v['count']:,}"
+                           for name, v in sorted(r["statements"].items()))
+    return (f"{r['jobs_per_second']:,.0f} deliveries/s; cycle {r['cycle_ms']:.1f} ms, "
+            f"provider call {r['provider_call_ms']:.1f} ms; {r['jobs_per_claim']:.1f} "
+            f"jobs per claim; {statements}; worker CPU "
+            f"{r['worker_cpu_us_per_job']:.0f} µs/delivery")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -57,19 +76,33 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=20_000)
     p.add_argument("--slots", type=int, default=400)
     p.add_argument("--latency-ms", type=float, default=200.0)
+    p.add_argument("--transports", default="",
+                   help="comma-separated HTTP clients to compare, interleaved "
+                        "(bench.child --transport); default: what `receipts worker` builds")
     args = p.parse_args(argv)
+    transports: list[str | None] = [t for t in args.transports.split(",") if t] or [None]
+    results: dict[str | None, list[dict[str, Any]]] = {t: [] for t in transports}
     bench = Bench()
     try:
-        for _ in range(args.runs):
-            r = one_run(bench, jobs=args.jobs, slots=args.slots, latency_ms=args.latency_ms)
-            statements = ", ".join(f"{name} {v['mean_ms']:.2f} ms × {v['count']:,}"
-                                   for name, v in sorted(r["statements"].items()))
-            print(f"{r['jobs_per_second']:,.0f} deliveries/s; cycle {r['cycle_ms']:.1f} ms, "
-                  f"provider call {r['provider_call_ms']:.1f} ms; {r['jobs_per_claim']:.1f} "
-                  f"jobs per claim; {statements}; worker CPU "
-                  f"{r['worker_cpu_us_per_job']:.0f} µs/delivery", flush=True)
+        for run in range(args.runs):
+            for transport in (transports if run % 2 == 0 else transports[::-1]):
+                r = one_run(bench, jobs=args.jobs, slots=args.slots,
+                            latency_ms=args.latency_ms, transport=transport)
+                results[transport].append(r)
+                label = f"[{transport}] " if transport else ""
+                print(label + _line(r), flush=True)
     finally:
         bench.cleanup()
+    if len(transports) > 1:
+        first = transports[0]
+        base_cpu = statistics.median(r["worker_cpu_us_per_job"] for r in results[first])
+        base_rate = statistics.median(r["jobs_per_second"] for r in results[first])
+        for transport in transports:
+            cpu = statistics.median(r["worker_cpu_us_per_job"] for r in results[transport])
+            rate = statistics.median(r["jobs_per_second"] for r in results[transport])
+            print(f"{transport}: median {cpu:.0f} µs/delivery ({cpu / base_cpu:.2f}× {first}), "
+                  f"{rate:,.0f} deliveries/s ({rate / base_rate:.2f}×), "
+                  f"{len(results[transport])} runs", flush=True)
     return 0
 
 

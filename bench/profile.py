@@ -45,8 +45,9 @@ _FILE = re.compile(r"\((?P<file>[^()]+):\d+\)$")
 AREAS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("database: psycopg, pool, queue statements",
      ("psycopg/", "psycopg_pool/", "receipts/jobqueue.py", "receipts/db.py")),
-    ("HTTP: transport, delivery, httpx models, JSON",
-     ("receipts/transport.py", "receipts/delivery.py", "httpx/", "json/")),
+    ("HTTP: aiohttp's client, the adapter, delivery, httpx models, JSON",
+     ("receipts/transport.py", "receipts/delivery.py", "httpx/", "json/", "aiohttp/",
+      "multidict/", "yarl/")),
     ("event loop, sockets, timers: asyncio, selectors", ("asyncio/", "selectors.py")),
     ("worker: loop, completer, flow gate, metrics",
      ("receipts/worker.py", "receipts/completion.py", "receipts/flow.py",

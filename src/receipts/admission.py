@@ -4,7 +4,8 @@ The queue lives in the orders database, so a drain competes with checkout
 (docs/design.md §11). What a drain costs checkout is mostly time waiting for
 the WAL flush: the bench split a checkout transaction (insert order, enqueue,
 commit) during a full drain and found the insert and the enqueue about as
-fast as on an idle server while the commit took 1.4–1.8× as long. So each
+fast as on an idle server while the commit took much longer (docs/design.md
+§11 has the figures). So each
 worker steers its claim rate by the latency of exactly that, a small durable
 commit, the way delay-based TCP congestion control (Vegas, BBR) steers a
 sending rate by round-trip time:

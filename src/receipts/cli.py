@@ -54,6 +54,8 @@ SETTING_HELP: dict[str, str] = {
     "database_schema": "schema of the receipts tables (default: the DSN's search_path; public)",
     "provider_url": "receipt provider endpoint (POST), http:// or https://",
     "provider_token": "bearer token sent to the provider (secret)",
+    "provider_proxy": "egress proxy for the provider, http://[user:pw@]host:port; wins over "
+                      "HTTPS_PROXY/HTTP_PROXY/NO_PROXY (secret)",
     "concurrency": "delivery slots per process",
     "lease_seconds": "lease of one attempt",
     "lease_margin_seconds": "lease minus this bounds the delivery timeout",
@@ -81,7 +83,7 @@ SETTING_HELP: dict[str, str] = {
     "statement_timeout_seconds": "per-connection statement_timeout",
     "lock_timeout_seconds": "per-connection lock_timeout",
     "idle_in_transaction_timeout_seconds": "per-connection idle_in_transaction_session_timeout",
-    "auth_pause_seconds": "first claim pause after a 401/403 (doubles up to 10 min)",
+    "auth_pause_seconds": "first claim pause after a 401/403 (doubles up to the pause cap)",
     "application_name": "prefix of the connections' application_name",
 }
 _CONNECTION = ("database_url", "database_schema", "application_name", "pgbouncer",
@@ -132,14 +134,14 @@ def settings_help(command: str) -> str:
     lines = ["settings (environment variables):"]
     for name in settings_for(command):
         variable = f"  {ENV_PREFIX}{name.upper()}"
-        text = SETTING_HELP.get(name) or Settings.model_fields[name].description or "see README"
+        text = SETTING_HELP.get(name) or Settings.model_fields[name].description or ""
         wrapped = textwrap.wrap(f"{text} [{_default_text(name)}]", width - column)
         if len(variable) + 2 > column:
             lines.append(variable)
         else:
             lines.append(variable.ljust(column) + wrapped.pop(0))
         lines += [" " * column + more for more in wrapped]
-    lines.append("The README (Configuration) explains each one.")
+    lines.append("docs/configuration.md explains them; docs/reference/settings.md lists all.")
     return "\n".join(lines) + "\n"
 
 
@@ -201,9 +203,10 @@ def cmd_migrate(settings: Settings | None, args: argparse.Namespace) -> int:
 
     ``--print-sql [--pending]`` prints the migrations' SQL instead (all of them
     needs no database); ``--check`` changes nothing and exits 0 when the schema
-    is current, EXIT_PENDING (3) when migrations are pending and EXIT_UNKNOWN
-    (4) when the database has migrations this version does not know or an
-    applied one differs.
+    is current (or a later release's of the same major version, which this one
+    runs on), EXIT_PENDING (3) when migrations are pending and EXIT_UNKNOWN (4)
+    when the database has migrations this version cannot run on (breaking or
+    foreign) or an applied one differs.
     """
     from receipts import migrate
 
@@ -232,7 +235,7 @@ def cmd_migrate(settings: Settings | None, args: argparse.Namespace) -> int:
             sys.stdout.write(migrate.migration_sql(todo, schema=settings.db_schema))
             return EXIT_OK
         print(status.describe())
-        if status.unknown or status.changed:
+        if status.changed or (status.unknown and not status.newer):
             return EXIT_UNKNOWN
         return EXIT_PENDING if status.pending else EXIT_OK
     applied = migrate.apply_migrations(
@@ -253,7 +256,7 @@ def cmd_worker(settings: Settings, args: argparse.Namespace) -> int:
 
 
 def cmd_recover(settings: Settings, args: argparse.Namespace) -> int:
-    """``receipts recover``: one sweep (or ``--loop SECONDS``); 1 when a push fails."""
+    """``receipts recover``: one sweep (or ``--loop SECONDS``); a failed push still exits 0."""
     from receipts import recovery
 
     if args.loop is not None:
@@ -277,6 +280,17 @@ def cmd_recover(settings: Settings, args: argparse.Namespace) -> int:
         return EXIT_OK
 
     return _run(_with_queue(settings, "recover", once))
+
+
+def cmd_check(settings: Settings, args: argparse.Namespace) -> int:
+    """``receipts check``: the database and the provider reachable (:mod:`receipts.check`);
+    one line per check, 0 when both pass, 1 otherwise."""
+    from receipts.check import run_checks
+
+    results = asyncio.run(run_checks(settings))
+    for result in results:
+        print(result.line())
+    return EXIT_OK if all(result.ok for result in results) else EXIT_ERROR
 
 
 def check_enqueue(args: argparse.Namespace) -> None:
@@ -413,7 +427,7 @@ def check_jobs(args: argparse.Namespace) -> None:
 
 
 def cmd_jobs(settings: Settings, args: argparse.Namespace) -> int:
-    """``receipts jobs stats|list|show|retry``: failed-job review (see the README)."""
+    """``receipts jobs stats|list|show|retry|discard``: failed-job review (docs/operations.md)."""
     from receipts import review
     from receipts.model import JobState
 
@@ -764,6 +778,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--pending", action="store_true",
                    help="with --print-sql: only the migrations this database has not applied")
     add("worker", "Run a worker: claim receipt jobs, deliver them, ack (until SIGTERM).")
+    add("check", "Check that the database (schema usable) and the provider answer, with the "
+                 "worker's settings; no receipt is sent. Exit 0 both, 1 not (helm test).")
     p = add("recover", "Return expired leases to the queue and prune old rows (one sweep).")
     p.add_argument("--loop", type=_seconds(0.1), metavar="SECONDS",
                    help="sweep every SECONDS until SIGTERM (outside Kubernetes); "
@@ -889,14 +905,14 @@ COMMANDS: dict[str, Callable[..., int]] = {
     "migrate": cmd_migrate, "worker": cmd_worker, "recover": cmd_recover,
     "enqueue": cmd_enqueue, "jobs": cmd_jobs, "provider": cmd_provider, "demo": cmd_demo,
     "plan": cmd_plan,
-    "ui": cmd_ui,
+    "ui": cmd_ui, "check": cmd_check,
 }
 # Usage checks beyond argparse, run before settings are read or a database is touched.
 CHECKS: dict[str, Callable[[argparse.Namespace], None]] = {
     "enqueue": check_enqueue, "jobs": check_jobs, "provider": check_provider,
     "demo": check_demo,
 }
-NEEDS_SETTINGS = {"migrate", "worker", "recover", "enqueue", "jobs", "ui"}
+NEEDS_SETTINGS = {"migrate", "worker", "recover", "enqueue", "jobs", "ui", "check"}
 LOGS_ON_STDOUT = {"worker", "provider", "ui"}
 
 
@@ -945,7 +961,10 @@ def main(argv: Sequence[str] | None = None) -> int:
                 check_worker_settings(settings)
             if args.command == "ui":
                 check_ui_settings(settings)
-            configure_logging(settings.log_level, stream, secrets=settings.secrets())
+            from receipts.proxy import environment_secrets
+
+            configure_logging(settings.log_level, stream,
+                              secrets=[*settings.secrets(), *environment_secrets(os.environ)])
             warn_unknown_variables(os.environ)
         else:
             configure_logging("INFO" if args.command == "provider" else "WARNING", stream)

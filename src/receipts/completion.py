@@ -11,9 +11,9 @@ the flusher lingers ``linger_seconds`` (50 ms) before each statement unless
 a full batch is already waiting or it is closing, so a busy worker writes about
 a hundred outcomes per statement instead of a handful: most of a
 statement's CPU (the round trip, the pool, the result) does not grow with its
-size — 20,000 deliveries took 800–1,000 statements instead of about 4,500
-(bench/README.md, "This round") — while a lease is a minute long. A batched ack is 2.6–7×
-faster than one ack per job on this kind of machine (docs/design.md §10).
+size (bench/README.md, "This round", counts the statements) — while a lease is a
+minute long. A batched ack is several times faster than one ack per job
+(docs/design.md §10).
 
 The flusher owns a write once it is handed in: nothing the delivery task
 does later (stop, abandon) affects it, and :meth:`Completer.close` flushes

@@ -12,7 +12,7 @@ provider answer                    verdict    reason label
 409 (same key still in progress)   retry      ``in_progress``
 429                                retry      ``rate_limited`` (Retry-After)
 5xx                                retry      ``provider_5xx`` (Retry-After)
-401, 403                           retry      ``auth_rejected`` (opens breaker)
+401, 403, 407 (proxy credentials)  retry      ``auth_rejected`` (opens breaker)
 other 4xx                          permanent  ``rejected``
 1xx/3xx (we never follow)          retry      ``unexpected_status``
 timeout (incl. hang after headers) retry      ``timeout`` (outcome unknown)
@@ -39,8 +39,10 @@ import httpx
 
 from receipts import tracing
 from receipts.model import Job, Outcome, Reason, Verdict
+from receipts.proxy import ProxyChoice
 from receipts.retry import parse_retry_after
-from receipts.transport import Http11Transport, ResponseBody
+from receipts.settings import redact_dsn
+from receipts.transport import AiohttpBody, AiohttpTransport
 
 MAX_BODY_BYTES = 64 * 1024
 #: Most time spent connecting (TCP and TLS), seconds (never more than the deadline).
@@ -77,7 +79,7 @@ def classify(status: int, headers: httpx.Headers, body: bytes) -> Outcome:
         return Outcome(retry, Reason.RATE_LIMITED, status, retry_after, "429 rate limited")
     if status >= 500:
         return Outcome(retry, Reason.PROVIDER_5XX, status, retry_after, f"{status} provider error")
-    if status in (401, 403):
+    if status in (401, 403, 407):  # 407: the egress proxy refused our proxy credentials
         detail = f"{status} credentials rejected"
         return Outcome(retry, Reason.AUTH_REJECTED, status, retry_after, detail)
     if 400 <= status < 500:
@@ -133,16 +135,16 @@ class TLSFileError(ValueError):
 
 
 class HttpDeliverer:
-    """Deliver receipts over HTTP: httpx requests and responses on a fast transport.
+    """Deliver receipts over HTTP: httpx requests and responses over aiohttp's client.
 
     Each delivery builds one ``httpx.Request`` and hands it to the transport
-    (by default :class:`~receipts.transport.Http11Transport`, whose module doc
-    says what it supports and how it fails); the answer is an
-    ``httpx.Response`` and failures are httpx's exceptions, classified by the
-    table of this module. ``httpx.AsyncClient`` is not used: its per-request
-    machinery (auth flow, redirects, cookies, event hooks) cost more CPU than
-    the whole exchange (bench/README.md) and does nothing this contract wants
-    (redirects are never followed, cookies never kept, proxies never read).
+    (by default :class:`~receipts.transport.AiohttpTransport`, whose module
+    doc says how it fails and when it sends a request again); the answer is
+    an ``httpx.Response`` and failures are httpx's exceptions, classified by
+    the table of this module. ``httpx.AsyncClient`` is not used: its
+    per-request machinery (auth flow, redirects, cookies, event hooks) costs
+    CPU and does nothing this contract wants (redirects are never followed,
+    cookies never kept; the proxy is chosen once, at start).
 
     The request: ``POST`` to *url* with ``Host``, ``User-Agent``, ``Accept:
     */*``, ``Content-Type: application/json``, ``Authorization`` (``Bearer``
@@ -160,6 +162,8 @@ class HttpDeliverer:
             default: the public CAs).
         transport: any ``httpx.AsyncBaseTransport`` instead of the default
             (tests and the benchmark pass ``httpx.AsyncHTTPTransport`` to compare).
+        proxy: the egress proxy (:func:`receipts.proxy.choose_proxy`, or its URL);
+            None: a direct connection. Only the default transport uses it.
     """
 
     def __init__(
@@ -171,16 +175,21 @@ class HttpDeliverer:
         max_connections: int = 100,
         tls: ssl.SSLContext | None = None,
         transport: httpx.AsyncBaseTransport | None = None,
+        proxy: ProxyChoice | str | None = None,
     ) -> None:
         self.url = url
         self.timeout_seconds = timeout_seconds
-        self._url = httpx.URL(url)
+        self.proxy = proxy if isinstance(proxy, ProxyChoice) else ProxyChoice(proxy, "argument")
+        given = httpx.URL(url)
+        # Credentials in the URL become the Authorization header below; the URL
+        # the client sees carries none (nor a fragment, never sent).
+        self._url = given.copy_with(userinfo=b"", fragment=None)
         connect = min(CONNECT_SECONDS, timeout_seconds)
         if transport is None:
             if tls is None and self._url.scheme == "https":
-                tls = tls_context()  # loads the CA bundle (~50 ms): only when needed
-            transport = Http11Transport(tls=tls, max_connections=max(1, max_connections),
-                                        connect_timeout_seconds=connect)
+                tls = tls_context()  # loads the CA bundle (costs CPU): only when needed
+            transport = AiohttpTransport(tls=tls, max_connections=max(1, max_connections),
+                                         connect_timeout_seconds=connect, proxy=self.proxy.url)
         self._transport = transport
         # The outer deadline bounds every phase; connect and pool keep their own.
         self._extensions = {"timeout": {"connect": connect, "read": None, "write": None,
@@ -193,10 +202,11 @@ class HttpDeliverer:
         ]
         if token:
             headers.append((b"Authorization", b"Bearer " + token.encode("utf-8")))
-        elif self._url.userinfo:
-            userpass = f"{self._url.username}:{self._url.password}".encode()
+        elif given.userinfo:
+            userpass = f"{given.username}:{given.password}".encode()
             headers.append((b"Authorization", b"Basic " + base64.b64encode(userpass)))
         self._headers = headers
+        self._secrets = self.proxy.secrets()
         if _TRACING:  # decided once: no extra coroutine per delivery without it
             self.deliver = self._traced_deliver  # type: ignore[method-assign]
 
@@ -225,6 +235,25 @@ class HttpDeliverer:
         return httpx.Request("POST", self._url, headers=headers, stream=httpx.ByteStream(body),
                              extensions=self._extensions)
 
+    async def reach(self) -> int:
+        """Send one ``OPTIONS`` request to the provider URL through the delivery transport
+        (the TLS settings, proxy and credentials a delivery uses; no body, no
+        idempotency key, so no receipt) and return the answer's HTTP status.
+
+        For ``receipts check`` (:mod:`receipts.check`). Raises ``TimeoutError`` when no
+        answer comes within the delivery timeout, and httpx's transport errors
+        (``httpx.ConnectError``, ``httpx.TransportError``, ...) when none can.
+        """
+        request = httpx.Request("OPTIONS", self._url, extensions=self._extensions,
+                                headers=[*self._headers, (b"Content-Length", b"0")])
+        async with asyncio.timeout(self.timeout_seconds):
+            response = await self._transport.handle_async_request(request)
+            await response.aclose()
+        return response.status_code
+
+    def _detail(self, exc: BaseException) -> str:
+        return _short(exc, self._secrets)
+
     async def _traced_deliver(self, job: Job) -> Outcome:
         return await tracing.traced_delivery(job, lambda: HttpDeliverer.deliver(self, job))
 
@@ -247,7 +276,7 @@ class HttpDeliverer:
                 response = await self._transport.handle_async_request(request)
                 stream = response.stream
                 if response.is_success:
-                    if isinstance(stream, ResponseBody) and stream.skip_buffered():
+                    if isinstance(stream, AiohttpBody) and stream.skip_buffered():
                         # The usual small 2xx: its body came with the head.
                         return Outcome(Verdict.DELIVERED, Reason.DELIVERED, response.status_code)
                     scope.reschedule(min(deadline, loop.time() + SUCCESS_BODY_SECONDS))
@@ -263,15 +292,15 @@ class HttpDeliverer:
                 return Outcome(Verdict.RETRY, Reason.TIMEOUT, None, None,
                                f"no answer within {self.timeout_seconds:g}s")
         except NOTHING_SENT as exc:
-            return Outcome(Verdict.RETRY, Reason.CONNECT_ERROR, None, None, _short(exc))
+            return Outcome(Verdict.RETRY, Reason.CONNECT_ERROR, None, None, self._detail(exc))
         except httpx.TimeoutException as exc:
             if response is None:
-                return Outcome(Verdict.RETRY, Reason.TIMEOUT, None, None, _short(exc))
+                return Outcome(Verdict.RETRY, Reason.TIMEOUT, None, None, self._detail(exc))
         except (httpx.TransportError, httpx.DecodingError) as exc:
             if response is None:
-                return Outcome(Verdict.RETRY, Reason.CONNECTION_LOST, None, None, _short(exc))
+                return Outcome(Verdict.RETRY, Reason.CONNECTION_LOST, None, None, self._detail(exc))
         except httpx.InvalidURL as exc:
-            return Outcome(Verdict.RETRY, Reason.CONNECT_ERROR, None, None, _short(exc))
+            return Outcome(Verdict.RETRY, Reason.CONNECT_ERROR, None, None, self._detail(exc))
         finally:
             if response is not None:
                 await response.aclose()
@@ -281,14 +310,20 @@ class HttpDeliverer:
         return classify(response.status_code, response.headers, bytes(data))
 
 
-#: Failures that happen before any byte of the request was sent.
-NOTHING_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout,
+#: Failures that happen before any byte of the request reached the provider
+#: (ProxyError: the egress proxy refused the tunnel).
+NOTHING_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.ProxyError,
                 httpx.UnsupportedProtocol, httpx.LocalProtocolError)
 
 #: JSON string literal of a str, ASCII only (the C function ``json.dumps`` uses).
 _quote: Callable[[str], str] = json.encoder.encode_basestring_ascii
 
 
-def _short(exc: BaseException) -> str:
-    text = str(exc).strip() or type(exc).__name__
+def _short(exc: BaseException, secrets: list[str]) -> str:
+    """``ExcType: message``, credentials masked (URL passwords and *secrets*), ≤ 200 chars."""
+    text = redact_dsn(str(exc).strip()) or type(exc).__name__
+    for secret in secrets:
+        text = text.replace(secret, "***")
+    # One printable line: a client's message may quote the server's bytes over lines.
+    text = " ".join("".join(ch if ch.isprintable() else " " for ch in text).split())
     return f"{type(exc).__name__}: {text}"[:200]

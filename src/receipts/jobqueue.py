@@ -94,7 +94,9 @@ class QueueStats:
     ``created_at``: retries do not restart it, so a provider outage that keeps
     rescheduling shows here and not in the lag);
     ``oldest_transaction_age_seconds`` the age of the oldest open transaction in
-    the database (the xmin horizon that slows claims, docs/design.md §10).
+    the database (the xmin horizon that slows claims, docs/design.md §10);
+    ``oldest_finished_age_seconds`` the time since the oldest done, failed or
+    discarded row finished (pruning keeps it within the retention).
     """
 
     ready_due: int
@@ -109,6 +111,7 @@ class QueueStats:
     oldest_undelivered_age_seconds: float
     discarded: int = 0
     xmin_age_by_holder: dict[str, int] = field(default_factory=dict)
+    oldest_finished_age_seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -246,7 +249,7 @@ class JobQueue:
                 params[key] = [storable(conn, t) for t in params[key]]
             cur = await conn.execute(query, params)
             # rownumber, not description: the latter builds a Column per column
-            # on every call (~15 µs for the claim's nine).
+            # on every call (bench/README.md has what that cost the claim).
             return await cur.fetchall() if cur.rownumber is not None else []
 
     async def claim(self, limit: int, *, probe: bool = False) -> ClaimResult:
@@ -434,6 +437,7 @@ class JobQueue:
             discarded=int(r[10]),
             xmin_age_by_holder={"transaction": int(r[11]), "prepared": int(r[12]),
                                 "replication_slot": int(r[13])},
+            oldest_finished_age_seconds=float(r[14]),
         )
 
     # ----------------------------------------------------------- review

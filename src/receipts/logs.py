@@ -6,7 +6,7 @@ structured fields passed through ``extra=``: job events use ``job_id``,
 ``order_id``, ``attempt``, ``token`` (first 8 characters only) and ``outcome``.
 
 ``event`` is a stable snake_case name for lines of the ``receipts`` loggers
-(the catalogue is in README.md, "Log events"). Lines of other loggers
+(the catalogue is in docs/operations.md, "Logs and their events"). Lines of other loggers
 (psycopg.pool, asyncio, aiohttp, …) get ``event: "library_message"`` and their
 prose, whitespace folded onto one line, in ``message``: a library's wording
 never becomes an event name.

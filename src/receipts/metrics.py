@@ -42,7 +42,7 @@ DELIVERY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 1, 2, 5, 10, 
 STATEMENT_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1, 5)
 BATCH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500)
 # Enqueue → delivered: sub-second when healthy, minutes through retries, hours
-# through a provider outage (the retry cap is 15 min, a provider pause up to 10).
+# through a provider outage (the retry cap is 15 min, a provider pause up to 5 by default).
 TIME_TO_RECEIPT_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800,
                            3600, 7200, 14400, 28800, 86400)
 
@@ -160,6 +160,11 @@ class Metrics:
             "Seconds since the oldest ready or running job was enqueued (0 when none); "
             "unlike the lag, a retry does not restart it.", registry=r,
         )
+        self.oldest_finished = Gauge(
+            "receipts_oldest_finished_age_seconds",
+            "Seconds since the oldest done, failed or discarded row finished (0 when none); "
+            "pruning keeps it within the retention.", registry=r,
+        )
         self.jobs = Gauge("receipts_jobs", "Rows by state.", ["state"], registry=r)
         self.xmin_horizon_age = Gauge(
             "receipts_xmin_horizon_age_transactions",
@@ -218,6 +223,7 @@ class Metrics:
         self.jobs.labels(JobState.DISCARDED).set(stats.discarded)
         self.oldest_transaction.set(stats.oldest_transaction_age_seconds)
         self.oldest_undelivered.set(stats.oldest_undelivered_age_seconds)
+        self.oldest_finished.set(stats.oldest_finished_age_seconds)
         for holder, age in stats.xmin_age_by_holder.items():
             self.xmin_horizon_age.labels(holder).set(age)
         self.dead_tuples.set(stats.dead_tuples)

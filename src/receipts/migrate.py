@@ -237,6 +237,11 @@ def _refuse_second_queue(conn: psycopg.Connection[Any], schema: str) -> None:
 # ------------------------------------------------------------ schema version
 
 
+#: In a migration's file name, this marks a breaking change (a new major version): the
+#: schema it makes is no longer one an older version can run on. Migrations without it
+#: only add (expand-only), so older versions of the same major version run on the result.
+BREAKING_MARK = "_breaking_"
+
 _HAS_TRACKING = "SELECT to_regclass('{schema}.receipts_schema_migrations') IS NOT NULL"
 _APPLIED = "SELECT version, checksum FROM {schema}.receipts_schema_migrations ORDER BY version"
 # Where else a receipts schema lives (for the hint when *schema* has none).
@@ -282,11 +287,32 @@ class SchemaStatus:
         """True when the database has exactly the shipped migrations."""
         return not (self.pending or self.unknown or self.changed)
 
+    @property
+    def newer(self) -> bool:
+        """True when the database is this version's schema plus a later release's migrations
+        of the same major version: every shipped migration applied unchanged, and every
+        unknown one sorting after them without :data:`BREAKING_MARK` in its name.
+        Migrations only add within a major version, so this version runs on that schema
+        (what a ``helm rollback`` to it needs; docs/design.md, Upgrades and rollbacks)."""
+        return bool(self.unknown) and not (self.pending or self.changed) and all(
+            version > (self.expected or "") and BREAKING_MARK not in version
+            for version in self.unknown)
+
+    @property
+    def usable(self) -> bool:
+        """True when this version can run on the schema: :attr:`current` or :attr:`newer`."""
+        return self.current or self.newer
+
     def describe(self) -> str:
         """One line: the version and, when not current, what differs and what to do."""
         from receipts import __version__
 
         ours = f"receipts {__version__}"
+        if self.newer:
+            return (f"schema version {self.version}, newer than {ours} ({self.expected}) by "
+                    f"{len(self.unknown)} migration(s) of a later release "
+                    f"({', '.join(self.unknown)}); {ours} runs on it (migrations only add "
+                    "within a major version)")
         if self.unknown:
             return (f"schema version {self.version} has migration(s) {ours} does not know "
                     f"({', '.join(self.unknown)}): the database was migrated by a newer "
@@ -368,15 +394,17 @@ def check_schema(
     conn: psycopg.Connection[Any], *, migrations: list[Migration] | None = None,
     schema: str = "public",
 ) -> SchemaStatus:
-    """Return the :class:`SchemaStatus` when it is current; raise otherwise.
+    """Return the :class:`SchemaStatus` when this version can run on it; raise otherwise.
 
+    Usable (:attr:`SchemaStatus.usable`): exactly the shipped migrations, or those plus a
+    later release's of the same major version (expand-only, :attr:`SchemaStatus.newer`).
     Raises :class:`SchemaMismatch` (one line: :meth:`SchemaStatus.describe`)
     when migrations are pending, when the database has migrations this
-    package does not ship (a newer receipts migrated it) or when an applied
+    package does not ship that are not a later, non-breaking release's, or when an applied
     migration differs from the shipped file. psycopg errors propagate.
     """
     status = schema_status(conn, migrations=migrations, schema=schema)
-    if not status.current:
+    if not status.usable:
         raise SchemaMismatch(status.describe())
     return status
 
@@ -387,7 +415,7 @@ async def check_schema_async(
 ) -> SchemaStatus:
     """Async twin of :func:`check_schema`, for the worker's start-up."""
     status = await schema_status_async(conn, migrations=migrations, schema=schema)
-    if not status.current:
+    if not status.usable:
         raise SchemaMismatch(status.describe())
     return status
 

@@ -14,6 +14,12 @@ The model, written out in docs/scaling.md:
   pods (so that KEDA's target, slots × utilisation, matches the in-flight
   jobs each pod carries at the planned rate), within the range the bench
   measured.
+* **Replicas**: the autoscaler may always add a pod (max > min), so a
+  backlog after an outage drains faster than it grew, at any rate.
+* **Memory** per pod follows its slots: a worker's resident set measured by
+  ``python -m bench.memory`` at 32, 400 and 1,000 slots fits
+  :data:`WORKER_RSS_BASE_BYTES` + :data:`WORKER_RSS_PER_SLOT_BYTES` × slots;
+  the request is that figure, the limit :data:`MEMORY_LIMIT_HEADROOM` times it.
 * **Connections** follow the chart's budget rule (pool + listener per pod,
   one extra draining pod in a rollout, recovery, migration, KEDA).
 * **The database**: the rate as a share of the claim+ack ceiling of one
@@ -51,6 +57,27 @@ MIN_CONCURRENCY = 8
 #: one process (500 slots, bench/README.md scenarios 2 and 7); more would be
 #: unmeasured.
 MAX_CONCURRENCY = 500
+
+#: A worker process's resident memory at rest, bytes: the intercept of the line through
+#: the peak resident sets ``python -m bench.memory`` measured at 32, 400 and 1,000 slots
+#: (``summary.model.base_bytes`` of ``bench/results/memory.json``; a test keeps them equal).
+WORKER_RSS_BASE_BYTES = 67_064_610
+
+#: What each delivery slot adds to a worker's resident memory while its delivery is in
+#: flight, bytes (``summary.model.per_slot_bytes`` of the same file: plain HTTP to the
+#: reference provider; TLS connections add their own buffers, which the headroom covers).
+WORKER_RSS_PER_SLOT_BYTES = 12_614
+
+#: Memory limit / measured peak. The bench's peak has every slot waiting on a plain-HTTP
+#: provider with small answers; in production a slot may also hold a TLS connection's
+#: buffers (~34 KiB) and an answer body being read (up to 64 KiB), and garbage waits for
+#: the collector: 500 slots × ~100 KiB is ~49 MiB on top of ~73 MiB measured, within 2×.
+#: An OOM-killed worker abandons every lease it holds, so the limit errs high; the
+#: request (what the scheduler reserves) stays the measured figure.
+MEMORY_LIMIT_HEADROOM = 2.0
+
+#: Memory figures are rounded up to this many bytes (Kubernetes quantities in Mi).
+MEMORY_STEP_BYTES = 16 * 1024 * 1024
 
 #: Database connections per worker pod: the chart's default pool (2) + the LISTEN connection.
 CONNECTIONS_PER_POD = 3
@@ -97,7 +124,10 @@ class Plan:
         pods_for_cpu: pods needed for the worker CPU at POD_CPU_CORES each.
         pods_for_slots: pods needed for the slots at MAX_CONCURRENCY each.
         concurrency: delivery slots per pod (config.concurrency).
-        min_replicas, max_replicas: the autoscaling range.
+        min_replicas, max_replicas: the autoscaling range; max > min always, so the
+            autoscaler can add a pod for a backlog whatever the rate.
+        memory_request_bytes: a pod's expected resident memory at its slots (bench).
+        memory_limit_bytes: its limit, MEMORY_LIMIT_HEADROOM × that, rounded up.
         keda_target: jobs due or in flight per pod KEDA aims for,
             floor(concurrency × utilisation), at least 1.
         connections: the chart's connection budget for this plan.
@@ -118,6 +148,8 @@ class Plan:
     concurrency: int
     min_replicas: int
     max_replicas: int
+    memory_request_bytes: int
+    memory_limit_bytes: int
     keda_target: int
     connections: int
     db_share: float
@@ -136,11 +168,13 @@ def plan(rate: float, latency_seconds: float, *,
     """Plan a fleet for *rate* receipts/s whose deliveries take *latency_seconds* each.
 
     The rate is the peak to carry; the result has a quarter more pods (at
-    least one) as headroom to drain a backlog after an outage and to lose a
-    pod, and at least two pods so that a rollout or one pod's loss never stops
-    delivery. *db_ceiling* is the claim+ack jobs/s one queue database
-    sustains (default: the bench's 2-vCPU PostgreSQL; measure your own with
-    the bench's raw scenario). *cpu_per_delivery_seconds* is the worker CPU
+    least one, and always more than the minimum) as headroom to drain a
+    backlog after an outage and to lose a pod, and at least two pods so that a
+    rollout or one pod's loss never stops delivery. Each pod's memory request
+    and limit follow from its slots and the bench's memory figures.
+    *db_ceiling* is the claim+ack jobs/s one queue database sustains
+    (default: the bench's 2-vCPU PostgreSQL; measure your own with the
+    bench's raw scenario). *cpu_per_delivery_seconds* is the worker CPU
     one HTTP delivery costs (default: the bench's figure; ``bench/run.sh`` on
     your own nodes writes yours as
     ``summary.capacity.worker_cpu_us_per_http_delivery``). Raises
@@ -163,8 +197,9 @@ def plan(rate: float, latency_seconds: float, *,
     pods_for_slots = max(1, math.ceil(slots_total / MAX_CONCURRENCY))
     pods = max(pods_for_cpu, pods_for_slots)
     concurrency = min(MAX_CONCURRENCY, max(MIN_CONCURRENCY, math.ceil(slots_total / pods)))
-    max_replicas = max(2, pods + max(1, math.ceil(pods / 4)))
     min_replicas = 2
+    max_replicas = max(min_replicas + 1, pods + max(1, math.ceil(pods / 4)))
+    rss = WORKER_RSS_BASE_BYTES + WORKER_RSS_PER_SLOT_BYTES * concurrency
     keda_target = max(1, math.floor(concurrency * utilisation))
     connections = (max_replicas + 1) * CONNECTIONS_PER_POD + CONNECTIONS_OTHER
     return Plan(
@@ -181,11 +216,22 @@ def plan(rate: float, latency_seconds: float, *,
         concurrency=concurrency,
         min_replicas=min_replicas,
         max_replicas=max_replicas,
+        memory_request_bytes=_round_up(rss, MEMORY_STEP_BYTES),
+        memory_limit_bytes=_round_up(rss * MEMORY_LIMIT_HEADROOM, MEMORY_STEP_BYTES),
         keda_target=keda_target,
         connections=connections,
         db_share=release_rate / db_ceiling,
         wal_bytes_per_second=release_rate * WAL_BYTES_PER_JOB,
     )
+
+
+def _round_up(value: float, step: int) -> int:
+    return math.ceil(value / step) * step
+
+
+def _mi(value: int) -> str:
+    """Bytes as a Kubernetes quantity in Mi."""
+    return f"{value // (1024 * 1024)}Mi"
 
 
 def _check(option: str, value: float, *, upper: float) -> None:
@@ -205,6 +251,9 @@ def helm_values(p: Plan) -> str:
         "  resources:\n"
         "    requests:\n"
         f"      cpu: {millicores}m\n"
+        f"      memory: {_mi(p.memory_request_bytes)}\n"
+        "    limits:\n"
+        f"      memory: {_mi(p.memory_limit_bytes)}\n"
         "autoscaling:\n"
         "  enabled: true\n"
         f"  minReplicas: {p.min_replicas}\n"
@@ -244,7 +293,11 @@ def describe(p: Plan) -> str:
         f"slots at ≤ {MAX_CONCURRENCY} each)",
         f"concurrency        {p.concurrency} slots per pod",
         f"replicas           min {p.min_replicas}, max {p.max_replicas} "
-        "(+25 % headroom, at least 1 pod)",
+        "(+25 % headroom, at least 1 pod more than min)",
+        f"memory             {_mi(p.memory_request_bytes)} per pod, limit "
+        f"{_mi(p.memory_limit_bytes)} (bench: "
+        f"{WORKER_RSS_BASE_BYTES / 2**20:.0f} MiB + {WORKER_RSS_PER_SLOT_BYTES / 1024:.0f} KiB"
+        f" × {p.concurrency} slots; × {MEMORY_LIMIT_HEADROOM:g} for the limit)",
         f"KEDA target        {p.keda_target} jobs due or in flight per pod "
         "(slots × utilisation)",
         f"DB connections     {p.connections} = ({p.max_replicas} + 1 draining) × "

@@ -20,10 +20,14 @@ import asyncio
 import contextlib
 import time
 from dataclasses import asdict, dataclass
+from typing import TYPE_CHECKING
 
 from receipts.jobqueue import JobQueue
 from receipts.logs import get_logger
 from receipts.settings import Settings
+
+if TYPE_CHECKING:
+    from prometheus_client import CollectorRegistry
 
 log = get_logger("recovery")
 
@@ -89,8 +93,8 @@ async def run_once(queue: JobQueue, settings: Settings) -> RecoveryReport:
     return report
 
 
-def push_report(report: RecoveryReport, gateway_url: str, *, job: str = "receipts-recover") -> None:
-    """Push *report* to a Prometheus Pushgateway, replacing the group ``job``.
+def report_registry(report: RecoveryReport) -> CollectorRegistry:
+    """A fresh registry holding *report* as the gauges :func:`push_report` sends.
 
     Every figure is this sweep's alone and the next push replaces it, so all are
     gauges named for the last sweep (``max``/``last_over_time`` read them;
@@ -101,11 +105,8 @@ def push_report(report: RecoveryReport, gateway_url: str, *, job: str = "receipt
       ``receipts_recovery_last_sweep_pruned_rows`` (rows),
       ``receipts_recovery_last_sweep_duration_seconds``;
     * ``receipts_recovery_last_success_timestamp_seconds``: Unix time of the push.
-
-    Raises ``OSError`` (``urllib.error.URLError`` included) when the gateway
-    cannot be reached or refuses the push.
     """
-    from prometheus_client import CollectorRegistry, Gauge, push_to_gateway
+    from prometheus_client import CollectorRegistry, Gauge
 
     registry = CollectorRegistry()
     expired = Gauge("receipts_recovery_last_sweep_expired_leases",
@@ -124,7 +125,19 @@ def push_report(report: RecoveryReport, gateway_url: str, *, job: str = "receipt
           registry=registry).set(report.duration_seconds)
     Gauge("receipts_recovery_last_success_timestamp_seconds",
           "Unix time the last recovery sweep finished.", registry=registry).set_to_current_time()
-    push_to_gateway(gateway_url, job=job, registry=registry, timeout=10)
+    return registry
+
+
+def push_report(report: RecoveryReport, gateway_url: str, *, job: str = "receipts-recover") -> None:
+    """Push *report* (the gauges of :func:`report_registry`) to a Prometheus Pushgateway,
+    replacing the group ``job``.
+
+    Raises ``OSError`` (``urllib.error.URLError`` included) when the gateway
+    cannot be reached or refuses the push.
+    """
+    from prometheus_client import push_to_gateway
+
+    push_to_gateway(gateway_url, job=job, registry=report_registry(report), timeout=10)
 
 
 def push_if_configured(report: RecoveryReport, settings: Settings) -> bool:

@@ -13,8 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import os
 import signal
-from collections.abc import AsyncIterator, Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
@@ -44,10 +45,10 @@ STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 #: The cyclic garbage collector's youngest-generation threshold in a running
 #: worker (CPython's default is 700). Nearly everything a delivery allocates is
 #: freed by reference counting, but one claim's burst of tasks, futures and
-#: coroutines crossed 700 live objects so often that collections ran ~25 times
-#: per 1,000 deliveries and cost ~30 µs of CPU per delivery (13 % of the
-#: 400-slot drain, measured with gc.callbacks; bench/README.md). At 10,000 they
-#: run about once per 10,000 deliveries and collect the same cycles.
+#: coroutines crossed 700 live objects so often that collections ran every few
+#: dozen deliveries and took a visible share of each one's CPU (timed with
+#: gc.callbacks; the figures are in bench/README.md). At 10,000 they run about
+#: once per 10,000 deliveries and collect the same cycles.
 GC_GEN0_THRESHOLD = 10_000
 
 
@@ -87,14 +88,20 @@ def make_queue(settings: Settings, pool: AsyncConnectionPool, *,
     )
 
 
-def make_deliverer(settings: Settings) -> HttpDeliverer:
-    """The HTTP deliverer the settings describe (URL, timeout, token, slots).
+def make_deliverer(settings: Settings, environ: Mapping[str, str] | None = None
+                   ) -> HttpDeliverer:
+    """The HTTP deliverer the settings describe (URL, timeout, token, slots, proxy).
 
-    Raises :class:`~receipts.settings.SettingsError` naming the setting when a
-    TLS file (private CA, client certificate or key) holds no usable PEM data.
+    The egress proxy is ``RECEIPTS_PROVIDER_PROXY``, else the standard
+    ``*_PROXY``/``NO_PROXY`` variables of *environ* (default ``os.environ``,
+    read here once; :mod:`receipts.proxy`). Raises
+    :class:`~receipts.settings.SettingsError` naming the setting when a TLS
+    file (private CA, client certificate or key) holds no usable PEM data, or
+    when the proxy that applies is not a usable URL.
     """
+    proxy = settings.provider_proxy_choice(os.environ if environ is None else environ)
     token = settings.provider_token.get_secret_value() if settings.provider_token else None
-    # The CA bundle takes ~50 ms of CPU to load: only an https provider needs it.
+    # Loading the CA bundle costs CPU (bench/README.md): only an https provider needs it.
     tls = None
     if settings.provider_url.lower().startswith("https:"):
         try:
@@ -110,6 +117,7 @@ def make_deliverer(settings: Settings) -> HttpDeliverer:
         token=token,
         max_connections=settings.concurrency,
         tls=tls,
+        proxy=proxy,
     )
 
 
@@ -156,7 +164,7 @@ async def worker_runtime(
 def loop_factory(settings: Settings) -> Callable[[], asyncio.AbstractEventLoop]:
     """The event loop ``receipts worker`` runs on, as a factory for ``asyncio.Runner``.
 
-    ``RECEIPTS_EVENT_LOOP``: ``uvloop`` (libuv under asyncio's API: ~8 % less
+    ``RECEIPTS_EVENT_LOOP``: ``uvloop`` (libuv under asyncio's API: less
     worker CPU per HTTP delivery in the bench's interleaved 400-slot drains,
     bench/README.md; the extra ``uvloop``), ``asyncio`` (the standard
     library's selector loop), or ``auto`` (the default): uvloop when it can be
@@ -240,6 +248,8 @@ async def run_worker(settings: Settings, deliverer: Deliverer | None = None) -> 
             "synchronous_commit": "role setting" if settings.pgbouncer else (
                 settings.synchronous_commit),
             "event_loop": event_loop_name(),
+            # Which egress proxy the provider's requests take, credentials masked.
+            "proxy": settings.provider_proxy_choice(os.environ).describe(),
         })
         heartbeat = Heartbeat(
             Operations(runtime.pool, schema=settings.db_schema,
@@ -262,8 +272,11 @@ async def check_database(settings: Settings) -> None:
     Raises :class:`~receipts.errors.QueueError` for an encoding that cannot
     keep our text (:func:`receipts.db.check_encoding`) and
     :class:`~receipts.migrate.SchemaMismatch` for a schema this version does
-    not know: migrations it does not ship (a newer receipts migrated the
-    database) or an applied migration that differs from the shipped file.
+    not know: migrations it does not ship that are not a later release's of the
+    same major version, or an applied migration that differs from the shipped
+    file. A later release's schema is accepted with a ``schema_newer`` warning:
+    migrations only add within a major version, and a ``helm rollback`` runs
+    this version on the schema the newer one left (docs/design.md).
     Pending migrations are not refused: the migration hook may still be
     running, and the worker waits (claims fail with "run receipts migrate")
     until it has. An unreachable database is not refused either: the worker
@@ -280,8 +293,10 @@ async def check_database(settings: Settings) -> None:
         except Exception as exc:  # psycopg errors reading the tracking table: judge later
             log.debug("schema_status_unread", extra={"error": str(exc)[:200]})
             return
-        if status.unknown or status.changed:
+        if status.changed or (status.unknown and not status.newer):
             raise SchemaMismatch(status.describe())
+        if status.newer:
+            log.warning("schema_newer", extra={"detail": status.describe()})
         if not status.applied:  # says where it looked, and where the tables are instead
             log.warning("schema_missing", extra={"detail": status.describe()})
 

@@ -10,9 +10,10 @@ down; nothing in the package reads the environment on its own.
 
 from __future__ import annotations
 
+import os
 import re
 from collections.abc import Mapping
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -25,6 +26,9 @@ from pydantic import (
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 from receipts.statements import DEFAULT_SCHEMA, SCHEMA_NAME, SCHEMA_RULE
+
+if TYPE_CHECKING:
+    from receipts.proxy import ProxyChoice
 
 ENV_PREFIX = "RECEIPTS_"
 MASK = "***"
@@ -199,6 +203,11 @@ class Settings(BaseSettings):
     provider_token: SecretStr | None = Field(
         default=None, description="Bearer token sent to the provider, if any."
     )
+    provider_proxy: SecretStr | None = Field(
+        default=None,
+        description="http://[user:password@]host:port of the egress proxy for the provider; "
+                    "wins over HTTPS_PROXY/HTTP_PROXY/NO_PROXY (secret: may hold credentials).",
+    )
     provider_ca_file: str | None = Field(
         default=None,
         description="PEM bundle of the CA(s) that sign an https provider's certificate "
@@ -210,7 +219,8 @@ class Settings(BaseSettings):
     provider_client_key_file: str | None = Field(
         default=None, description="PEM key of the client certificate (if not in the same file).",
     )
-    concurrency: int = Field(default=32, ge=1, le=10_000, description="Delivery slots.")
+    concurrency: int = Field(default=32, ge=1, le=10_000,
+                             description="Delivery slots per worker process.")
     lease_seconds: float = Field(default=60.0, gt=0, le=86_400)
     lease_margin_seconds: float | None = Field(
         default=None, ge=0, le=3_600,
@@ -220,7 +230,8 @@ class Settings(BaseSettings):
     delivery_timeout_seconds: float = Field(default=10.0, gt=0, le=3_600)
     poll_interval_seconds: float = Field(default=1.0, gt=0, le=3_600)
     claim_batch_max: int = Field(default=100, ge=1, le=1_000)
-    metrics_port: int = Field(default=9464, ge=0, le=65_535, description="0 disables.")
+    metrics_port: int = Field(default=9464, ge=0, le=65_535,
+                              description="Port of /metrics, /healthz and /readyz; 0 disables.")
     log_level: LogLevel = "INFO"
     pool_max_size: int = Field(default=2, ge=1, le=100)
     listen_notify: bool = True
@@ -274,7 +285,7 @@ class Settings(BaseSettings):
     )
     event_loop: Literal["auto", "asyncio", "uvloop"] = Field(
         default="auto",
-        description="The worker's event loop: 'uvloop' (the extra `uvloop`; ~8 % less "
+        description="The worker's event loop: 'uvloop' (the extra `uvloop`; less "
                     "CPU per delivery), 'asyncio' (the standard library's), or 'auto': "
                     "uvloop when it is installed, else asyncio.",
     )
@@ -356,7 +367,8 @@ class Settings(BaseSettings):
                              "unquoted names to lower case")
         return value
 
-    @field_validator("provider_token", "ui_admin_token", "ui_viewer_token", mode="before")
+    @field_validator("provider_token", "ui_admin_token", "ui_viewer_token", "provider_proxy",
+                     mode="before")
     @classmethod
     def _empty_token_is_none(cls, value: object) -> object:
         if isinstance(value, str) and not value.strip():
@@ -376,9 +388,19 @@ class Settings(BaseSettings):
     def _valid_url(cls, value: str) -> str:
         if not value.strip():
             return ""
-        parts = urlsplit(value)
-        if parts.scheme not in ("http", "https") or not parts.hostname:
-            raise ValueError("must be an http:// or https:// URL with a host")
+        check_provider_url(value)
+        return value
+
+    @field_validator("provider_proxy")
+    @classmethod
+    def _valid_proxy(cls, value: SecretStr | None) -> SecretStr | None:
+        if value is not None:
+            from receipts.proxy import ProxyConfigError, check_proxy_url
+
+            try:
+                check_proxy_url(value.get_secret_value(), "proxy")
+            except ProxyConfigError as exc:
+                raise ValueError(str(exc).removeprefix("proxy: ")) from None
         return value
 
     @field_validator("provider_ca_file", "provider_client_cert_file",
@@ -519,21 +541,63 @@ class Settings(BaseSettings):
         for token in (self.provider_token, self.ui_admin_token, self.ui_viewer_token):
             if token is not None:
                 found.append(token.get_secret_value())
+        if self.provider_proxy is not None:
+            from receipts.proxy import ProxyChoice
+
+            found += ProxyChoice(self.provider_proxy.get_secret_value()).secrets()
         return [s for s in found if s]
 
+    def provider_proxy_choice(self, environ: Mapping[str, str]) -> ProxyChoice:
+        """The egress proxy for the provider (:func:`receipts.proxy.choose_proxy`):
+        ``RECEIPTS_PROVIDER_PROXY``, else the standard variables of *environ*.
 
-def check_worker_settings(settings: Settings) -> None:
+        Raises :class:`SettingsError` naming the variable when the proxy that
+        applies is not usable (the message never holds its credentials).
+        """
+        from receipts.proxy import ProxyConfigError, choose_proxy
+
+        setting = self.provider_proxy.get_secret_value() if self.provider_proxy else None
+        try:
+            return choose_proxy(self.provider_url, setting=setting, environ=environ)
+        except ProxyConfigError as exc:
+            raise SettingsError(str(exc)) from None
+
+
+def check_worker_settings(settings: Settings, environ: Mapping[str, str] | None = None) -> None:
     """Raise :class:`SettingsError` unless *settings* can run a worker.
 
     A worker needs ``RECEIPTS_PROVIDER_URL``: without it there is nowhere to
     deliver, and guessing (a localhost default) would retry every job into
-    failure. Other commands (migrate, recover, jobs) do not need it.
+    failure. Other commands (migrate, recover, jobs) do not need it. The
+    egress proxy that applies to the provider (``RECEIPTS_PROVIDER_PROXY``, or
+    the standard ``*_PROXY`` variables of *environ*, default ``os.environ``)
+    must be usable too, so a bad one stops the worker at start.
     """
     if not settings.provider_url:
         raise SettingsError(
             f"{ENV_PREFIX}PROVIDER_URL: is required by the worker and not set "
             "(the receipt provider's http:// or https:// endpoint)"
         )
+    settings.provider_proxy_choice(os.environ if environ is None else environ)
+
+
+def check_provider_url(url: str) -> None:
+    """Raise ``ValueError`` unless *url* is an ``http://`` or ``https://`` URL with a
+    host and, if given, a port from 1 to 65535. The message never echoes *url*
+    (it may carry credentials)."""
+    try:
+        parts = urlsplit(url.strip())
+        port = parts.port
+    except ValueError:
+        raise ValueError("has an invalid port (a number from 1 to 65535) or host") from None
+    if parts.scheme.lower() not in ("http", "https"):
+        raise ValueError("must be an http:// or https:// URL")
+    if not parts.hostname:
+        raise ValueError("must be an http:// or https:// URL with a host")
+    if port == 0:
+        raise ValueError("has an invalid port (a number from 1 to 65535)")
+    if any(ch.isspace() or ord(ch) < 0x20 or ord(ch) == 0x7F for ch in url.strip()):
+        raise ValueError("contains whitespace or control characters")
 
 
 def check_ui_settings(settings: Settings) -> None:

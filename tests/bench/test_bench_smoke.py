@@ -51,3 +51,19 @@ def test_the_console_benchmark_runs_end_to_end(tmp_path):
     assert doc["shared_reading"]["readings"] == 2
     assert doc["heartbeats"]["hot_share"] == 1.0
     assert doc["bulk_retry"]["rows"] == 3000 and doc["bulk_retry"]["batches"] >= 2
+
+
+def test_the_memory_bench_runs_end_to_end_and_fits_its_line(tmp_path):
+    out = tmp_path / "memory.json"
+    env = {**os.environ, "XDG_RUNTIME_DIR": os.environ.get("XDG_RUNTIME_DIR", "/tmp")}
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.memory", "--slots", "4,16", "--rounds", "1",
+         "--jobs-per-slot", "1", "--latency-ms", "200", "--out", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=170,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert [run["slots"] for run in doc["runs"]] == [4, 16]
+    assert all(run["peak_mib"] >= run["idle_mib"] > 0 for run in doc["runs"])
+    assert {"base_bytes", "per_slot_bytes"} <= set(doc["summary"]["model"])
+    assert "KiB × slots" in result.stdout

@@ -26,11 +26,16 @@ import yaml
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "helm" / "receipts"
 CI_VALUES = sorted((CHART / "ci").glob("*-values.yaml"))
+# What every install must give (image, DSN): rendered under every other values file.
+REQUIRED_VALUES = Path(__file__).resolve().parent / "required-values.yaml"
 RULES_FILE = REPO / "deploy" / "prometheus" / "receipts.rules.yaml"
+#: The same rules rendered with alerts.kubeStateMetrics=true: the default file plus the
+#: alerts that read kube-state-metrics (for Prometheus setups that scrape it).
+KSM_RULES_FILE = REPO / "deploy" / "prometheus" / "receipts.rules.kube-state-metrics.yaml"
 RULES_TEST_FILE = REPO / "deploy" / "prometheus" / "receipts.rules.test.yaml"
 DASHBOARD = CHART / "dashboards" / "receipts.json"
 DOCKERFILE = REPO / "Dockerfile"
-DEPLOY_DOC = REPO / "README.md"  # the alert runbook (runbook_url anchors point here)
+RUNBOOK_DIR = REPO / "docs" / "runbook"  # one page per alert: <alert lower case>/README.md
 # Upstream CRDs vendored in the repository (versions in crds/README.md).
 CRD_DIR = Path(__file__).resolve().parent / "crds"
 
@@ -101,12 +106,19 @@ def template(
     sets: tuple[str, ...] = (),
     kube_version: str | None = None,
     release: str = RELEASE,
+    *,
+    bare: bool = False,
 ) -> subprocess.CompletedProcess[str]:
-    """`helm template` of the chart (cached; the result is shared, do not mutate)."""
+    """`helm template` of the chart (cached; the result is shared, do not mutate).
+
+    The required values (REQUIRED_VALUES) come first unless *bare*: "the defaults" of these
+    tests are the chart's defaults plus the image and DSN every install must give.
+    """
     args = ["template", release, str(CHART), "--namespace", NAMESPACE]
     if kube_version:
         args += ["--kube-version", kube_version]
-    return helm(*args, *_value_args(values_files, sets))
+    first = () if bare else (REQUIRED_VALUES,)
+    return helm(*args, *_value_args((*first, *values_files), sets))
 
 
 def render(
@@ -115,7 +127,8 @@ def render(
     kube_version: str | None = None,
     release: str = RELEASE,
 ) -> list[dict[str, Any]]:
-    """Rendered manifests as dicts; AssertionError with helm's message when rendering fails."""
+    """Rendered manifests as dicts (the required values first, as in :func:`template`);
+    AssertionError with helm's message when rendering fails."""
     result = template(values_files, sets, kube_version, release)
     assert result.returncode == 0, f"helm template failed:\n{result.stderr}"
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
@@ -138,6 +151,8 @@ def pod_specs(docs: list[dict[str, Any]]) -> list[tuple[str, dict[str, Any]]]:
         name = f"{doc['kind']}/{doc['metadata']['name']}"
         if doc["kind"] in ("Deployment", "Job"):
             specs.append((name, doc["spec"]["template"]["spec"]))
+        elif doc["kind"] == "Pod":
+            specs.append((name, doc["spec"]))
         elif doc["kind"] == "CronJob":
             specs.append((name, doc["spec"]["jobTemplate"]["spec"]["template"]["spec"]))
     return specs
@@ -169,6 +184,17 @@ def default_rules_text() -> str:
     result = template((), ("prometheusOperator.enabled=true",))
     assert result.returncode == 0, result.stderr
     return RULES_HEADER + rules_spec_text(result.stdout)
+
+
+def kube_state_metrics_rules_text() -> str:
+    """The rule file with ``alerts.kubeStateMetrics=true`` (every other value a default)."""
+    result = template((), ("prometheusOperator.enabled=true", "alerts.kubeStateMetrics=true"))
+    assert result.returncode == 0, result.stderr
+    header = RULES_HEADER.replace(
+        "with the chart's default values",
+        "with the chart's default values and\n# alerts.kubeStateMetrics=true (Prometheus "
+        "scrapes kube-state-metrics)")
+    return header + rules_spec_text(result.stdout)
 
 
 @functools.cache
@@ -212,7 +238,9 @@ def main(argv: list[str]) -> int:
     if argv[1:] == ["write-rules"]:
         RULES_FILE.parent.mkdir(parents=True, exist_ok=True)
         RULES_FILE.write_text(default_rules_text())
-        print(f"wrote {RULES_FILE.relative_to(REPO)}")
+        KSM_RULES_FILE.write_text(kube_state_metrics_rules_text())
+        for path in (RULES_FILE, KSM_RULES_FILE):
+            print(f"wrote {path.relative_to(REPO)}")
         return 0
     print(__doc__)
     return 2

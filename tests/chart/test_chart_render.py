@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ from chartkit import (
     NAMESPACE,
     OLDEST_KUBE_VERSION,
     RELEASE,
+    REQUIRED_VALUES,
     by_kind,
     crd_schema,
     helm,
@@ -55,7 +57,7 @@ def test_ci_scenarios_cover_the_documented_cases() -> None:
 
 @pytest.mark.parametrize("values", SCENARIOS, ids=SCENARIO_IDS)
 def test_helm_lint_strict_is_clean(values: tuple[Path, ...]) -> None:
-    args = ["lint", "--strict", str(CHART)]
+    args = ["lint", "--strict", str(CHART), "-f", str(REQUIRED_VALUES)]
     for path in values:
         args += ["-f", str(path)]
     result = helm(*args)
@@ -272,7 +274,8 @@ def test_notes_show_the_same_budget_arithmetic_and_cite_no_document() -> None:
             "(pool 2 + listener 1)") in notes
     assert "+ recovery 1 + migration 1 + KEDA 0 + reserved 0" in notes
     assert "= 17 of 17 (connectionBudget.maxConnections)" in notes
-    assert "receipts jobs list --state failed" in notes
+    assert "receipts_jobs list --state failed" in notes
+    assert "helm test receipts -n shop --logs" in notes
     assert "port-forward svc/receipts 9464:9464" in notes
     assert "metrics-server" in notes  # the CPU HPA's limits are stated
     for citation in ("docs/", "§", "design", ".md"):
@@ -379,13 +382,14 @@ def test_a_delivery_timeout_longer_than_the_lease_allows_is_refused() -> None:
 @pytest.mark.parametrize("values", SCENARIOS, ids=SCENARIO_IDS)
 def test_no_container_runs_as_root_or_writes_its_root_filesystem(values: tuple[Path, ...]) -> None:
     specs = pod_specs(render(values))
-    assert {name.split("/")[0] for name, _ in specs} == {"Deployment", "CronJob", "Job"}
+    assert {name.split("/")[0] for name, _ in specs} == {"Deployment", "CronJob", "Job", "Pod"}
     for name, spec in specs:
         pod = spec["securityContext"]
         assert pod["runAsNonRoot"] is True, name
         assert pod["runAsUser"] > 0 and pod["runAsGroup"] > 0, name
         assert pod["seccompProfile"] == {"type": "RuntimeDefault"}, name
         assert spec["automountServiceAccountToken"] is False, name
+        assert spec["enableServiceLinks"] is False, name
         tmp = next(v for v in spec["volumes"] if v["name"] == "tmp")
         assert "emptyDir" in tmp, name
         for container in spec["containers"]:
@@ -540,6 +544,8 @@ def test_worker_deployment_wiring() -> None:
     assert "checksum/config" in pod["metadata"]["annotations"]
     for constraint in pod["spec"]["topologySpreadConstraints"]:
         assert constraint["labelSelector"]["matchLabels"] == selector
+        # Only the pods of the same rollout step count (the old ones are about to go).
+        assert constraint["matchLabelKeys"] == ["pod-template-hash"]
     pdb = one(docs, "PodDisruptionBudget")
     assert pdb["spec"]["selector"]["matchLabels"] == selector
     service = one(docs, "Service")
@@ -590,7 +596,7 @@ def test_defaults_render_no_custom_resources() -> None:
     kinds = {doc["kind"] for doc in render()}
     assert kinds == {
         "ServiceAccount", "Secret", "ConfigMap", "Service", "Deployment", "CronJob", "Job",
-        "HorizontalPodAutoscaler", "PodDisruptionBudget",
+        "HorizontalPodAutoscaler", "PodDisruptionBudget", "Pod",
     }
 
 
@@ -671,3 +677,36 @@ def test_pdb_lets_unhealthy_pods_be_evicted_where_kubernetes_knows_the_field() -
     assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"
     old = one(render((), (), "1.25.0"), "PodDisruptionBudget")
     assert "unhealthyPodEvictionPolicy" not in old["spec"]
+
+
+def test_the_default_image_tag_is_the_version_the_chart_ships_with() -> None:
+    import receipts
+
+    chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    assert chart["appVersion"] == receipts.__version__
+    image = one(render(), "Deployment")["spec"]["template"]["spec"]["containers"][0]["image"]
+    assert image == f"registry.shop.internal/receipts:{receipts.__version__}"
+
+
+def test_every_values_key_has_a_comment_above_it() -> None:
+    """Each key of values.yaml is documented by the comment right above it, or lies inside
+    a value documented as a whole (a `# --` comment above an ancestor: its default)."""
+    missing = []
+    stack: list[tuple[int, bool]] = []  # (indent, documented as a whole) of open ancestors
+    comment: list[str] = []  # the comment lines right above the current line
+    for number, line in enumerate((CHART / "values.yaml").read_text().splitlines(), 1):
+        stripped = line.strip()
+        if stripped.startswith("#"):
+            comment.append(stripped)
+            continue
+        key = re.match(r"^(\s*)(?:- )?([A-Za-z0-9_.-]+):", line)
+        if key:
+            indent = len(key[1])
+            while stack and stack[-1][0] >= indent:
+                stack.pop()
+            if not comment and not any(whole for _, whole in stack):
+                missing.append(f"{number}: {stripped}")
+            stack.append((indent, bool(comment) and comment[0].startswith("# --")))
+        if stripped:
+            comment = []
+    assert not missing, "keys without a comment above them:\n" + "\n".join(missing)

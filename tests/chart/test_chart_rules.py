@@ -1,21 +1,26 @@
-"""Alert rules: one source (the chart), valid PromQL, and a promtool unit test per alert."""
+"""Alert rules: one source (the chart), valid PromQL, a promtool unit test per alert, and
+every alert against a whole fleet, healthy and in each fault (alert_scenarios.yaml), for the
+defaults and for the monitoring values."""
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Any
 
+import alert_scenarios
 import pytest
 import yaml
 from chartkit import (
     CHART,
     CI_VALUES,
-    DEPLOY_DOC,
+    KSM_RULES_FILE,
     RULES_FILE,
     RULES_TEST_FILE,
+    RUNBOOK_DIR,
     default_rules_text,
     find_tool,
+    kube_state_metrics_rules_text,
+    render,
     rules_spec_text,
     run,
     template,
@@ -28,7 +33,27 @@ ALERTS = [
     if "alert" in rule
 ]
 
-# What the rules must cover.
+MONITORING = CHART / "ci" / "monitoring-values.yaml"
+PROFILES = {"defaults": (), "monitoring": (MONITORING,)}
+
+
+def profile_rules(profile: str) -> str:
+    """The rule file (spec text) the chart renders for a profile of alert_scenarios.yaml."""
+    result = template(PROFILES[profile], ("prometheusOperator.enabled=true",))
+    assert result.returncode == 0, result.stderr
+    return rules_spec_text(result.stdout)
+
+
+def alert_names(spec_text: str) -> list[str]:
+    return [r["alert"] for g in yaml.safe_load(spec_text)["groups"] for r in g["rules"]
+            if "alert" in r]
+
+
+# The alerts that read an exporter the defaults do not assume (kube-state-metrics).
+EXPORTER_ALERTS = {"ReceiptsReadyJobsGrowingAtMaxReplicas", "ReceiptsRecoveryNotRunning",
+                   "ReceiptsKubeStateMetricsMissing"}
+
+# What the rules must cover (with every exporter: the monitoring values).
 REQUIRED_ALERTS = {
     "ReceiptsQueueLagHigh",  # queue lag high
     "ReceiptsOldestUndeliveredTooOld",  # a job undelivered long after its enqueue (retries)
@@ -36,15 +61,25 @@ REQUIRED_ALERTS = {
     "ReceiptsJobsFailed",  # failure ratio over a window
     "ReceiptsStaleAcks",  # stale acks relative to acks
     "ReceiptsProviderPaused",  # provider paused (auth, outage, retry_after) for too long
+    "ReceiptsProviderRejecting",  # paused because the provider rejects nearly everything
+    "ReceiptsManualPauseLong",  # an operator's pause outlasting its expected time (info)
     "ReceiptsRateLimitSaturated",  # the provider's rate limit caps deliveries for long
     "ReceiptsDatabaseNotReady",  # workers whose database is unready
     "ReceiptsQueueStatsStale",  # queue gauges frozen (which silences the queue alerts)
     "ReceiptsExpiredLeasesNotRecovered",  # expired leases not being recovered
     "ReceiptsRecoveryNotRunning",  # recovery CronJob's last success too old
+    "ReceiptsPruningBehind",  # finished rows kept past the retention: pruning stopped
     "ReceiptsLongTransaction",  # the xmin horizon held back
     "ReceiptsXminHorizonHeld",  # ... by any holder: prepared transactions, replication slots
     "ReceiptsWorkersDown",  # no worker being scraped
+    "ReceiptsKubeStateMetricsMissing",  # the alerts that read kube-state-metrics are blind
 }
+
+
+def _rule(spec_text: str, alert: str) -> dict[str, Any]:
+    spec = yaml.safe_load(spec_text)
+    (rule,) = [r for g in spec["groups"] for r in g["rules"] if r.get("alert") == alert]
+    return rule
 
 
 def promtool(*args: str, cwd: Path | None = None) -> None:
@@ -59,9 +94,47 @@ def test_plain_rule_file_equals_the_chart_rules() -> None:
     )
 
 
+def test_kube_state_metrics_rule_file_equals_the_chart_rules() -> None:
+    assert KSM_RULES_FILE.read_text() == kube_state_metrics_rules_text(), (
+        f"{KSM_RULES_FILE.name} is out of date: run `python tests/chart/chartkit.py write-rules`"
+    )
+
+
 def test_the_required_alerts_exist() -> None:
-    assert set(ALERTS) >= REQUIRED_ALERTS
-    assert len(ALERTS) == len(set(ALERTS))
+    monitoring = alert_names(profile_rules("monitoring"))
+    assert set(monitoring) >= REQUIRED_ALERTS
+    assert len(monitoring) == len(set(monitoring))
+    # The defaults read the workers' own metrics only.
+    assert set(ALERTS) == REQUIRED_ALERTS - EXPORTER_ALERTS
+    assert "kube_" not in RULES_FILE.read_text()
+
+
+def test_the_rate_limit_alert_needs_a_rate_limit() -> None:
+    # receipts_provider_tokens is -1 without a limit: "< 1" alone fired by default.
+    expr = _rule(RULES_FILE.read_text(), "ReceiptsRateLimitSaturated")["expr"]
+    assert "min_over_time(receipts_provider_tokens" in expr and ">= 0" in expr
+
+
+@pytest.mark.parametrize("profile", sorted(PROFILES))
+def test_every_alert_in_a_healthy_fleet_and_in_each_fault(profile: str, tmp_path: Path) -> None:
+    """alert_scenarios.yaml: exactly the listed alerts fire at each check, for the profile."""
+    data = alert_scenarios.load()
+    spec_text = profile_rules(profile)
+    rendered = set(alert_names(spec_text))
+    checks = alert_scenarios.checks(data, profile)
+    named = set().union(*(c.firing for c in checks))
+    assert named <= rendered, f"scenarios name alerts the {profile} rules lack: {named - rendered}"
+    assert rendered <= named, f"alerts no scenario makes fire: {sorted(rendered - named)}"
+    healthy = [c for c in checks if c.scenario == "a healthy fleet"]
+    assert healthy and all(not c.firing for c in healthy)
+    _promtool_test(tmp_path, spec_text,
+                   alert_scenarios.promtool_tests(data, profile, "rules.yaml"))
+    silent = {name: sum(name not in c.firing for c in checks) for name in rendered}
+    fired = {name: sum(name in c.firing for c in checks) for name in rendered}
+    print(f"\n[{profile}] {len(rendered)} alerts, {len(checks)} checks in "
+          f"{len(data['scenarios'])} scenarios:")
+    for name in sorted(rendered):
+        print(f"  {name:45} fires in {fired[name]:2}, silent in {silent[name]:2}")
 
 
 def test_promtool_checks_the_plain_rule_file() -> None:
@@ -82,37 +155,69 @@ def test_promtool_checks_the_prometheus_rule_of_every_scenario(tmp_path: Path) -
     assert len(checked) >= 2, checked
 
 
+SCALED_TO_ZERO_TESTS = """\
+rule_files: [rules.yaml]
+evaluation_interval: 1m
+tests:
+  - name: scaled to zero, no target at all, is not an outage
+    interval: 1m
+    input_series:
+      - series: 'up{job="other",namespace="shop"}'
+        values: '1x30'
+    alert_rule_test:
+      - {eval_time: 20m, alertname: ReceiptsWorkersDown, exp_alerts: []}
+  - name: pods that exist but never answer a scrape are
+    interval: 1m
+    input_series:
+      - series: 'up{job="receipts",namespace="shop",pod="w-1"}'
+        values: '0x30'
+    alert_rule_test:
+      - eval_time: 20m
+        alertname: ReceiptsWorkersDown
+        exp_alerts: [{exp_labels: {severity: critical, job: receipts, namespace: shop}}]
+"""
+
+
 def test_scale_to_zero_rules_do_not_page_when_workers_are_scaled_away(tmp_path: Path) -> None:
-    result = template((CHART / "ci" / "keda-values.yaml",))
+    keda = (CHART / "ci" / "keda-values.yaml",)
+    # With kube-state-metrics: only while the Deployment wants pods.
+    result = template(keda, ("alerts.kubeStateMetrics=true",))
     assert result.returncode == 0, result.stderr
-    spec = yaml.safe_load(rules_spec_text(result.stdout))
-    (down,) = [r for g in spec["groups"] for r in g["rules"] if r["alert"] == "ReceiptsWorkersDown"]
-    assert "kube_deployment_spec_replicas" in down["expr"]
-
-
-def _rule(spec_text: str, alert: str) -> dict[str, Any]:
-    spec = yaml.safe_load(spec_text)
-    (rule,) = [r for g in spec["groups"] for r in g["rules"] if r.get("alert") == alert]
-    return rule
+    with_ksm = rules_spec_text(result.stdout)
+    assert "kube_deployment_spec_replicas" in _rule(with_ksm, "ReceiptsWorkersDown")["expr"]
+    assert "ReceiptsKubeStateMetricsMissing" in alert_names(with_ksm)
+    # Without it: only when worker targets exist and none answers.
+    result = template(keda)
+    assert result.returncode == 0, result.stderr
+    without = rules_spec_text(result.stdout)
+    expr = _rule(without, "ReceiptsWorkersDown")["expr"]
+    assert "kube_" not in expr and "absent" not in expr
+    assert "ReceiptsKubeStateMetricsMissing" not in alert_names(without)
+    _promtool_test(tmp_path, without, SCALED_TO_ZERO_TESTS)
 
 
 def test_no_rule_depends_on_a_replica_count() -> None:
-    default = template((), ("prometheusOperator.enabled=true",))
-    other = template((), ("prometheusOperator.enabled=true", "autoscaling.maxReplicas=3",
-                          "autoscaling.minReplicas=2", "worker.replicaCount=2"))
+    default = template((MONITORING,), ("prometheusOperator.enabled=true",))
+    other = template((MONITORING,), ("prometheusOperator.enabled=true",
+                                     "autoscaling.maxReplicas=3", "autoscaling.minReplicas=2",
+                                     "worker.replicaCount=2"))
     assert default.returncode == 0 and other.returncode == 0, default.stderr + other.stderr
     assert rules_spec_text(default.stdout) == rules_spec_text(other.stdout)
-    growing = _rule(RULES_FILE.read_text(), "ReceiptsReadyJobsGrowingAtMaxReplicas")["expr"]
+    growing = _rule(rules_spec_text(default.stdout),
+                    "ReceiptsReadyJobsGrowingAtMaxReplicas")["expr"]
     assert "kube_horizontalpodautoscaler_spec_max_replicas" in growing
     assert "up{" not in growing
 
 
-def _promtool_test(tmp_path: Path, spec_text: str, tests: str) -> None:
-    """promtool unit *tests* of the rendered rules' expressions (annotations left out)."""
+def _promtool_test(tmp_path: Path, spec_text: str, tests: str, *,
+                   annotations: bool = False) -> None:
+    """promtool unit *tests* of the rendered rules (their annotations left out unless
+    *annotations*)."""
     spec = yaml.safe_load(spec_text)
     for group in spec["groups"]:
         for rule in group["rules"]:
-            rule.pop("annotations", None)
+            if not annotations:
+                rule.pop("annotations", None)
     (tmp_path / "rules.yaml").write_text(yaml.safe_dump(spec))
     (tmp_path / "rules.test.yaml").write_text(tests)
     promtool("test", "rules", "rules.test.yaml", cwd=tmp_path)
@@ -131,6 +236,15 @@ tests:
       - eval_time: 20m
         alertname: ReceiptsRecoveryNotRunning
         exp_alerts: [{exp_labels: {severity: warning, job: receipts-recover}}]
+  - interval: 1m
+    input_series:
+      - series: 'up{job="pushgateway"}'
+        values: '1x30'
+    alert_rule_test:
+      # Never pushed, or the Pushgateway not scraped: the alert cannot see recovery.
+      - eval_time: 10m
+        alertname: ReceiptsRecoveryNotRunning
+        exp_alerts: [{exp_labels: {severity: warning}}]
   - interval: 1m
     input_series:
       - series: 'receipts_recovery_last_success_timestamp_seconds{job="receipts-recover"}'
@@ -153,8 +267,38 @@ def test_recovery_success_can_be_read_from_the_pushgateway_instead(tmp_path: Pat
     _promtool_test(tmp_path, spec_text, PUSHGATEWAY_TESTS)
 
 
+def test_recovery_success_is_read_where_the_values_say_it_is() -> None:
+    def source(*sets: str) -> str:
+        result = template((), ("prometheusOperator.enabled=true", *sets))
+        assert result.returncode == 0, result.stderr
+        spec_text = rules_spec_text(result.stdout)
+        if "ReceiptsRecoveryNotRunning" not in alert_names(spec_text):
+            return "not rendered"
+        expr = _rule(spec_text, "ReceiptsRecoveryNotRunning")["expr"]
+        return "kube-state-metrics" if "kube_cronjob" in expr else "pushgateway"
+
+    assert source() == "not rendered"  # neither exporter: nothing to read
+    assert source("alerts.kubeStateMetrics=true") == "kube-state-metrics"
+    assert source("config.pushgatewayUrl=http://pgw:9091") == "pushgateway"
+    assert source("config.pushgatewayUrl=http://pgw:9091",
+                  "alerts.kubeStateMetrics=true") == "pushgateway"
+    assert source("alerts.recoveryLastSuccessFrom=kube-state-metrics") == "kube-state-metrics"
+
+
+def test_the_recovery_alert_names_the_cronjob_as_rendered_for_any_release_name() -> None:
+    release = "checkout-receipts-eu-west-1-production-blue-green-ab"  # 52 characters
+    docs = render((), ("prometheusOperator.enabled=true", "alerts.kubeStateMetrics=true"),
+                  release=release)
+    (cron,) = [d for d in docs if d["kind"] == "CronJob"]
+    (rule,) = [d for d in docs if d["kind"] == "PrometheusRule"]
+    (recovery,) = [r for g in rule["spec"]["groups"] for r in g["rules"]
+                   if r["alert"] == "ReceiptsRecoveryNotRunning"]
+    assert f'cronjob="{cron["metadata"]["name"]}"' in recovery["expr"]
+
+
 def test_without_the_recovery_cronjob_there_is_no_recovery_success_alert() -> None:
-    result = template((), ("prometheusOperator.enabled=true", "recovery.enabled=false"))
+    result = template((), ("prometheusOperator.enabled=true", "recovery.enabled=false",
+                           "alerts.kubeStateMetrics=true"))
     assert result.returncode == 0, result.stderr
     spec = yaml.safe_load(rules_spec_text(result.stdout))
     alerts = {r["alert"] for g in spec["groups"] for r in g["rules"]}
@@ -183,6 +327,30 @@ tests:
 """
 
 
+def test_pruning_is_watched_only_when_it_runs() -> None:
+    result = template((), ("prometheusOperator.enabled=true", "config.retentionDays=7"))
+    assert result.returncode == 0, result.stderr
+    expr = _rule(rules_spec_text(result.stdout), "ReceiptsPruningBehind")["expr"]
+    assert "> 604800 + 7200" in expr  # 7 days + alerts.pruningBehindSeconds
+    result = template((), ("prometheusOperator.enabled=true", "config.retentionDays=0"))
+    assert result.returncode == 0, result.stderr
+    assert "ReceiptsPruningBehind" not in alert_names(rules_spec_text(result.stdout))
+
+
+KSM_TESTS = Path(__file__).resolve().parent / "kube-state-metrics.rules.test.yaml"
+
+
+def test_the_kube_state_metrics_alerts_fire_and_stay_silent(tmp_path: Path) -> None:
+    result = template((), ("prometheusOperator.enabled=true", "alerts.kubeStateMetrics=true"))
+    assert result.returncode == 0, result.stderr
+    spec_text = rules_spec_text(result.stdout)
+    tests = yaml.safe_load(KSM_TESTS.read_text())
+    named = {c["alertname"] for case in tests["tests"] for c in case["alert_rule_test"]}
+    assert named == {"ReceiptsReadyJobsGrowingAtMaxReplicas", "ReceiptsRecoveryNotRunning",
+                     "ReceiptsKubeStateMetricsMissing"}
+    _promtool_test(tmp_path, spec_text, KSM_TESTS.read_text(), annotations=True)
+
+
 def test_with_a_fixed_replica_count_growth_alone_is_enough(tmp_path: Path) -> None:
     result = template((), ("prometheusOperator.enabled=true", "autoscaling.enabled=false"))
     assert result.returncode == 0, result.stderr
@@ -209,17 +377,25 @@ def test_every_alert_has_a_firing_and_a_silent_unit_test() -> None:
     assert not missing_silent, f"no not-firing test for {sorted(missing_silent)}"
 
 
-@pytest.mark.parametrize("alert", ALERTS)
+@pytest.mark.parametrize("alert", sorted(REQUIRED_ALERTS))
 def test_every_alert_is_documented_with_a_runbook(alert: str) -> None:
-    rule = next(
-        r for g in yaml.safe_load(RULES_FILE.read_text())["groups"] for r in g["rules"]
-        if r.get("alert") == alert
-    )
-    assert rule["labels"]["severity"] in {"warning", "critical"}
+    rule = _rule(profile_rules("monitoring"), alert)
+    assert rule["labels"]["severity"] in {"info", "warning", "critical"}
     annotations = rule["annotations"]
     assert annotations["summary"] and annotations["description"]
-    anchor = annotations["runbook_url"].rsplit("#", 1)[1]
-    assert anchor == alert.lower()
-    headings = re.findall(r"^#+\s+(.+?)\s*$", DEPLOY_DOC.read_text(), flags=re.MULTILINE)
-    # Exactly one heading: a second one would move the anchor to `#…-1`.
-    assert headings.count(alert) == 1, f"README.md needs one runbook section titled {alert}"
+    # The default names no host: it is the page's folder in the repository, which is
+    # also its path on the built docs site (docs/runbook/index.md).
+    assert annotations["runbook_url"] == f"docs/runbook/{alert.lower()}/"
+    page = RUNBOOK_DIR / alert.lower() / "README.md"
+    assert page.exists(), f"{alert} needs a runbook page, {page} (python scripts/gen_docs.py)"
+    assert page.read_text().startswith(f"# {alert}\n")
+
+
+def test_runbook_links_follow_the_base_url_the_operator_sets() -> None:
+    base = "https://docs.example.internal/receipts/runbook/"
+    result = template((), ("prometheusOperator.enabled=true", f"alerts.runbookUrl={base}"))
+    assert result.returncode == 0, result.stderr
+    rules = [r for g in yaml.safe_load(rules_spec_text(result.stdout))["groups"]
+             for r in g["rules"] if "alert" in r]
+    assert {r["annotations"]["runbook_url"] for r in rules} == {
+        f"{base}{alert.lower()}/" for alert in ALERTS}

@@ -31,3 +31,23 @@ async def test_a_retry_restarts_the_lag_but_not_the_age_of_the_oldest_undelivere
 
     await queue.ack([(job.id, job.token) for job in claimed])
     assert (await queue.queue_stats()).oldest_undelivered_age_seconds == 0
+
+
+async def test_the_oldest_finished_row_is_what_pruning_keeps_within_the_retention(
+    dsn: str, queue: JobQueue
+) -> None:
+    assert (await queue.queue_stats()).oldest_finished_age_seconds == 0  # nothing finished
+    enqueue_many(dsn, ["done-old", "discarded-older", "done-new"])
+    claimed = await claim_jobs(queue, 10)
+    await queue.ack([(job.id, job.token) for job in claimed])
+    fetch_rows(dsn, "UPDATE receipt_jobs SET finished_at = now() - interval '2 days'"
+                    " WHERE order_id = 'done-old' RETURNING 1")
+    fetch_rows(dsn, "UPDATE receipt_jobs SET state = 'discarded',"
+                    " finished_at = now() - interval '3 days'"
+                    " WHERE order_id = 'discarded-older' RETURNING 1")
+    # A discarded row is pruned like a done one: it counts.
+    assert 3 * 86400 - 60 < (await queue.queue_stats()).oldest_finished_age_seconds < 3 * 86400 + 60
+
+    # Pruning with a one-day retention leaves only the new row.
+    assert await queue.prune(retention_seconds=86400, batch=100) == 2
+    assert 0 <= (await queue.queue_stats()).oldest_finished_age_seconds < 60

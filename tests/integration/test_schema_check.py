@@ -1,9 +1,10 @@
 """Schema version and check, and the SQL for teams that own their migrations.
 
 ``check_schema`` is what a worker calls at start-up: it must accept exactly
-the shipped migrations and refuse, in one line, a database with pending ones,
-with migrations it does not know (a newer receipts migrated it) or with an
-applied file that differs. ``receipts migrate --print-sql`` applied by psql
+the shipped migrations, and those plus a later release's (the rollback contract:
+migrations only add within a major version), and refuse, in one line, a database
+with pending ones, with a breaking or foreign migration it does not know, or with
+an applied file that differs. ``receipts migrate --print-sql`` applied by psql
 must give a database that passes the same check.
 """
 
@@ -98,13 +99,30 @@ def test_pending_migrations_are_refused_naming_them(empty_dsn):
     assert "\n" not in str(refused.value)
 
 
-def test_migrations_from_a_newer_version_are_refused(dsn):
+def test_a_later_release_s_migrations_are_accepted_as_a_newer_schema(dsn):
+    # The rollback contract: migrations only add within a major version, so this version
+    # runs on the schema a later release left behind.
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("INSERT INTO receipts_schema_migrations (version, checksum)"
                      " VALUES ('9999_from_the_future.sql', 'x')")
     status = status_of(dsn)
     assert status.unknown == ("9999_from_the_future.sql",) and not status.pending
     assert status.version == "9999_from_the_future.sql"
+    assert status.newer and status.usable and not status.current
+    assert check(dsn) == status
+    assert "newer than receipts" in status.describe() and "runs on it" in status.describe()
+
+
+@pytest.mark.parametrize("version", [
+    "9999_breaking_drop_the_token.sql",  # a new major version says so in its name
+    "0000_from_another_lineage.sql",  # not after ours: not a later release of this one
+])
+def test_a_breaking_or_foreign_migration_is_refused(dsn, version):
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("INSERT INTO receipts_schema_migrations (version, checksum)"
+                     " VALUES (%s, 'x')", (version,))
+    status = status_of(dsn)
+    assert status.unknown == (version,) and not status.newer
     with pytest.raises(SchemaMismatch, match="migrated by a newer version; upgrade receipts"):
         check(dsn)
 
@@ -192,7 +210,13 @@ def test_migrate_check_exit_codes(dsn, empty_dsn):
 
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("INSERT INTO receipts_schema_migrations (version, checksum)"
-                     " VALUES ('9999_future.sql', 'x')")
+                     " VALUES ('9998_future.sql', 'x')")
+    newer = receipts("migrate", "--check", dsn=dsn)
+    assert newer.returncode == 0 and "runs on it" in newer.stdout  # a later release's
+
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("INSERT INTO receipts_schema_migrations (version, checksum)"
+                     " VALUES ('9999_breaking_future.sql', 'x')")
     unknown = receipts("migrate", "--check", dsn=dsn)
     assert unknown.returncode == 4 and "upgrade receipts" in unknown.stdout
 

@@ -1,4 +1,4 @@
-"""Every log event the code writes is in the README's catalogue, and nothing else is."""
+"""Every log event the code writes is in the docs' catalogue, and nothing else is."""
 
 from __future__ import annotations
 
@@ -30,9 +30,9 @@ def events_in_code() -> dict[str, set[str]]:
 
 
 def events_in_catalogue() -> set[str]:
-    text = (REPO / "README.md").read_text()
-    section = text[text.index("### Logs and their events"):]
-    section = section[:section.index("\n## ")]
+    text = (REPO / "docs" / "operations.md").read_text()
+    section = text[text.index("## Logs and their events"):]
+    section = section.split("\n## ", 1)[0]
     return set(re.findall(r"^\| `([a-z_]+)` \|", section, flags=re.MULTILINE))
 
 

@@ -12,7 +12,10 @@ from receipts.planner import (
     DB_CEILING_BATCHED_JOBS_PER_SECOND,
     HTTP_DELIVERY_CPU_SECONDS,
     MAX_CONCURRENCY,
+    MEMORY_LIMIT_HEADROOM,
     POD_CPU_CORES,
+    WORKER_RSS_BASE_BYTES,
+    WORKER_RSS_PER_SLOT_BYTES,
     Plan,
     PlanError,
     describe,
@@ -29,7 +32,7 @@ def test_in_flight_is_rate_times_latency() -> None:
 def test_a_small_rate_needs_the_minimum_fleet() -> None:
     p = plan(40, 0.2)
     assert (p.pods_for_cpu, p.pods_for_slots) == (1, 1)
-    assert (p.min_replicas, p.max_replicas) == (2, 2)
+    assert (p.min_replicas, p.max_replicas) == (2, 3)
     assert p.concurrency == 10  # 8 in flight / 0.8
     assert p.keda_target == 8
     assert p.shards == 1
@@ -57,6 +60,47 @@ def test_slots_decide_the_pods_when_the_provider_is_slow() -> None:
     assert p.pods_for_slots > p.pods_for_cpu
     assert p.concurrency <= MAX_CONCURRENCY
     assert p.concurrency * p.pods_for_slots * p.utilisation >= p.in_flight
+
+
+@pytest.mark.parametrize(("rate", "latency"), [
+    (1, 0.2), (0.01, 0.05), (40, 0.2), (2_000, 0.2), (500, 10.0), (50_000, 0.2)])
+def test_the_autoscaler_can_always_add_a_pod(rate: float, latency: float) -> None:
+    # min = max would be a ScaledObject that never scales but holds a budget connection.
+    p = plan(rate, latency)
+    assert p.min_replicas < p.max_replicas
+    assert p.max_replicas >= max(p.pods_for_cpu, p.pods_for_slots) + 1
+
+
+MIB = 1024 * 1024
+
+
+@pytest.mark.parametrize(("rate", "latency"), [(1, 0.2), (2_000, 0.2), (500, 10.0)])
+def test_memory_follows_the_slots_by_the_benchs_figures(rate: float, latency: float) -> None:
+    p = plan(rate, latency)
+    measured = WORKER_RSS_BASE_BYTES + WORKER_RSS_PER_SLOT_BYTES * p.concurrency
+    assert measured <= p.memory_request_bytes < measured + 16 * MIB
+    assert p.memory_limit_bytes >= MEMORY_LIMIT_HEADROOM * measured
+    assert p.memory_request_bytes % (16 * MIB) == p.memory_limit_bytes % (16 * MIB) == 0
+    values = yaml.safe_load(helm_values(p))["worker"]["resources"]
+    assert values["requests"]["memory"] == f"{p.memory_request_bytes // MIB}Mi"
+    assert values["limits"]["memory"] == f"{p.memory_limit_bytes // MIB}Mi"
+
+
+def test_more_slots_need_more_memory() -> None:
+    small, large = plan(40, 0.2), plan(2_000, 0.2)
+    assert small.concurrency < large.concurrency
+    assert small.memory_limit_bytes <= large.memory_limit_bytes
+
+
+def test_the_planners_memory_figures_are_the_benchs_latest() -> None:
+    import json
+    from pathlib import Path
+
+    results = Path(__file__).resolve().parents[2] / "bench" / "results" / "memory.json"
+    summary = json.loads(results.read_text())["summary"]
+    assert {"32", "400", "1000"} <= set(summary["by_slots"])  # measured where plans go
+    assert summary["model"]["base_bytes"] == WORKER_RSS_BASE_BYTES
+    assert summary["model"]["per_slot_bytes"] == WORKER_RSS_PER_SLOT_BYTES
 
 
 def test_connections_follow_the_chart_budget_rule() -> None:
@@ -113,7 +157,7 @@ def test_bad_input_is_refused_naming_the_option(rate: float, latency: float,
 def test_describe_shows_every_figure_and_the_values() -> None:
     text = describe(plan(50_000, 0.2))
     for needle in ("in flight", "worker CPU", "concurrency", "replicas", "KEDA target",
-                   "DB connections", "WAL", "shards             2", "Helm values"):
+                   "memory", "DB connections", "WAL", "shards             2", "Helm values"):
         assert needle in text, needle
 
 

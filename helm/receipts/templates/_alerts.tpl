@@ -5,6 +5,22 @@ deploy/prometheus/receipts.rules.yaml is this list rendered with the default val
 Nothing here may depend on a replica count: compare with what kube-state-metrics
 reports about the autoscaler instead, so the plain file fits any deployment.
 Queue gauges are identical on every worker (max over pods); counters are summed.
+
+Exporters: the defaults read nothing but the workers' own /metrics. Alerts that read
+kube-state-metrics render only when alerts.kubeStateMetrics says Prometheus scrapes it (or
+alerts.recoveryLastSuccessFrom asks for it), and then ReceiptsKubeStateMetricsMissing fires
+when its series of this release are absent, so those alerts cannot fall silent unnoticed.
+The Pushgateway variant of ReceiptsRecoveryNotRunning fires on an absent push as well.
+
+Stale gauges: a worker whose queue statistics are older than 3 refresh intervals (a
+database outage) stops exporting the queue gauges and keeps exporting their timestamp.
+Alerts on queue gauges therefore resolve when the gauges vanish, and
+ReceiptsQueueStatsStale fires instead; the alerts that look back over a range (backlog
+growth, rate-limit saturation) also require the gauge now.
+
+An operator's pause (receipts_provider_paused{reason="manual"}) is deliberate: the lag and
+backlog alerts stay silent while it holds and for alerts.manualPauseGrace after, and only
+ReceiptsManualPauseLong (severity info) says when it has lasted alerts.manualPauseMaxFor.
 */}}
 {{- define "receipts.alertGroups" -}}
 {{- $s := include "receipts.alertSelector" . -}}
@@ -13,14 +29,28 @@ Queue gauges are identical on every worker (max over pods); counters are summed.
 {{- $runbook := $a.runbookUrl -}}
 {{- $fullname := include "receipts.fullname" . -}}
 {{- $w := $a.ratioWindow -}}
-{{- $recoveryLast := "The recovery CronJob {{ $labels.cronjob }} in {{ $labels.namespace }} last succeeded" -}}
-{{- if eq $a.recoveryLastSuccessFrom "pushgateway" -}}
-{{- $recoveryLast = "The last successful `receipts recover` pushed to the Pushgateway" -}}
+{{- $cronjob := include "receipts.recoveryName" . -}}
+{{- $ksm := $a.kubeStateMetrics -}}
+{{- $recoveryFrom := $a.recoveryLastSuccessFrom -}}
+{{- if not $recoveryFrom -}}
+{{- if .Values.config.pushgatewayUrl }}{{ $recoveryFrom = "pushgateway" }}{{ else if $ksm }}{{ $recoveryFrom = "kube-state-metrics" }}{{ end -}}
 {{- end -}}
+{{- $recoveryLast := "The recovery CronJob {{ $labels.cronjob }} in {{ $labels.namespace }} last succeeded {{ $value | humanizeDuration }} ago." -}}
+{{- if eq $recoveryFrom "pushgateway" -}}
+{{- $recoveryLast = "{{ if eq $value 1.0 }}No successful `receipts recover` is on the Pushgateway (none pushed yet, or Prometheus does not scrape the Pushgateway).{{ else }}The last successful `receipts recover` pushed to the Pushgateway finished {{ $value | humanizeDuration }} ago.{{ end }}" -}}
+{{- end -}}
+{{- $autoscaled := .Values.autoscaling.enabled -}}
+{{- $toZero := and $autoscaled .Values.autoscaling.keda.enabled (eq (.Values.autoscaling.minReplicas | int) 0) -}}
+{{- $growing := or (not $autoscaled) $ksm -}}
+{{- $usesKsm := or (and $autoscaled $ksm) (and .Values.recovery.enabled (eq $recoveryFrom "kube-state-metrics")) (and $toZero $ksm) -}}
+{{- /* An operator's pause, held now or within the grace period: appended to lag alerts. */ -}}
+{{- $manual := printf "unless on (namespace, job)\nmax by (namespace, job) (max_over_time(receipts_provider_paused{%s,reason=\"manual\"}[%s])) == 1" $s $a.manualPauseGrace -}}
 - name: receipts
   rules:
     - alert: ReceiptsQueueLagHigh
-      expr: max by (namespace, job) (receipts_queue_lag_seconds{ {{- $s -}} }) > {{ $a.queueLagSeconds }}
+      expr: |-
+        max by (namespace, job) (receipts_queue_lag_seconds{ {{- $s -}} }) > {{ $a.queueLagSeconds }}
+        {{ $manual | nindent 8 | trim }}
       for: {{ $a.queueLagFor }}
       labels:
         severity: warning
@@ -31,9 +61,11 @@ Queue gauges are identical on every worker (max over pods); counters are summed.
           The oldest due ready receipt job in {{`{{ $labels.namespace }}`}} has waited
           {{`{{ $value | humanizeDuration }}`}}. Workers are not keeping up, not claiming
           (provider paused, database trouble), or not running.
-        runbook_url: {{ printf "%sreceiptsqueuelaghigh" $runbook }}
+        runbook_url: {{ printf "%sreceiptsqueuelaghigh/" $runbook }}
     - alert: ReceiptsOldestUndeliveredTooOld
-      expr: max by (namespace, job) (receipts_oldest_undelivered_age_seconds{ {{- $s -}} }) > {{ $a.undeliveredAgeSeconds }}
+      expr: |-
+        max by (namespace, job) (receipts_oldest_undelivered_age_seconds{ {{- $s -}} }) > {{ $a.undeliveredAgeSeconds }}
+        {{ $manual | nindent 8 | trim }}
       for: 5m
       labels:
         severity: warning
@@ -45,21 +77,27 @@ Queue gauges are identical on every worker (max over pods); counters are summed.
           enqueued {{`{{ $value | humanizeDuration }}`}} ago and is still not delivered.
           Retries keep the queue lag low while this grows: the provider keeps failing,
           or its answers are rate limits or timeouts.
-        runbook_url: {{ printf "%sreceiptsoldestundeliveredtooold" $runbook }}
+        runbook_url: {{ printf "%sreceiptsoldestundeliveredtooold/" $runbook }}
+    {{- if $growing }}
     - alert: ReceiptsReadyJobsGrowingAtMaxReplicas
-      {{- if .Values.autoscaling.enabled }}
+      {{- if $autoscaled }}
       # At max replicas as the autoscaler's own status says (kube-state-metrics): the HPA
       # the chart renders, or the one KEDA makes for the ScaledObject.
-      expr: >-
+      expr: |-
         delta(max by (namespace, job) (receipts_ready_jobs{ {{- $s -}} })[15m:1m]) > 0
+        and on (namespace, job) max by (namespace, job) (receipts_ready_jobs{ {{- $s -}} })
         and on (namespace)
         (
           max by (namespace) (kube_horizontalpodautoscaler_status_current_replicas{horizontalpodautoscaler=~"{{ $fullname }}|keda-hpa-{{ $fullname }}"})
           >= max by (namespace) (kube_horizontalpodautoscaler_spec_max_replicas{horizontalpodautoscaler=~"{{ $fullname }}|keda-hpa-{{ $fullname }}"})
         )
+        {{ $manual | nindent 8 | trim }}
       {{- else }}
       # A fixed replica count is always the maximum.
-      expr: delta(max by (namespace, job) (receipts_ready_jobs{ {{- $s -}} })[15m:1m]) > 0
+      expr: |-
+        delta(max by (namespace, job) (receipts_ready_jobs{ {{- $s -}} })[15m:1m]) > 0
+        and on (namespace, job) max by (namespace, job) (receipts_ready_jobs{ {{- $s -}} })
+        {{ $manual | nindent 8 | trim }}
       {{- end }}
       for: 15m
       labels:
@@ -72,7 +110,8 @@ Queue gauges are identical on every worker (max over pods); counters are summed.
           workers at their maximum replica count. More pods will not come; raise the
           capacity (replicas within the connection budget, concurrency) or find what slows
           deliveries.
-        runbook_url: {{ printf "%sreceiptsreadyjobsgrowingatmaxreplicas" $runbook }}
+        runbook_url: {{ printf "%sreceiptsreadyjobsgrowingatmaxreplicas/" $runbook }}
+    {{- end }}
     - alert: ReceiptsJobsFailed
       expr: >-
         sum by (namespace, job) (increase(receipts_failures_total{ {{- $s -}} }[{{ $w }}]))
@@ -95,7 +134,7 @@ Queue gauges are identical on every worker (max over pods); counters are summed.
           {{`{{ $labels.namespace }}`}} in the last {{ $w }} failed (a permanent provider
           answer or their last attempt). Their customers have no receipt; review them with
           `receipts jobs list` and retry.
-        runbook_url: {{ printf "%sreceiptsjobsfailed" $runbook }}
+        runbook_url: {{ printf "%sreceiptsjobsfailed/" $runbook }}
     - alert: ReceiptsStaleAcks
       expr: >-
         sum by (namespace, job) (increase(receipts_stale_acks_total{ {{- $s -}} }[{{ $w }}]))
@@ -116,11 +155,11 @@ Queue gauges are identical on every worker (max over pods); counters are summed.
           lease/token guard refused them. Those jobs may be delivered twice (the provider's
           idempotency key should absorb it). Leases are too short for the observed delivery
           and ack times, or workers stall.
-        runbook_url: {{ printf "%sreceiptsstaleacks" $runbook }}
+        runbook_url: {{ printf "%sreceiptsstaleacks/" $runbook }}
     - alert: ReceiptsProviderPaused
       expr: >-
         max by (namespace, job, reason) (
-          avg_over_time(receipts_provider_paused{ {{- $s -}} }[{{ $a.providerPausedFor }}])
+          avg_over_time(receipts_provider_paused{ {{- $s -}} ,reason!~"manual|rejecting"}[{{ $a.providerPausedFor }}])
         ) >= 0.9
       labels:
         severity: warning
@@ -132,12 +171,48 @@ Queue gauges are identical on every worker (max over pods); counters are summed.
           {{`{{ $value | humanizePercentage }}`}} of the last {{ $a.providerPausedFor }}, reason
           {{`{{ $labels.reason }}`}} (auth: the provider refuses our credentials; outage: it
           keeps failing; retry_after: it asks us to wait). Nothing is delivered meanwhile.
-        runbook_url: {{ printf "%sreceiptsproviderpaused" $runbook }}
+        runbook_url: {{ printf "%sreceiptsproviderpaused/" $runbook }}
+    - alert: ReceiptsProviderRejecting
+      expr: >-
+        max by (namespace, job) (
+          avg_over_time(receipts_provider_paused{ {{- $s -}} ,reason="rejecting"}[{{ $a.providerRejectingFor }}])
+        ) >= 0.9
+      labels:
+        severity: warning
+        {{- with $labels }}{{ toYaml . | nindent 8 }}{{ end }}
+      annotations:
+        summary: The provider rejects nearly every receipt; deliveries have been paused for most of {{ $a.providerRejectingFor }}.
+        description: >-
+          Workers in {{`{{ $labels.namespace }}`}} paused deliveries because the provider
+          answered nearly every recent receipt with a permanent rejection (4xx) across many
+          jobs: a provider or contract fault, not bad orders. The fleet probes with one job
+          at a time and fails no job for it; nothing is delivered until the provider accepts
+          again.
+        runbook_url: {{ printf "%sreceiptsproviderrejecting/" $runbook }}
+    - alert: ReceiptsManualPauseLong
+      expr: max by (namespace, job) (receipts_provider_paused{ {{- $s -}} ,reason="manual"}) == 1
+      for: {{ $a.manualPauseMaxFor }}
+      labels:
+        severity: info
+        {{- with $labels }}{{ toYaml . | nindent 8 }}{{ end }}
+      annotations:
+        summary: An operator's pause of deliveries has held for {{ $a.manualPauseMaxFor }}.
+        description: >-
+          Deliveries in {{`{{ $labels.namespace }}`}} have been paused by an operator for
+          {{ $a.manualPauseMaxFor }}. The lag and backlog alerts stay silent while it holds;
+          receipts wait. It ends by itself at the time it was set for.
+        runbook_url: {{ printf "%sreceiptsmanualpauselong/" $runbook }}
     - alert: ReceiptsRateLimitSaturated
+      # receipts_provider_tokens is -1 without a rate limit: the bucket must have held >= 0
+      # tokens (a limit is set) all the window and never a whole one.
       expr: >-
         max by (namespace, job) (max_over_time(receipts_provider_tokens{ {{- $s -}} }[{{ $a.rateLimitSaturatedFor }}])) < 1
         and on (namespace, job)
+        min by (namespace, job) (min_over_time(receipts_provider_tokens{ {{- $s -}} }[{{ $a.rateLimitSaturatedFor }}])) >= 0
+        and on (namespace, job)
         max by (namespace, job) (min_over_time(receipts_ready_jobs{ {{- $s -}} }[{{ $a.rateLimitSaturatedFor }}])) > 0
+        and on (namespace, job)
+        max by (namespace, job) (receipts_ready_jobs{ {{- $s -}} }) > 0
       labels:
         severity: warning
         {{- with $labels }}{{ toYaml . | nindent 8 }}{{ end }}
@@ -147,7 +222,7 @@ Queue gauges are identical on every worker (max over pods); counters are summed.
           The fleet's provider token bucket in {{`{{ $labels.namespace }}`}} never held a whole
           token in the last {{ $a.rateLimitSaturatedFor }}, and due jobs waited all that time:
           deliveries run at the provider's rate limit and the backlog drains no faster.
-        runbook_url: {{ printf "%sreceiptsratelimitsaturated" $runbook }}
+        runbook_url: {{ printf "%sreceiptsratelimitsaturated/" $runbook }}
     - alert: ReceiptsDatabaseNotReady
       expr: count by (namespace, job) (receipts_database_ready{ {{- $s -}} } == 0) > 0
       for: {{ $a.databaseNotReadyFor }}
@@ -160,7 +235,7 @@ Queue gauges are identical on every worker (max over pods); counters are summed.
           {{`{{ $value }}`}} worker(s) in {{`{{ $labels.namespace }}`}} have reported the
           database unavailable for {{ $a.databaseNotReadyFor }} (/readyz 503). They claim
           nothing; their delivered jobs' acks wait and, past the lease, go to recovery.
-        runbook_url: {{ printf "%sreceiptsdatabasenotready" $runbook }}
+        runbook_url: {{ printf "%sreceiptsdatabasenotready/" $runbook }}
     - alert: ReceiptsQueueStatsStale
       expr: time() - max by (namespace, job) (receipts_queue_stats_timestamp_seconds{ {{- $s -}} }) > {{ $a.queueStatsMaxAgeSeconds }}
       for: 2m
@@ -172,8 +247,9 @@ Queue gauges are identical on every worker (max over pods); counters are summed.
         description: >-
           No worker in {{`{{ $labels.namespace }}`}} has read the queue gauges for
           {{`{{ $value | humanizeDuration }}`}}. Lag, backlog, expired leases and the xmin
-          horizon are frozen at old values, so their alerts cannot fire.
-        runbook_url: {{ printf "%sreceiptsqueuestatsstale" $runbook }}
+          horizon are unknown meanwhile (stale gauges are not exported), so their alerts
+          cannot fire.
+        runbook_url: {{ printf "%sreceiptsqueuestatsstale/" $runbook }}
     - alert: ReceiptsExpiredLeasesNotRecovered
       expr: max by (namespace, job) (receipts_expired_leases{ {{- $s -}} }) > 0
       for: {{ $a.expiredLeasesFor }}
@@ -186,17 +262,20 @@ Queue gauges are identical on every worker (max over pods); counters are summed.
           {{`{{ $value | humanize }}`}} running jobs in {{`{{ $labels.namespace }}`}} have had
           expired leases for {{ $a.expiredLeasesFor }}. The recovery CronJob is not running
           or failing; these receipts wait until it does.
-        runbook_url: {{ printf "%sreceiptsexpiredleasesnotrecovered" $runbook }}
-    {{- if .Values.recovery.enabled }}
+        runbook_url: {{ printf "%sreceiptsexpiredleasesnotrecovered/" $runbook }}
+    {{- if and .Values.recovery.enabled $recoveryFrom }}
     - alert: ReceiptsRecoveryNotRunning
-      {{- if eq $a.recoveryLastSuccessFrom "pushgateway" }}
-      expr: time() - max by (namespace, job) (receipts_recovery_last_success_timestamp_seconds) > {{ $a.recoveryMaxAgeSeconds }}
+      {{- if eq $recoveryFrom "pushgateway" }}
+      # What `receipts recover` pushes; never pushed (or the Pushgateway not scraped) counts.
+      expr: >-
+        time() - max by (namespace, job) (receipts_recovery_last_success_timestamp_seconds) > {{ $a.recoveryMaxAgeSeconds }}
+        or absent(receipts_recovery_last_success_timestamp_seconds)
       {{- else }}
       # kube-state-metrics; a CronJob that never succeeded counts from its creation.
       expr: >-
         time() - max by (namespace, cronjob) (
-          kube_cronjob_status_last_successful_time{cronjob="{{ $fullname }}-recovery"}
-          or kube_cronjob_created{cronjob="{{ $fullname }}-recovery"}
+          kube_cronjob_status_last_successful_time{cronjob="{{ $cronjob }}"}
+          or kube_cronjob_created{cronjob="{{ $cronjob }}"}
         ) > {{ $a.recoveryMaxAgeSeconds }}
       {{- end }}
       for: 5m
@@ -206,10 +285,27 @@ Queue gauges are identical on every worker (max over pods); counters are summed.
       annotations:
         summary: The receipts recovery job has not succeeded for {{ $a.recoveryMaxAgeSeconds }}s.
         description: >-
-          {{ $recoveryLast }}
-          {{`{{ $value | humanizeDuration }}`}} ago. Expired leases are not recovered and old
-          rows are not pruned.
-        runbook_url: {{ printf "%sreceiptsrecoverynotrunning" $runbook }}
+          {{ $recoveryLast }} Expired leases are not recovered and old rows are not
+          pruned.
+        runbook_url: {{ printf "%sreceiptsrecoverynotrunning/" $runbook }}
+    {{- end }}
+    {{- if gt (.Values.config.retentionDays | int) 0 }}
+    - alert: ReceiptsPruningBehind
+      expr: >-
+        max by (namespace, job) (receipts_oldest_finished_age_seconds{ {{- $s -}} })
+        > {{ mul (.Values.config.retentionDays | int) 86400 }} + {{ $a.pruningBehindSeconds }}
+      for: 15m
+      labels:
+        severity: warning
+        {{- with $labels }}{{ toYaml . | nindent 8 }}{{ end }}
+      annotations:
+        summary: Finished receipt jobs are kept longer than the {{ .Values.config.retentionDays }}-day retention.
+        description: >-
+          The oldest done, failed or discarded row in {{`{{ $labels.namespace }}`}} finished
+          {{`{{ $value | humanizeDuration }}`}} ago, more than the retention plus
+          {{ $a.pruningBehindSeconds }}s: pruning is not running or failing, and the table
+          and its indexes grow.
+        runbook_url: {{ printf "%sreceiptspruningbehind/" $runbook }}
     {{- end }}
     - alert: ReceiptsLongTransaction
       expr: max by (namespace, job) (receipts_oldest_transaction_age_seconds{ {{- $s -}} }) > {{ $a.longTransactionSeconds }}
@@ -223,7 +319,7 @@ Queue gauges are identical on every worker (max over pods); counters are summed.
           The oldest open transaction in the receipts database is
           {{`{{ $value | humanizeDuration }}`}} old. An old snapshot keeps dead index entries
           alive and makes every claim slower (≈70× in measurements).
-        runbook_url: {{ printf "%sreceiptslongtransaction" $runbook }}
+        runbook_url: {{ printf "%sreceiptslongtransaction/" $runbook }}
     - alert: ReceiptsXminHorizonHeld
       expr: max by (namespace, job, holder) (receipts_xmin_horizon_age_transactions{ {{- $s -}} }) > {{ $a.xminHorizonTransactions | int }}
       for: {{ $a.xminHorizonFor }}
@@ -237,14 +333,18 @@ Queue gauges are identical on every worker (max over pods); counters are summed.
           slot) keeps the xmin horizon {{`{{ $value | humanize }}`}} transaction IDs back. Dead
           rows of receipt_jobs cannot be removed while it does, so claims slow down and the
           table bloats; a prepared transaction or a replication slot has no age in seconds.
-        runbook_url: {{ printf "%sreceiptsxminhorizonheld" $runbook }}
+        runbook_url: {{ printf "%sreceiptsxminhorizonheld/" $runbook }}
     - alert: ReceiptsWorkersDown
-      {{- if and .Values.autoscaling.enabled .Values.autoscaling.keda.enabled (eq (.Values.autoscaling.minReplicas | int) 0) }}
+      {{- if and $toZero $ksm }}
       # Scaled to zero is normal: alert only when the Deployment wants pods (kube-state-metrics).
       expr: >-
         (sum by (namespace, job) (up{ {{- $s -}} }) == 0 or absent(up{ {{- $s -}} }))
         and on ()
         sum(kube_deployment_spec_replicas{namespace="{{ .Release.Namespace }}",deployment="{{ $fullname }}"}) > 0
+      {{- else if $toZero }}
+      # Scaled to zero is normal and, without kube-state-metrics, looks like no target at
+      # all: alert only when worker targets exist and none answers.
+      expr: sum by (namespace, job) (up{ {{- $s -}} }) == 0
       {{- else }}
       expr: sum by (namespace, job) (up{ {{- $s -}} }) == 0 or absent(up{ {{- $s -}} })
       {{- end }}
@@ -258,5 +358,23 @@ Queue gauges are identical on every worker (max over pods); counters are summed.
           Prometheus has scraped no receipts worker for {{ $a.workersDownFor }}. Either no
           worker runs (receipts are not delivered) or scraping is broken (no metrics, no
           alerts about the queue).
-        runbook_url: {{ printf "%sreceiptsworkersdown" $runbook }}
+        runbook_url: {{ printf "%sreceiptsworkersdown/" $runbook }}
+    {{- if $usesKsm }}
+    - alert: ReceiptsKubeStateMetricsMissing
+      # The alerts above that read kube-state-metrics would be silent without it.
+      expr: absent(kube_deployment_spec_replicas{namespace="{{ .Release.Namespace }}",deployment="{{ $fullname }}"})
+      for: 15m
+      labels:
+        severity: warning
+        {{- with $labels }}{{ toYaml . | nindent 8 }}{{ end }}
+      annotations:
+        summary: Prometheus has no kube-state-metrics series for the receipts workers.
+        description: >-
+          kube_deployment_spec_replicas of the Deployment {{ $fullname }} in
+          {{ .Release.Namespace }} has been absent for 15m. The receipts alerts that read
+          kube-state-metrics (backlog at max replicas, recovery's last success, workers down
+          when scaled to zero) cannot fire: install or scrape kube-state-metrics, or set
+          alerts.kubeStateMetrics=false.
+        runbook_url: {{ printf "%sreceiptskubestatemetricsmissing/" $runbook }}
+    {{- end }}
 {{- end }}

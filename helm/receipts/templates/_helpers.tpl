@@ -7,19 +7,48 @@ Chart name, truncated to the 63 characters of a DNS label.
 
 {{/*
 Full name: "<release>-<chart>", or the release name when it already contains the chart
-name. Resource names derive from it (CronJob names are limited to 52 characters).
+name. At most 52 characters (a CronJob's limit; other names add suffixes within their own
+limits, receipts.componentName): a longer one keeps 45 characters and the first 6 hex digits
+of the whole name's SHA-256, so two long release names sharing a prefix stay apart.
 */}}
 {{- define "receipts.fullname" -}}
+{{- $full := "" }}
 {{- if .Values.fullnameOverride }}
-{{- .Values.fullnameOverride | trunc 52 | trimSuffix "-" }}
+{{- $full = .Values.fullnameOverride }}
 {{- else }}
 {{- $name := default .Chart.Name .Values.nameOverride }}
 {{- if contains $name .Release.Name }}
-{{- .Release.Name | trunc 52 | trimSuffix "-" }}
+{{- $full = .Release.Name }}
 {{- else }}
-{{- printf "%s-%s" .Release.Name $name | trunc 52 | trimSuffix "-" }}
+{{- $full = printf "%s-%s" .Release.Name $name }}
 {{- end }}
 {{- end }}
+{{- if gt (len $full) 52 }}
+{{- $full = printf "%s-%s" ($full | trunc 45 | trimSuffix "-") (sha256sum $full | trunc 6) }}
+{{- end }}
+{{- $full }}
+{{- end }}
+
+{{/*
+Name of one of the release's objects: "<fullname>-<suffix>", at most .max characters (a
+CronJob's name 52, as Kubernetes appends 11 characters for its Jobs; a Job's, Service's or
+Pod's 63, the DNS label a Job's name becomes in its pods' job-name label). When it would be
+longer, the full name is truncated and the first 6 hex digits of its SHA-256 keep two long
+release names that share a prefix apart. Pass a dict with "ctx" (root), "suffix", "max".
+*/}}
+{{- define "receipts.componentName" -}}
+{{- $full := include "receipts.fullname" .ctx -}}
+{{- $name := printf "%s-%s" $full .suffix -}}
+{{- if gt (len $name) (int .max) -}}
+{{- $keep := sub (sub (int .max) (len .suffix)) 8 | int -}}
+{{- $name = printf "%s-%s-%s" ($full | trunc $keep | trimSuffix "-") (sha256sum $full | trunc 6) .suffix -}}
+{{- end -}}
+{{- $name -}}
+{{- end }}
+
+{{/* The recovery CronJob's name (at most 52 characters). */}}
+{{- define "receipts.recoveryName" -}}
+{{- include "receipts.componentName" (dict "ctx" . "suffix" "recovery" "max" 52) -}}
 {{- end }}
 
 {{- define "receipts.chart" -}}
@@ -143,6 +172,18 @@ RECEIPTS_STATEMENT_TIMEOUT_SECONDS: {{ $c.statementTimeoutSeconds | toString | q
 RECEIPTS_LOCK_TIMEOUT_SECONDS: {{ $c.lockTimeoutSeconds | toString | quote }}
 {{- with $c.pushgatewayUrl }}
 RECEIPTS_PUSHGATEWAY_URL: {{ . | quote }}
+{{- end }}
+{{- with .Values.proxy.providerProxy }}
+RECEIPTS_PROVIDER_PROXY: {{ . | quote }}
+{{- end }}
+{{- with .Values.proxy.httpsProxy }}
+HTTPS_PROXY: {{ . | quote }}
+{{- end }}
+{{- with .Values.proxy.httpProxy }}
+HTTP_PROXY: {{ . | quote }}
+{{- end }}
+{{- with .Values.proxy.noProxy }}
+NO_PROXY: {{ . | quote }}
 {{- end }}
 {{- end }}
 
@@ -302,6 +343,7 @@ nodeSelector, tolerations and affinity of a pod. Pass a dict with "ctx" (root) a
 Checks of value combinations; included by every workload template, renders nothing.
 */}}
 {{- define "receipts.validate" -}}
+{{- include "receipts.validateInstall" . -}}
 {{- $n := include "receipts.connections" . | fromJson -}}
 {{- if gt (int $n.total) (int $n.budget) }}
 {{- fail (printf "connection budget exceeded: %s. The rule: %s. Lower autoscaling.maxReplicas (or worker.replicaCount), worker.maxSurge or config.poolMaxSize, set config.listenNotify=false or config.pgbouncer=true, or raise connectionBudget.maxConnections." (include "receipts.connectionsLine" .) (include "receipts.connectionsFormula" .)) }}
@@ -337,6 +379,88 @@ Checks of value combinations; included by every workload template, renders nothi
 {{- end }}
 
 {{/*
+Install-day mistakes, each refused at render time with one message naming the value: the
+image and the DSN that nothing can run without, a provider URL that is not http(s), a
+schedule Kubernetes would refuse at apply time, secrets on their way into the ConfigMap, a
+decimal given as text (`--set` passes "0.5" as a string) outside its range, a volume mount
+without its volume. Included by receipts.validate; renders nothing.
+*/}}
+{{- define "receipts.validateInstall" -}}
+{{- $c := .Values.config -}}
+{{- if not .Values.image.repository }}
+{{- fail "image.repository is required: the receipts image built from this repository's Dockerfile and pushed to your registry, e.g. --set image.repository=registry.shop.internal/receipts (image.tag defaults to the chart's appVersion)." }}
+{{- end }}
+{{- if regexMatch "^([^/]+\\.)?example\\.(com|net|org)(:[0-9]+)?/" .Values.image.repository }}
+{{- fail (printf "image.repository %q is a documentation placeholder (example.com hosts no registry): set the repository you pushed the receipts image to." .Values.image.repository) }}
+{{- end }}
+{{- if and (not .Values.secret.existingSecret) (not .Values.secret.databaseUrl) }}
+{{- fail (printf "secret.existingSecret or secret.databaseUrl is required: no pod of the release can start without the PostgreSQL DSN. Prefer an existing Secret holding it under the key %q (secret.databaseUrlKey), so the password stays out of values files." .Values.secret.databaseUrlKey) }}
+{{- end }}
+{{- if not (regexMatch "^[hH][tT][tT][pP][sS]?://[^/?#\\s]+" $c.providerUrl) }}
+{{- fail (printf "config.providerUrl %q must be an http:// or https:// URL with a host: receipts are POSTed there." $c.providerUrl) }}
+{{- end }}
+{{- range $name, $url := dict "config.providerUrl" $c.providerUrl "config.pushgatewayUrl" $c.pushgatewayUrl "proxy.providerProxy" .Values.proxy.providerProxy "proxy.httpsProxy" .Values.proxy.httpsProxy "proxy.httpProxy" .Values.proxy.httpProxy }}
+{{- if regexMatch "^[^/]*//[^/]*@" $url }}
+{{- fail (printf "%s carries credentials (user:password@): it is rendered into the ConfigMap, which anyone who may read ConfigMaps in the namespace can read. Give the provider's credentials as secret.providerToken (or secret.existingSecret); put a proxy that needs a password in a Secret of your own and pass it with extraEnvFrom." $name) }}
+{{- end }}
+{{- end }}
+{{- range $name, $url := dict "proxy.providerProxy" .Values.proxy.providerProxy "proxy.httpsProxy" .Values.proxy.httpsProxy "proxy.httpProxy" .Values.proxy.httpProxy }}
+{{- if and $url (not (regexMatch "^[hH][tT][tT][pP][sS]?://[^/?#\\s]+" $url)) }}
+{{- fail (printf "%s %q must be an http:// or https:// URL of the proxy (http://proxy.internal:3128)." $name $url) }}
+{{- end }}
+{{- end }}
+{{- if .Values.recovery.enabled }}
+{{- $schedule := .Values.recovery.schedule | trim -}}
+{{- $fields := regexSplit "\\s+" $schedule -1 -}}
+{{- if not (or (eq (len $fields) 5) (regexMatch "^@(yearly|annually|monthly|weekly|daily|midnight|hourly)$" $schedule)) }}
+{{- fail (printf "recovery.schedule %q has %d field(s): a Kubernetes CronJob schedule has 5 (minute hour day-of-month month day-of-week, e.g. \"* * * * *\") or is a macro such as @hourly. Set the time zone with recovery.timeZone, not in the schedule." $schedule (len $fields)) }}
+{{- end }}
+{{- end }}
+{{- range $key := keys $c.extraEnv | sortAlpha }}
+{{- if regexMatch "(?i)(PASSWORD|PASSWD|SECRET|TOKEN|CREDENTIAL|PRIVATE_KEY|API_KEY|DATABASE_URL|DSN)" $key }}
+{{- fail (printf "config.extraEnv.%s looks like a secret: config.extraEnv is rendered into a ConfigMap, which anyone who may read ConfigMaps in the namespace can read. The DSN and the provider token go in secret.* (or secret.existingSecret); any other secret in a Secret of your own, passed with extraEnvFrom." $key) }}
+{{- end }}
+{{- if regexMatch "^[^/]*//[^/@\\s]*:[^/@\\s]*@" (toString (index $c.extraEnv $key)) }}
+{{- fail (printf "config.extraEnv.%s holds a URL with a password: config.extraEnv is rendered into a ConfigMap. Put it in a Secret of your own and pass it with extraEnvFrom." $key) }}
+{{- end }}
+{{- end }}
+{{- /* name, value, lower bound, lower bound excluded, upper bound (0: none) */}}
+{{- $a := .Values.alerts -}}
+{{- range $check := list
+      (list "config.deliveryTimeoutSeconds" $c.deliveryTimeoutSeconds 0.0 true 0.0)
+      (list "config.pollIntervalSeconds" $c.pollIntervalSeconds 0.0 true 0.0)
+      (list "config.retryBaseSeconds" $c.retryBaseSeconds 0.0 true 0.0)
+      (list "config.retryCapSeconds" $c.retryCapSeconds 0.0 true 0.0)
+      (list "config.queueStatsIntervalSeconds" $c.queueStatsIntervalSeconds 1.0 false 3600.0)
+      (list "autoscaling.keda.utilisation" .Values.autoscaling.keda.utilisation 0.0 true 1.0)
+      (list "alerts.queueLagSeconds" $a.queueLagSeconds 0.0 true 0.0)
+      (list "alerts.undeliveredAgeSeconds" $a.undeliveredAgeSeconds 0.0 true 0.0)
+      (list "alerts.failureRatio" $a.failureRatio 0.0 true 1.0)
+      (list "alerts.staleAckRatio" $a.staleAckRatio 0.0 true 1.0)
+      (list "alerts.queueStatsMaxAgeSeconds" $a.queueStatsMaxAgeSeconds 0.0 true 0.0)
+      (list "alerts.recoveryMaxAgeSeconds" $a.recoveryMaxAgeSeconds 0.0 true 0.0)
+      (list "alerts.longTransactionSeconds" $a.longTransactionSeconds 0.0 true 0.0)
+      (list "alerts.pruningBehindSeconds" $a.pruningBehindSeconds 0.0 true 0.0) }}
+{{- $v := index $check 1 | float64 -}}
+{{- $low := index $check 2 -}}
+{{- $high := index $check 4 -}}
+{{- if or (lt $v $low) (and (index $check 3) (eq $v $low)) (and (gt $high 0.0) (gt $v $high)) }}
+{{- fail (printf "%s is %v: it must be %s %v%s." (index $check 0) (index $check 1) (ternary "above" "at least" (index $check 3)) $low (ternary (printf " and at most %v" $high) "" (gt $high 0.0))) }}
+{{- end }}
+{{- end }}
+{{- $volumes := list "tmp" -}}
+{{- range .Values.extraVolumes }}{{ $volumes = append $volumes .name }}{{ end -}}
+{{- range .Values.extraVolumeMounts }}
+{{- if not (has .name $volumes) }}
+{{- fail (printf "extraVolumeMounts mounts %q, which is not in extraVolumes (%s)." .name (join ", " (rest $volumes))) }}
+{{- end }}
+{{- if eq (clean .mountPath) "/tmp" }}
+{{- fail "extraVolumeMounts cannot mount /tmp: the chart mounts its own writable /tmp there (tmpSizeLimit)." }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
 PromQL label matchers of this service's series.
 */}}
 {{- define "receipts.alertSelector" -}}
@@ -344,10 +468,89 @@ PromQL label matchers of this service's series.
 {{- end }}
 
 {{/*
-Writable /tmp (the root filesystem is read-only).
+A pod's volumes: the writable /tmp (the root filesystem is read-only), then extraVolumes.
 */}}
-{{- define "receipts.tmpVolume" -}}
+{{- define "receipts.volumes" -}}
 - name: tmp
   emptyDir:
     sizeLimit: {{ .Values.tmpSizeLimit }}
+{{- with .Values.extraVolumes }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/*
+A container's volume mounts: /tmp, then extraVolumeMounts.
+*/}}
+{{- define "receipts.volumeMounts" -}}
+- name: tmp
+  mountPath: /tmp
+{{- with .Values.extraVolumeMounts }}
+{{ toYaml . }}
+{{- end }}
+{{- end }}
+
+{{/*
+A container's envFrom: the release's ConfigMap (unless "configMap" is false, as in the
+migration hook, which runs before it exists), then extraEnvFrom. Pass a dict with "ctx"
+(root) and "configMap". Renders nothing when the list would be empty.
+*/}}
+{{- define "receipts.envFrom" -}}
+{{- if or .configMap .ctx.Values.extraEnvFrom }}
+envFrom:
+{{- if .configMap }}
+  - configMapRef:
+      name: {{ include "receipts.fullname" .ctx }}
+{{- end }}
+{{- with .ctx.Values.extraEnvFrom }}
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end }}
+{{- end }}
+
+{{/*
+Settings every pod of the chart shares (its serviceAccountName is each template's: the
+migration hook runs before the chart's ServiceAccount exists): no service links (Kubernetes would otherwise put a
+*_SERVICE_HOST/*_PORT variable for every Service of the namespace into each container,
+some of them RECEIPTS_*), no API token, the pod securityContext, the pull secrets.
+*/}}
+{{- define "receipts.podCommon" -}}
+automountServiceAccountToken: false
+enableServiceLinks: false
+{{- with .Values.imagePullSecrets }}
+imagePullSecrets:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+securityContext:
+  {{- toYaml .Values.podSecurityContext | nindent 2 }}
+{{- end }}
+
+{{/*
+The TCP port of an http(s) URL: its explicit port, else 443 for https and 80 for http.
+*/}}
+{{- define "receipts.urlPort" -}}
+{{- $url := urlParse . -}}
+{{- $hostport := splitList ":" (regexReplaceAll "^\\[.*\\]" $url.host "") -}}
+{{- if gt (len $hostport) 1 -}}
+{{- last $hostport | int -}}
+{{- else -}}
+{{- ternary 443 80 (eq (lower $url.scheme) "https") -}}
+{{- end -}}
+{{- end }}
+
+{{/*
+The pod of `kubectl run … --override-type=strategic --overrides=…` that NOTES.txt gives for
+`receipts jobs`: the workers' settings (ConfigMap, extraEnvFrom, the DSN from the Secret),
+security contexts, /tmp and extraVolumes, and the release's labels so that its
+NetworkPolicy lets it reach the database. One line of JSON.
+*/}}
+{{- define "receipts.jobsPodOverrides" -}}
+{{- $name := include "receipts.componentName" (dict "ctx" . "suffix" "jobs" "max" 63) -}}
+{{- $envFrom := concat (list (dict "configMapRef" (dict "name" (include "receipts.fullname" .)))) .Values.extraEnvFrom -}}
+{{- $env := list (dict "name" "RECEIPTS_DATABASE_URL" "valueFrom" (dict "secretKeyRef" (dict "name" (include "receipts.secretName" .) "key" .Values.secret.databaseUrlKey))) -}}
+{{- $container := dict "name" $name "envFrom" $envFrom "env" $env "securityContext" .Values.securityContext "volumeMounts" (include "receipts.volumeMounts" . | fromYamlArray) -}}
+{{- $labels := merge (dict "app.kubernetes.io/component" "jobs") (include "receipts.selectorLabels" . | fromYaml) -}}
+{{- $spec := dict "containers" (list $container) "enableServiceLinks" false "automountServiceAccountToken" false "securityContext" .Values.podSecurityContext "volumes" (include "receipts.volumes" . | fromYamlArray) -}}
+{{- with .Values.imagePullSecrets }}{{ $_ := set $spec "imagePullSecrets" . }}{{ end -}}
+{{- dict "metadata" (dict "labels" $labels) "spec" $spec | toJson -}}
 {{- end }}

@@ -20,25 +20,18 @@
 -- start + n never carries into the variant bits): time-ordered ids go to the
 -- right edge of the primary key instead of scattering over it, and one strong
 -- random number is drawn per statement, not per row (gen_random_uuid() and
--- PostgreSQL 18's uuidv7() draw one per row: +0.4–0.5 s per 100,000 ids on
--- the 2-core bench machine, against ≈ 0.06 s for this text-built id; random v4
--- ids also made enqueue_many of 100,000 jobs ~40 % slower there). The low 62
+-- PostgreSQL 18's uuidv7() draw one per row, which costs far more, and random
+-- v4 ids also slowed enqueue_many: bench/README.md). The low 62
 -- bits of an id are start + n, so the client places every new id at its
 -- position without the order id coming back (receipts.enqueue._aligned).
 -- When at least one job is new and %(notify)s is true, pg_notify runs once;
 -- listening workers wake when the transaction commits (identical notifications
 -- of one transaction are delivered once). The count over `wake` makes that CTE
 -- run: a CTE that nothing reads is never executed.
--- Cost (python -m bench.enqueue --runs 7: 100,000 new ids, durable embedded
--- PostgreSQL 18, this 2-core VM at load 0.8–1.5, three sessions interleaved
--- with the previous statement): median 1.66 s (1.18–1.91) against 1.92 s
--- (1.48–2.28) for the text[] parameter with both arrays returned. Of the 1.66 s
--- the server's execution is ≈ 1.3–1.45 s, nearly all of it the insert itself:
--- backend CPU ≈ 0.39 s for heap + WAL without any index, ≈ 0.68 s more for
--- the primary key, order_id and ready indexes, ≈ 0.27 s more for ON CONFLICT's
--- speculative insertion (an arbiter probe, a lock and a confirm record per
--- row); 501,000 WAL records, 41 MB. The client's part is ≈ 0.12 s (checks
--- 0.02, loading 100,000 UUIDs 0.08).
+-- Cost: python -m bench.enqueue (bench/README.md). Nearly all of it is the
+-- insert itself: heap and WAL, the primary key, order_id and ready indexes,
+-- and ON CONFLICT's speculative insertion (an arbiter probe, a lock and a
+-- confirm record per row); the client's part is small.
 WITH seed AS MATERIALIZED (
   SELECT lpad(to_hex((extract(epoch FROM clock_timestamp()) * 1000)::int8), 12, '0')
          || '7' || substr(r, 1, 3) AS head,
@@ -183,8 +176,7 @@ FROM flow AS f CROSS JOIN spent AS s LEFT JOIN claimed AS c ON true;
 -- and leaving state out keeps the planner on the primary key (docs/design.md §10).
 -- The ids and the tokens arrive as two texts of comma-separated hex UUIDs,
 -- not as uuid[] parameters: psycopg dumps a list element by element in
--- Python, which cost the worker ~4 µs per acked job (an ack of 100: ~1.1 ms
--- of client CPU against ~0.7 ms joined; bench/README.md).
+-- Python, which cost the worker CPU per acked job (bench/README.md).
 UPDATE {schema}.receipt_jobs AS j
 SET state = 'done',
     lease_token = NULL,
@@ -416,8 +408,10 @@ RETURNING id;
 -- oldest transaction is this database's: only its sessions hold back the
 -- cleanup of receipt_jobs (docs/design.md §10). The oldest undelivered job is
 -- counted from created_at, which no retry moves (run_at does): reading it costs
--- a heap visit per ready row (100,000 due ready rows: 48 ms instead of 36,
--- 2,700 buffers instead of 500), nothing when the queue is drained.
+-- a heap visit per ready row (bench/README.md has what that costs), nothing
+-- when the queue is drained. The oldest finished row (done, failed or
+-- discarded) is what pruning keeps within the retention: the first live entry
+-- of two partial indexes on finished_at.
 WITH ready AS MATERIALIZED (
   SELECT count(*) AS ready,
          count(*) FILTER (WHERE run_at <= statement_timestamp()) AS ready_due,
@@ -460,7 +454,11 @@ SELECT
   (SELECT coalesce(max(age(transaction)), 0) FROM pg_prepared_xacts
      WHERE database = current_database()) AS xmin_prepared,
   (SELECT coalesce(max(greatest(age(xmin), age(catalog_xmin))), 0) FROM pg_replication_slots
-     WHERE database = current_database() OR database IS NULL) AS xmin_replication_slot
+     WHERE database = current_database() OR database IS NULL) AS xmin_replication_slot,
+  coalesce(extract(epoch FROM statement_timestamp() - least(
+    (SELECT min(finished_at) FROM {schema}.receipt_jobs WHERE state IN ('done', 'failed')),
+    (SELECT min(finished_at) FROM {schema}.receipt_jobs WHERE state = 'discarded'))), 0)
+    AS oldest_finished_seconds
 FROM ready AS r, running AS n, failed AS f, discarded AS d;
 
 -- name: state_counts

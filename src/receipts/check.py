@@ -1,0 +1,86 @@
+"""``receipts check``: can this pod reach what a worker needs? (install day, ``helm test``)
+
+Two checks, one line each on stdout:
+
+* **database**: connect as the worker does and read the schema version; it passes when
+  this version can run on the schema (current, or a later release's of the same major
+  version: :attr:`receipts.migrate.SchemaStatus.usable`).
+* **provider**: one ``OPTIONS`` request to ``RECEIPTS_PROVIDER_URL`` through the delivery
+  client (:meth:`receipts.delivery.HttpDeliverer.reach`: its TLS settings, proxy and
+  token). Any HTTP answer proves the way there works (a provider need not allow
+  ``OPTIONS``: 404 or 405 are answers), except 401 and 403: the provider refuses the token.
+
+Nothing is written and no receipt is sent. Messages carry no password or token: the
+database's are redacted, the provider's name only its scheme, host and path.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import httpx
+
+from receipts.settings import Settings, SettingsError, redact_dsn
+
+
+@dataclass(frozen=True, slots=True)
+class CheckResult:
+    """One check's outcome: *name* (``database``, ``provider``), whether it passed, and a
+    one-line *detail* (what was found, or why it failed)."""
+
+    name: str
+    ok: bool
+    detail: str
+
+    def line(self) -> str:
+        """``name: ok|FAILED: detail``."""
+        return f"{self.name}: {'ok' if self.ok else 'FAILED'}: {self.detail}"
+
+
+async def check_database(settings: Settings) -> CheckResult:
+    """Connect with the worker's settings and judge the schema (see the module doc)."""
+    from receipts.db import connect
+    from receipts.errors import QueueError
+    from receipts.migrate import schema_status_async
+
+    try:
+        conn = await connect(settings, "check")
+        async with conn:
+            status = await schema_status_async(conn, schema=settings.db_schema)
+    except QueueError as exc:
+        return CheckResult("database", False, redact_dsn(str(exc)))
+    return CheckResult("database", status.usable,
+                       f"{settings.safe_dsn}: {status.describe()}")
+
+
+async def check_provider(settings: Settings) -> CheckResult:
+    """Send one ``OPTIONS`` request to the provider URL (see the module doc)."""
+    from receipts.runtime import make_deliverer
+
+    where = settings.safe_provider_url
+    try:
+        deliverer = make_deliverer(settings)
+    except SettingsError as exc:
+        return CheckResult("provider", False, str(exc))
+    start = time.monotonic()
+    try:
+        status = await deliverer.reach()
+    except TimeoutError:
+        return CheckResult("provider", False, f"{where}: no answer within "
+                                              f"{settings.delivery_timeout_seconds:g}s")
+    except (httpx.HTTPError, OSError) as exc:
+        text = str(exc).strip() or type(exc).__name__
+        return CheckResult("provider", False, f"{where}: {type(exc).__name__}: {text[:200]}")
+    finally:
+        await deliverer.aclose()
+    took = f"HTTP {status} in {time.monotonic() - start:.2f}s"
+    if status in (401, 403):
+        return CheckResult("provider", False, f"{where}: {took}: the provider refuses our "
+                                              "token (RECEIPTS_PROVIDER_TOKEN)")
+    return CheckResult("provider", True, f"{where}: reachable ({took})")
+
+
+async def run_checks(settings: Settings) -> list[CheckResult]:
+    """Both checks, database first."""
+    return [await check_database(settings), await check_provider(settings)]

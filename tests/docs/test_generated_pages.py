@@ -1,0 +1,141 @@
+"""The docs say what the code says: generated pages are current, and names in prose exist.
+
+The reference pages (settings, metrics, alerts, commands), the runbook's rule blocks and
+alert list, and the runbook entries of mkdocs.yml's nav are written by
+`python scripts/gen_docs.py`; these tests fail when one of them differs from what the
+script would write now, and say so with the command. The hand-written pages (and the
+README) may name only settings, metrics and alerts that exist.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import re
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[2]
+DOCS = REPO / "docs"
+
+
+def _load_generator() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gen_docs", REPO / "scripts" / "gen_docs.py")
+    assert spec and spec.loader
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+gen = _load_generator()
+
+# RECEIPTS_* names the docs may mention that are no setting, each for a reason.
+NOT_SETTINGS = {
+    "RECEIPTS_CONCURENCY",  # the misspelling the unknown_setting warning catches
+    "RECEIPTS_SERVICE_HOST", "RECEIPTS_PORT_9464_TCP_ADDR",  # Kubernetes service links
+    "RECEIPTS_CHAOS_JOBS", "RECEIPTS_CHAOS_SEED",  # knobs of the chaos test
+    "RECEIPTS_MODEL_EXAMPLES", "RECEIPTS_MODEL_STEPS",  # knobs of the lifecycle model test
+    "RECEIPTS_TEST_REQUIRE_PG15",  # CI's switch for the machine's PostgreSQL 15
+}
+# receipts_* names that are no metric: database objects and code.
+NOT_METRICS = {
+    "receipts_enqueue",  # the SQL function
+    "receipts_ready",  # the LISTEN/NOTIFY channel
+    "receipts_schema_migrations",  # the migrations' tracking table
+    "receipts_drain",  # bench.procs' drain
+    "receipts_jobs_due_or_in_flight",  # the External metric an adapter serves to the HPA
+}
+
+
+def _prose() -> dict[Path, str]:
+    """Every hand-written page (generated references excluded) and the two READMEs."""
+    pages = [p for p in sorted(DOCS.rglob("*.md")) if "reference" not in p.parts]
+    pages += [REPO / "README.md", REPO / "bench" / "README.md"]
+    return {p: p.read_text() for p in pages}
+
+
+def _metric_names() -> set[str]:
+    return {f["name"] for families in gen.metric_families().values() for f in families}
+
+
+def test_every_generated_page_is_what_the_code_says_now() -> None:
+    try:
+        pages: dict[Path, str] = gen.pages()
+    except SystemExit as exc:  # the generator's one-line refusal (a page lost its markers)
+        pytest.fail(str(exc))
+    stale = [str(path.relative_to(REPO)) for path, text in sorted(pages.items())
+             if not path.exists() or path.read_text() != text]
+    assert not stale, (
+        f"stale generated pages: {stale}; regenerate them with `python scripts/gen_docs.py` "
+        "(after `python tests/chart/chartkit.py write-rules` if the chart's alerts changed), "
+        "then review and commit the diff")
+
+
+def test_every_setting_has_a_description() -> None:
+    from receipts import cli
+    from receipts.settings import Settings
+
+    missing = [name for name, field in Settings.model_fields.items()
+               if not (field.description or cli.SETTING_HELP.get(name))]
+    assert not missing, (f"settings without a description: {missing}; give each Field a "
+                         "description (it is the settings reference's text)")
+
+
+def test_every_alert_has_a_written_runbook_page_titled_with_its_name() -> None:
+    for rule in gen.alert_rules():
+        page = gen.runbook_dir(rule["alert"]) / "README.md"
+        text = page.read_text()
+        assert text.startswith(f"# {rule['alert']}\n"), f"{page}: its title is the alert's name"
+        assert gen.STUB_MARK not in text, (
+            f"{page.relative_to(REPO)} is a stub: write what the on-call engineer does")
+    pages = {p.parent.name for p in (DOCS / "runbook").glob("*/README.md")}
+    assert pages == {r["alert"].lower() for r in gen.alert_rules()}, (
+        "a runbook page for an alert that no longer exists")
+
+
+def test_the_docs_name_only_settings_that_exist() -> None:
+    from receipts.settings import ENV_PREFIX, Settings
+
+    known = {f"{ENV_PREFIX}{name.upper()}" for name in Settings.model_fields} | NOT_SETTINGS
+    for path, text in _prose().items():
+        # Whole names only: `RECEIPTS_OUTAGE_*` stands for a family.
+        named = set(re.findall(r"\bRECEIPTS_[A-Z0-9_]*[A-Z0-9]\b(?![_*])", text))
+        assert named <= known, f"{path.relative_to(REPO)} names no such setting: {named - known}"
+
+
+def test_the_docs_name_only_metrics_that_exist() -> None:
+    known = _metric_names()
+    for path, text in _prose().items():
+        named = set(re.findall(r"(?<![#/])\breceipts_[a-z0-9_]*[a-z0-9]\b", text)) - NOT_METRICS
+        unknown = {n for n in named if re.sub(r"_(bucket|sum|count)$", "", n) not in known}
+        assert not unknown, f"{path.relative_to(REPO)} names no such metric: {sorted(unknown)}"
+
+
+def test_the_docs_name_only_alerts_that_exist() -> None:
+    known = {rule["alert"] for rule in gen.alert_rules()}
+    for path, text in _prose().items():
+        named = set(re.findall(r"\bReceipts[A-Z][A-Za-z]+\b", text))
+        assert named <= known, f"{path.relative_to(REPO)} names no such alert: {named - known}"
+
+
+def test_the_metrics_page_says_what_normal_is_for_every_metric() -> None:
+    text = (DOCS / "metrics.md").read_text()
+    rows = set(re.findall(r"^\| `(receipts_[a-z0-9_]+)` \|", text, flags=re.MULTILINE))
+    missing = _metric_names() - rows
+    assert not missing, (f"docs/metrics.md has no row for {sorted(missing)}: say what each "
+                         "means and what normal looks like")
+
+
+def test_the_readme_links_only_to_files_that_exist() -> None:
+    text = (REPO / "README.md").read_text()
+    targets: list[Any] = re.findall(r"\]\(([^)#]+)(?:#[^)]*)?\)", text)
+    local = [t for t in targets if "://" not in t]
+    assert local, "the README links into the docs"
+    missing = [t for t in local if not (REPO / t).exists()]
+    assert not missing, f"README.md links to missing files: {missing}"
+
+
+def test_the_readme_fits_a_couple_of_screens() -> None:
+    assert len((REPO / "README.md").read_text().splitlines()) <= 200
