@@ -66,6 +66,10 @@ R = TypeVar("R")
 
 BACKOFF_FIRST_SECONDS = 0.05
 BACKOFF_MAX_SECONDS = 5.0
+#: The cap while the database cannot be reached: each such try already waited
+#: for the pool (5 s), so a short cap keeps the writes, and /readyz, within
+#: seconds of the database's return (docs/design.md §4, "Database outage").
+UNAVAILABLE_BACKOFF_MAX_SECONDS = 1.0
 #: How long the flusher waits for more outcomes before a statement, seconds.
 LINGER_SECONDS = 0.05
 
@@ -281,7 +285,9 @@ class Completer:
                                                    "retrying": len(batch)})
                 if batch:
                     await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
-                    backoff = min(backoff * 2, BACKOFF_MAX_SECONDS)
+                    cap = (UNAVAILABLE_BACKOFF_MAX_SECONDS
+                           if isinstance(exc, DatabaseUnavailable) else BACKOFF_MAX_SECONDS)
+                    backoff = min(backoff * 2, cap)
                 continue
             lost = lane.lost
             for p in batch:

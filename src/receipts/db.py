@@ -31,6 +31,13 @@ DEADLINE_SLACK_SECONDS = 5.0
 ASYNC_COMMIT_ROLES = frozenset({"worker", "recover"})
 #: A silent LISTEN connection is checked this often, seconds.
 LISTEN_CHECK_SECONDS = 30.0
+#: How long one of the pool's reconnection attempts keeps retrying, seconds.
+#: psycopg_pool doubles the wait between tries (1, 2, 4 s…) with no cap but
+#: this window, so after a long outage its next try could be minutes away (a
+#: worker took 32–65 s to be ready after an 11-minute outage). With 4 s the
+#: tries come 1–2 s apart; when a window runs out, the next borrow that finds
+#: no connection starts a new one at once (docs/design.md §4, "Database outage").
+RECONNECT_WINDOW_SECONDS = 4.0
 
 
 def translate(exc: BaseException) -> QueueError:
@@ -108,7 +115,8 @@ def make_pool(settings: Settings, role: str, *, max_size: int | None = None) -> 
 
     *max_size* defaults to ``settings.pool_max_size``. Connections are borrowed
     for one statement at a time. Never raises for an unreachable database:
-    the pool keeps reconnecting in the background and borrowers get
+    the pool keeps reconnecting while borrowers wait (tries 1–2 s apart, in
+    windows of ``RECONNECT_WINDOW_SECONDS``) and borrowers get
     :class:`DatabaseUnavailable` after a short wait.
     """
     size = max_size or settings.pool_max_size
@@ -119,7 +127,7 @@ def make_pool(settings: Settings, role: str, *, max_size: int | None = None) -> 
         kwargs=connection_kwargs(settings, role),
         open=False,
         timeout=5.0,
-        reconnect_timeout=24 * 3600.0,
+        reconnect_timeout=RECONNECT_WINDOW_SECONDS,
         max_idle=300.0,
         name=f"receipts-{role}",
     )

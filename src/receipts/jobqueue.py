@@ -155,7 +155,9 @@ class WorkerQueue(Protocol):
         """See :meth:`JobQueue.record_attempts`."""
         ...
 
-    async def extend_pause(self, reason: PauseReason, seconds: float) -> FlowState:
+    async def extend_pause(self, reason: PauseReason, seconds: float, *,
+                           next_probe_seconds: float | None = None,
+                           probe_outcome: str | None = None) -> FlowState:
         """See :meth:`JobQueue.extend_pause`."""
         ...
 
@@ -163,7 +165,7 @@ class WorkerQueue(Protocol):
         """See :meth:`JobQueue.begin_probe`."""
         ...
 
-    async def resume(self, probe_until: datetime) -> bool:
+    async def resume(self, probe_until: datetime, *, probe_outcome: str = "delivered") -> bool:
         """See :meth:`JobQueue.resume`."""
         ...
 
@@ -337,20 +339,40 @@ class JobQueue:
 
     # ------------------------------------------------------- flow control
 
-    async def extend_pause(self, reason: PauseReason, seconds: float) -> FlowState:
-        """Pause the fleet for at least *seconds* from now; never shortens a pause."""
+    async def extend_pause(self, reason: PauseReason, seconds: float, *,
+                           next_probe_seconds: float | None = None,
+                           probe_outcome: str | None = None) -> FlowState:
+        """Pause the fleet for at least *seconds* from now; never shortens a pause.
+
+        *reason* is one the flow control sets (``auth``, ``outage``,
+        ``retry_after``, ``rejecting``; a ``rejecting`` pause is stored as
+        ``outage`` plus its cause, so released workers honour it). The next
+        probe may start *next_probe_seconds* from now (default: when the
+        pause ends; never later). *probe_outcome* (a reason label) records
+        a failed probe's answer as ``last_probe_outcome``. Returns the
+        fleet's state after the statement (``pause_left_seconds``: until the
+        next probe of a probed pause, else until its end).
+        """
+        seconds = max(0.0, float(seconds))
+        next_probe = seconds if next_probe_seconds is None else max(
+            0.0, min(seconds, float(next_probe_seconds)))
         rows = await self._rows(
-            self._q("extend_pause"), {"reason": str(reason), "seconds": max(0.0, float(seconds))}
+            self._q("extend_pause"),
+            {"reason": str(reason), "seconds": seconds, "next_probe_seconds": next_probe,
+             "probe_outcome": probe_outcome},
         )
         return _flow_state(rows[0][:2])
 
     async def begin_probe(self, guard_seconds: float) -> tuple[datetime, FlowState] | None:
-        """Try to become the one pod that probes the provider after a pause.
+        """Try to become the one pod that probes the provider during a pause.
 
-        Returns (the probe's deadline, for :meth:`resume`; the pause, whose
-        ``pause_left_seconds`` is the pause *length* a failed probe doubles) to
-        the winner, None to everyone else (no pause, not due yet, or another
-        pod won). *guard_seconds* is how long others wait if this pod dies.
+        A probe is due at the pause's ``probe_until`` (a short interval after
+        the last failure, see :meth:`extend_pause`), not only at its end.
+        Returns (the probe's deadline, for :meth:`resume`; the pause with its
+        effective reason, whose ``pause_left_seconds`` is the pause *length* a
+        failed probe doubles) to the winner, None to everyone else (no probed
+        pause, not due yet, or another pod won). *guard_seconds* is how long
+        others wait if this pod dies.
         """
         rows = await self._rows(self._q("begin_probe"), {"guard_seconds": float(guard_seconds)})
         if not rows:
@@ -358,9 +380,15 @@ class JobQueue:
         reason, until, pause_seconds = rows[0]
         return until, FlowState(PauseReason(reason), float(pause_seconds))
 
-    async def resume(self, probe_until: datetime) -> bool:
-        """End the pause after a probe the provider answered; False if extended since."""
-        return bool(await self._rows(self._q("resume"), {"probe_until": probe_until}))
+    async def resume(self, probe_until: datetime, *, probe_outcome: str = "delivered") -> bool:
+        """End the pause after a probe the provider answered; False if it changed since.
+
+        *probe_until* is the deadline :meth:`begin_probe` returned; the
+        probe's answer (*probe_outcome*, a reason label) and the time are
+        recorded as ``last_probe_outcome`` and ``last_probe_at``.
+        """
+        return bool(await self._rows(self._q("resume"), {"probe_until": probe_until,
+                                                          "probe_outcome": probe_outcome}))
 
     async def commit_probe(self) -> float:
         """Commit one tiny durable transaction; returns its round trip, seconds.
@@ -636,16 +664,19 @@ class JobQueue:
     async def provider_pause(self) -> dict[str, Any]:
         """The provider pause recorded by the workers' flow control (``receipt_flow``).
 
-        A dict: ``pause_reason`` (None, ``auth``, ``outage`` or ``retry_after``),
+        A dict: ``pause_reason`` (the effective reason: None, ``auth``,
+        ``outage``, ``retry_after``, ``rejecting`` or ``manual``),
         ``paused_until`` (datetime or None), ``pause_seconds`` and
-        ``remaining_seconds`` (seconds; 0 when not paused).
+        ``remaining_seconds`` (seconds; 0 when not paused), ``last_probe_at``
+        (datetime or None) and ``last_probe_outcome`` (a reason label or None).
         """
         async with self._conn() as conn:
             dcur = conn.cursor(row_factory=dict_row)
             await dcur.execute(self._q("provider_pause"))
             row = await dcur.fetchone()
         return row or {"pause_reason": None, "paused_until": None, "pause_seconds": None,
-                       "remaining_seconds": 0.0}
+                       "remaining_seconds": 0.0, "last_probe_at": None,
+                       "last_probe_outcome": None}
 
 
 @dataclass(frozen=True, slots=True)

@@ -140,7 +140,8 @@ async def worker_runtime(
     Raises ``OSError`` when the metrics port is taken. The pool opens without
     waiting: an unreachable database is the worker's to ride out.
     """
-    metrics = metrics or Metrics()
+    metrics = metrics or Metrics(
+        queue_stats_interval_seconds=settings.queue_stats_interval_seconds)
     pool = make_pool(settings, "worker")
     deliverer = deliverer or make_deliverer(settings)
     queue = make_queue(settings, pool, worker_tag=new_tag())

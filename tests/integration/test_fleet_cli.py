@@ -55,7 +55,7 @@ async def test_a_manual_pause_does_not_cut_a_longer_outage_pause_short_unless_re
     code, out, err = jobs(dsn, "pause", "--for", "5m", "--reason", "x", "--json")
     assert code == 1 and json.loads(out)["previous_reason"] == "outage"
     assert "automatic outage pause is already in force" in err and "--replace" in err
-    assert flow(dsn)[:2] == ("outage", None)
+    assert flow(dsn)[:2] == ("outage", "outage")
     code, _, err = jobs(dsn, "pause", "--for", "5m", "--reason", "x", "--replace")
     assert code == 0, err
     assert flow(dsn)[:2] == ("retry_after", "manual")

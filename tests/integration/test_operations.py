@@ -60,7 +60,8 @@ async def test_a_manual_pause_stops_claims_as_a_retry_after_pause_old_workers_re
     assert stored == [("retry_after", "manual", "provider migration", "ui:abc", True, True,
                        timedelta(seconds=600))]
     result = await queue.claim(10)
-    assert result.attempts == [] and result.flow.pause_reason is PauseReason.RETRY_AFTER
+    # Workers read the effective reason (a released worker reads pause_reason: retry_after).
+    assert result.attempts == [] and result.flow.pause_reason is PauseReason.MANUAL
     assert 590 < (result.flow.pause_left_seconds or 0) <= 600
     flow = await ops.fleet_flow()
     assert (flow.reason, flow.note, flow.paused_by) == ("manual", "provider migration", "ui:abc")
@@ -80,7 +81,7 @@ async def test_a_manual_pause_never_shortens_a_longer_automatic_one_unless_told(
     assert not refused.paused and refused.previous_reason == "outage"
     assert "automatic outage pause" in fleet.refusal(refused)
     assert fetch_rows(dsn, "SELECT pause_reason, pause_cause FROM receipt_flow") == [
-        ("outage", None)]
+        ("outage", "outage")]
     # A longer manual pause replaces it; then a shorter manual one replaces that.
     assert (await fleet.pause(ops, seconds=7200, note="longer", author="a")).paused
     assert (await fleet.pause(ops, seconds=60, note="shorter", author="a")).paused

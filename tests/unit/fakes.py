@@ -69,6 +69,7 @@ class FakeQueue:
     acks_waiting: int = 0  # ack statements waiting at the gate now
     pauses: list[tuple[PauseReason, float]] = field(default_factory=list)
     resumed: int = 0
+    probe_outcomes: list[str] = field(default_factory=list)  # every answered probe's reason
     refunds: int = 0
     records: list[AttemptRecord] = field(default_factory=list)
     #: What each commit probe answers, seconds (a list is consumed in order, its
@@ -90,9 +91,12 @@ class FakeQueue:
     def _flow(self) -> FlowState:
         now = time.monotonic()
         if self.pause_reason is None or (
-                self.pause_reason is PauseReason.RETRY_AFTER and self.paused_until <= now):
+                not self.pause_reason.probed and self.paused_until <= now):
             return FlowState()
-        return FlowState(self.pause_reason, self.paused_until - now)
+        due = self.paused_until
+        if self.pause_reason.probed and self.probe_until is not None:
+            due = self.probe_until
+        return FlowState(self.pause_reason, due - now)
 
     async def claim(self, limit: int, *, probe: bool = False) -> ClaimResult:
         if self.fail_claims:
@@ -168,35 +172,43 @@ class FakeQueue:
     async def record_attempts(self, records: Sequence[AttemptRecord]) -> None:
         self.records.extend(records)
 
-    async def extend_pause(self, reason: PauseReason, seconds: float) -> FlowState:
+    async def extend_pause(self, reason: PauseReason, seconds: float, *,
+                           next_probe_seconds: float | None = None,
+                           probe_outcome: str | None = None) -> FlowState:
         self.pauses.append((reason, seconds))
-        until = time.monotonic() + seconds
-        if self.pause_reason is None or until > self.paused_until:
+        now = time.monotonic()
+        until = now + seconds
+        active = self._flow().paused
+        if not active or until > self.paused_until:
             self.pause_reason, self.paused_until = reason, until
-        self.pause_seconds = max(self.pause_seconds, seconds)
-        self.probe_until = None
+        self.pause_seconds = max(self.pause_seconds, seconds) if active else seconds
+        next_probe = seconds if next_probe_seconds is None else next_probe_seconds
+        self.probe_until = min(self.paused_until, now + next_probe)
+        if probe_outcome is not None:
+            self.probe_outcomes.append(probe_outcome)
         return self._flow()
 
     async def begin_probe(self, guard_seconds: float) -> tuple[datetime, FlowState] | None:
         now = time.monotonic()
-        if self.pause_reason not in (PauseReason.OUTAGE, PauseReason.AUTH) or (
-                self.paused_until > now):
+        if self.pause_reason is None or not self.pause_reason.probed:
             return None
-        if self.probe_until is not None and self.probe_until > now:
+        due = self.paused_until if self.probe_until is None else self.probe_until
+        if due > now:
             return None
         self.probe_until = now + guard_seconds
         stamp = datetime(2026, 1, 1, tzinfo=UTC) + timedelta(seconds=self.probe_until)
         return stamp, FlowState(self.pause_reason, self.pause_seconds)
 
-    async def resume(self, probe_until: datetime) -> bool:
-        if self.pause_reason is None or self.probe_until is None:
+    async def resume(self, probe_until: datetime, *, probe_outcome: str = "delivered") -> bool:
+        if self.pause_reason is None or not self.pause_reason.probed or self.probe_until is None:
             return False
         stamp = datetime(2026, 1, 1, tzinfo=UTC) + timedelta(seconds=self.probe_until)
-        if stamp != probe_until or self.paused_until > time.monotonic():
+        if stamp != probe_until:
             return False
         self.pause_reason, self.paused_until, self.pause_seconds = None, 0.0, 0.0
         self.probe_until = None
         self.resumed += 1
+        self.probe_outcomes.append(probe_outcome)
         return True
 
     async def commit_probe(self) -> float:
