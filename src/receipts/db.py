@@ -19,7 +19,7 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from receipts.enqueue import NOTIFY_CHANNEL
-from receipts.errors import DatabaseUnavailable, QueueError, SchemaMissing
+from receipts.errors import DatabaseUnavailable, QueueError, SchemaMissing, StatementTimeout
 from receipts.settings import Settings, redact_dsn
 
 CONNECT_TIMEOUT_SECONDS = 5
@@ -44,8 +44,11 @@ def translate(exc: BaseException) -> QueueError:
     """Map a driver or pool error to the package's errors (the one choke point).
 
     Returns :class:`SchemaMissing` for a missing table,
-    :class:`DatabaseUnavailable` for connection-level failures and pool
-    timeouts, :class:`QueueError` otherwise; messages are redacted. Callers
+    :class:`StatementTimeout` for a statement the server stopped
+    (``statement_timeout``, ``lock_timeout``, a cancel: the database is up,
+    the statement was slow), :class:`DatabaseUnavailable` for other
+    connection-level failures and pool timeouts, :class:`QueueError`
+    otherwise; messages are redacted. Callers
     ``raise translate(exc) from exc`` so the driver error stays ``__cause__``.
     """
     if isinstance(exc, psycopg.errors.UndefinedTable):
@@ -55,6 +58,9 @@ def translate(exc: BaseException) -> QueueError:
             f"{what}; run `receipts migrate` first, or set RECEIPTS_DATABASE_SCHEMA to the "
             "schema that holds the receipts tables"
         )
+    if isinstance(exc, psycopg.errors.QueryCanceled | psycopg.errors.LockNotAvailable):
+        first = (exc.diag.message_primary or type(exc).__name__).strip()
+        return StatementTimeout(f"statement stopped by the server: {redact_dsn(first)}")
     if isinstance(exc, PoolTimeout | psycopg.OperationalError | psycopg.InterfaceError):
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         return DatabaseUnavailable(f"database unavailable: {redact_dsn(first)}")

@@ -2,7 +2,7 @@
 
 The driver's own errors never escape the connection seam
 (:func:`receipts.db.translate` turns them into these, keeping ``__cause__``),
-so callers catch exactly four classes. Messages never contain a password.
+so callers catch exactly these five classes. Messages never contain a password.
 """
 
 from __future__ import annotations
@@ -18,6 +18,17 @@ class DatabaseUnavailable(QueueError):
     The statement's effect is unknown; callers retry later. A claim that
     raises this delivers nothing: whatever it may have committed is left to
     lease expiry and recovery (the "uncertain commit" rule, docs/design.md §2).
+    """
+
+
+class StatementTimeout(DatabaseUnavailable):
+    """The server stopped a statement: it ran past ``statement_timeout``, waited
+    past ``lock_timeout``, or was cancelled.
+
+    The database answered, so this means "slow" or "busy", not "down"; the
+    statement's transaction rolled back. A subclass of
+    :class:`DatabaseUnavailable`, so callers that retry an outage retry this
+    the same way.
     """
 
 

@@ -18,6 +18,7 @@ provider is called. The lease protocol (docs/design.md §2):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Iterable, Sequence
@@ -32,6 +33,7 @@ from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
 from receipts.db import borrow, storable
+from receipts.errors import StatementTimeout
 from receipts.model import (
     Attempt,
     AttemptRecord,
@@ -44,7 +46,14 @@ from receipts.model import (
     Reschedule,
     Verdict,
 )
-from receipts.statements import DEFAULT_SCHEMA, claim_query, qualifier, query, statements
+from receipts.statements import (
+    DEFAULT_SCHEMA,
+    WORKER_TAG,
+    claim_query,
+    qualifier,
+    query,
+    statements,
+)
 
 
 def _age(created_at: datetime | None) -> float | None:
@@ -187,6 +196,10 @@ class JobQueue:
         schema: the schema that holds the tables; every statement names it,
             so no session ``search_path`` applies (``ValueError`` for a name
             that is not a lower-case identifier).
+        worker_tag: this worker process's 8 hex digits (its
+            ``receipt_workers`` row, :mod:`receipts.heartbeat`); every lease
+            token its claims write ends in them (``claim_query``). None:
+            wholly random tokens.
 
     Every method raises :class:`~receipts.errors.DatabaseUnavailable` when the
     database cannot be reached, :class:`~receipts.errors.SchemaMissing` before
@@ -204,8 +217,12 @@ class JobQueue:
         max_in_progress: int = 20,
         deadline_seconds: float | None = None,
         schema: str = DEFAULT_SCHEMA,
+        worker_tag: str | None = None,
     ) -> None:
         self.pool = pool
+        if worker_tag is not None and not WORKER_TAG.match(worker_tag):
+            raise ValueError(f"a worker tag is 8 lower-case hex digits, not {worker_tag!r}")
+        self.worker_tag = worker_tag
         qualifier(schema)  # a bad name fails here, not at the first statement
         self.schema = schema
         self.deadline_seconds = deadline_seconds
@@ -254,7 +271,8 @@ class JobQueue:
         }
         if self.rate > 0:
             params |= {"rate": self.rate, "burst": self.burst}
-        statement = claim_query(limit, limited=self.rate > 0, schema=self.schema)
+        statement = claim_query(limit, limited=self.rate > 0, schema=self.schema,
+                                tag=self.worker_tag)
         rows = await self._rows(statement, params)
         claimed_at = time.monotonic()
         attempts = [
@@ -548,8 +566,10 @@ class JobQueue:
 
         *after* is the keyset cursor: the (``sort_at``, ``id``) of the last row
         of the previous page. Rows are dicts with the job's columns plus
-        ``sort_at`` (the view's time column) and the latest attempt's
-        ``reason`` and ``status`` (None without history).
+        ``sort_at`` (the view's time column), ``expired`` (a running job's
+        lease has run out), the latest attempt's ``reason`` and ``status``
+        (None without history) and ``holder`` (the pod whose lease a running
+        job is under, None when unknown).
         """
         params = view.params() | {
             "limit": max(1, min(int(limit), 500)),
@@ -561,10 +581,44 @@ class JobQueue:
             await cur.execute(_review_query("review_jobs", view, self.schema), params)
             return await cur.fetchall()
 
-    async def review_count(self, view: ReviewFilter) -> int:
-        """How many jobs match *view* now."""
-        rows = await self._rows(_review_query("review_count", view, self.schema), view.params())
+    async def review_count(self, view: ReviewFilter, *, cap: int | None = None) -> int:
+        """How many jobs match *view* now, counting at most *cap* (None: all of them).
+
+        A result equal to *cap* means "at least *cap*".
+        """
+        rows = await self._rows(_review_query("review_count", view, self.schema),
+                                view.params() | {"cap": cap})
         return int(rows[0][0])
+
+    async def count_now(self, view: ReviewFilter, *, timeout_seconds: float,
+                        cap: int | None = None) -> tuple[datetime, int | None]:
+        """The database's time now, and how many jobs match *view* up to then.
+
+        One transaction: ``statement_timestamp()`` is read first and bounds the
+        count (``cutoff``, the moment a bulk action is confirmed); the count
+        (of at most *cap* rows, None: all) runs under ``SET LOCAL
+        statement_timeout`` = *timeout_seconds* and is None when it did not
+        finish in time (a selective filter over many rows).
+        """
+        now: datetime | None = None
+        try:
+            async with self._conn() as conn, conn.transaction():
+                cur = await conn.execute(
+                    "SELECT statement_timestamp(), set_config('statement_timeout', %s, true)",
+                    (f"{max(1, round(timeout_seconds * 1000))}ms",))
+                row = await cur.fetchone()
+                assert row is not None
+                now = row[0]
+                bounded = dataclasses.replace(view, cutoff=now)
+                cur = await conn.execute(_review_query("review_count", bounded, self.schema),
+                                         bounded.params() | {"cap": cap})
+                counted = await cur.fetchone()
+                assert counted is not None
+                return row[0], int(counted[0])
+        except StatementTimeout:
+            if now is None:
+                raise
+            return now, None
 
     async def retry_jobs(
         self, target: ReviewFilter | Sequence[uuid.UUID], *, expected: int
@@ -647,32 +701,51 @@ class ReviewFilter:
     since: datetime | None = None
     until: datetime | None = None
     order_contains: str | None = None
+    cutoff: datetime | None = None
+    expired: bool | None = None
 
     @property
     def key(self) -> str:
-        """The time column the list is ordered and filtered by."""
-        return "run_at" if self.state in (JobState.READY, JobState.RUNNING) else "finished_at"
+        """The time column the list is ordered and filtered by (``since``/``until``)."""
+        return _LIST_KEYS[self.state]
+
+    @property
+    def cutoff_key(self) -> str:
+        """The time column ``cutoff`` bounds: when a job entered a terminal state,
+        else when it was enqueued (a job that reaches the state after a bulk
+        action's confirmation is never part of it)."""
+        return "created_at" if self.state in (JobState.READY, JobState.RUNNING) else "finished_at"
 
     def params(self) -> dict[str, Any]:
         """The statement parameters of ``review_matching``."""
         return {"reason": self.reason, "status": self.status, "since": self.since,
-                "until": self.until, "order_contains": self.order_contains or None}
+                "until": self.until, "order_contains": self.order_contains or None,
+                "cutoff": self.cutoff, "expired": self.expired}
 
 
-def _matching(view: ReviewFilter, schema: str) -> sql.Composed:
+#: The time column each state's list is ordered by (its partial index's key).
+_LIST_KEYS = {JobState.READY: "run_at", JobState.RUNNING: "lease_until",
+              JobState.DONE: "finished_at", JobState.FAILED: "finished_at",
+              JobState.DISCARDED: "finished_at"}
+
+
+def matching(view: ReviewFilter, schema: str) -> sql.Composed:
+    """The ``review_matching`` fragment for *view*, for a statement over ``receipt_jobs AS j``
+    and the latest attempt ``AS la`` (review lists, actions, bulk batches)."""
     return sql.SQL(statements(schema)["review_matching"]).format(  # type: ignore[arg-type,unused-ignore]
-        state=sql.Literal(str(view.state)), key=sql.Identifier(view.key)
+        state=sql.Literal(str(view.state)), key=sql.Identifier(view.key),
+        cutoff_key=sql.Identifier(view.cutoff_key),
     )
 
 
 def _review_query(name: str, view: ReviewFilter, schema: str) -> sql.Composed:
     """A review statement with *view*'s fragment composed in (a handful per page)."""
     return sql.SQL(statements(schema)[name]).format(  # type: ignore[arg-type,unused-ignore]
-        matching=_matching(view, schema), key=sql.Identifier(view.key)
+        matching=matching(view, schema), key=sql.Identifier(view.key)
     )
 
 
 def _action_query(name: str, view: ReviewFilter | None, schema: str) -> sql.Composed:
     """retry_jobs/discard_jobs on ids (*view* None) or on *view*'s filter."""
-    target = sql.SQL("j.id = ANY(%(ids)s::uuid[])") if view is None else _matching(view, schema)
+    target = sql.SQL("j.id = ANY(%(ids)s::uuid[])") if view is None else matching(view, schema)
     return sql.SQL(statements(schema)[name]).format(target=target)  # type: ignore[arg-type,unused-ignore]

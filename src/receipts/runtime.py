@@ -25,10 +25,12 @@ from psycopg_pool import AsyncConnectionPool
 from receipts.db import check_encoding, connect, make_pool, statement_deadline
 from receipts.delivery import Deliverer, HttpDeliverer, TLSFileError, tls_context
 from receipts.errors import DatabaseUnavailable
+from receipts.heartbeat import Heartbeat, new_tag
 from receipts.jobqueue import JobQueue
 from receipts.logs import get_logger
 from receipts.metrics import Metrics, make_app, start_server
 from receipts.migrate import SchemaMismatch, schema_status_async
+from receipts.operations import Operations
 from receipts.settings import Settings, SettingsError
 from receipts.worker import Worker
 
@@ -69,8 +71,10 @@ class Runtime:
     metrics_port: int
 
 
-def make_queue(settings: Settings, pool: AsyncConnectionPool) -> JobQueue:
-    """The :class:`JobQueue` the settings describe, on *pool*."""
+def make_queue(settings: Settings, pool: AsyncConnectionPool, *,
+               worker_tag: str | None = None) -> JobQueue:
+    """The :class:`JobQueue` the settings describe, on *pool*; *worker_tag* ends
+    every lease token its claims write (:mod:`receipts.heartbeat`)."""
     return JobQueue(
         pool,
         lease_seconds=settings.lease_seconds,
@@ -80,6 +84,7 @@ def make_queue(settings: Settings, pool: AsyncConnectionPool) -> JobQueue:
         max_in_progress=settings.max_in_progress_answers,
         deadline_seconds=statement_deadline(settings),
         schema=settings.db_schema,
+        worker_tag=worker_tag,
     )
 
 
@@ -139,7 +144,7 @@ async def worker_runtime(
         queue_stats_interval_seconds=settings.queue_stats_interval_seconds)
     pool = make_pool(settings, "worker")
     deliverer = deliverer or make_deliverer(settings)
-    queue = make_queue(settings, pool)
+    queue = make_queue(settings, pool, worker_tag=new_tag())
     worker = Worker(settings, queue, deliverer, metrics)
     watch_pool(pool, metrics)
     port = settings.metrics_port if metrics_port is None else metrics_port
@@ -221,7 +226,9 @@ def worker_gc() -> Iterator[None]:
 async def run_worker(settings: Settings, deliverer: Deliverer | None = None) -> None:
     """Run a worker process until SIGTERM, SIGINT or SIGHUP, then drain and return.
 
-    While it runs, the garbage collector is tuned for it (:func:`worker_gc`).
+    While it runs, the garbage collector is tuned for it (:func:`worker_gc`)
+    and its heartbeat keeps its ``receipt_workers`` row fresh
+    (:class:`~receipts.heartbeat.Heartbeat`; the last one marks it stopped).
 
     *deliverer* defaults to HTTP to ``settings.provider_url``. Raises
     ``OSError`` when the metrics port is taken, and
@@ -245,8 +252,19 @@ async def run_worker(settings: Settings, deliverer: Deliverer | None = None) -> 
             # Which egress proxy the provider's requests take, credentials masked.
             "proxy": settings.provider_proxy_choice(os.environ).describe(),
         })
-        with worker_gc():
-            await runtime.worker.run()
+        heartbeat = Heartbeat(
+            Operations(runtime.pool, schema=settings.db_schema,
+                       deadline_seconds=statement_deadline(settings)),
+            runtime.worker, runtime.metrics, tag=runtime.queue.worker_tag or new_tag())
+        beating = asyncio.create_task(heartbeat.run(), name="heartbeat")
+        try:
+            with worker_gc():
+                await runtime.worker.run()
+        finally:
+            beating.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beating
+            await heartbeat.stop()
 
 
 async def check_database(settings: Settings) -> None:

@@ -151,6 +151,9 @@ class Worker:
         self._unreachable = False  # the last claim failed for want of a connection
         self._busy_since: float | None = None
         self._flow_read_at = 0.0  # monotonic: when the fleet's flow state was last read
+        #: Monotonic time of the last claim that returned a job (None: none yet);
+        #: the heartbeat reports it (:mod:`receipts.heartbeat`).
+        self.last_claim_at: float | None = None
         #: Rejections the gate holds: job id → (attempt, outcome, its deadline timer).
         self._held: dict[uuid.UUID, tuple[Attempt, Outcome, asyncio.TimerHandle]] = {}
         #: Who made an attempt, in its history: the pod (host) name.
@@ -367,6 +370,7 @@ class Worker:
         self.metrics.claim_batch.observe(len(result.attempts))
         if result.attempts:
             self.metrics.jobs_claimed.inc(len(result.attempts))
+            self.last_claim_at = time.monotonic()
         if result.flow.tokens is not None:
             self.metrics.provider_tokens.set(result.flow.tokens)
         for attempt in result.attempts:

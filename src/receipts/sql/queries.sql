@@ -90,7 +90,8 @@ FROM new, (SELECT count(*) FROM wake) AS woken;
 -- one probe (%(probe)s) that won begin_probe. The pause check is one
 -- primary-key read of a one-row table, run once per statement (an InitPlan).
 -- Every row returned carries the flow state; with no job claimed one row
--- comes back whose job columns are NULL.
+-- comes back whose job columns are NULL. A worker's claims end each token in
+-- its tag (receipts.statements.claim_query), naming the lease's holder.
 WITH flow AS (
   -- The effective reason (docs/design.md §11): a Retry-After (or operator's)
   -- pause ends by itself when its time is up; an outage, auth or rejecting
@@ -615,28 +616,42 @@ ORDER BY seq DESC;
 
 -- name: review_matching
 -- A fragment, not a statement: the review filter shared by review_jobs,
--- review_count, retry_jobs and discard_jobs, over receipt_jobs AS j and the
--- job's latest attempt record AS la (reason, status). {state} is a literal
--- state (so the planner can use that state's partial index) and {key} the
--- time column of the list (finished_at, or run_at for ready jobs). A NULL
--- parameter means "any"; order_contains is a plain substring (no patterns).
+-- review_count, retry_jobs, discard_jobs and the bulk actions' bulk_step,
+-- over receipt_jobs AS j and the job's latest attempt record AS la (reason,
+-- status). {state} is a literal state (so the planner can use that state's
+-- partial index), {key} the time column of the list (finished_at; run_at for
+-- ready jobs, lease_until for running ones) and {cutoff_key} the column a
+-- bulk action's confirmation time bounds (finished_at; created_at for ready
+-- and running jobs: a job that reaches the state after the confirmation is
+-- never part of it). A NULL parameter means "any"; order_contains is a plain
+-- substring (no patterns); expired picks running jobs whose lease has (true)
+-- or has not (false) run out.
 j.state = {state}
 AND (%(reason)s::text IS NULL OR la.reason = %(reason)s::text)
 AND (%(status)s::int IS NULL OR la.status = %(status)s::int)
 AND (%(since)s::timestamptz IS NULL OR j.{key} >= %(since)s::timestamptz)
 AND (%(until)s::timestamptz IS NULL OR j.{key} < %(until)s::timestamptz)
 AND (%(order_contains)s::text IS NULL OR strpos(j.order_id, %(order_contains)s::text) > 0)
+AND (%(cutoff)s::timestamptz IS NULL OR j.{cutoff_key} <= %(cutoff)s::timestamptz)
+AND (%(expired)s::bool IS NULL
+     OR (j.lease_until <= statement_timestamp()) = %(expired)s::bool)
 
 -- name: review_jobs
 -- One page of the review list, newest first by {key}, after the keyset
 -- cursor (after_at, after_id) when given. {matching} is review_matching.
+-- holder is the pod of the worker whose lease a running job is under: the
+-- last 8 hex digits of a lease token are the claiming process's tag in
+-- receipt_workers (claim), one primary-key probe per listed row; NULL for
+-- a token written by a worker that sends no heartbeat.
 SELECT j.id, j.order_id, j.state, j.attempts, j.run_at, j.last_error, j.created_at,
-       j.finished_at, j.{key} AS sort_at, la.reason, la.status
+       j.finished_at, j.lease_until, j.lease_until <= statement_timestamp() AS expired,
+       j.{key} AS sort_at, la.reason, la.status, w.pod AS holder
 FROM {schema}.receipt_jobs AS j
 LEFT JOIN LATERAL (
   SELECT h.reason, h.status FROM {schema}.receipt_attempts AS h
   WHERE h.job_id = j.id ORDER BY h.seq DESC LIMIT 1
 ) AS la ON true
+LEFT JOIN {schema}.receipt_workers AS w ON w.tag = right(j.lease_token::text, 8)
 WHERE {matching}
   AND (%(after_at)s::timestamptz IS NULL
        OR (j.{key}, j.id) < (%(after_at)s::timestamptz, %(after_id)s::uuid))
@@ -645,14 +660,20 @@ LIMIT %(limit)s;
 
 -- name: review_count
 -- The latest attempt is only read when the filter asks for its reason or status.
+-- Counts at most %(cap)s rows (NULL: every one), so a page's count costs at
+-- most that many index entries however many jobs match.
 SELECT count(*)
-FROM {schema}.receipt_jobs AS j
-LEFT JOIN LATERAL (
-  SELECT h.reason, h.status FROM {schema}.receipt_attempts AS h
-  WHERE h.job_id = j.id AND (%(reason)s::text IS NOT NULL OR %(status)s::int IS NOT NULL)
-  ORDER BY h.seq DESC LIMIT 1
-) AS la ON true
-WHERE {matching};
+FROM (
+  SELECT 1
+  FROM {schema}.receipt_jobs AS j
+  LEFT JOIN LATERAL (
+    SELECT h.reason, h.status FROM {schema}.receipt_attempts AS h
+    WHERE h.job_id = j.id AND (%(reason)s::text IS NOT NULL OR %(status)s::int IS NOT NULL)
+    ORDER BY h.seq DESC LIMIT 1
+  ) AS la ON true
+  WHERE {matching}
+  LIMIT %(cap)s
+) AS matched;
 
 -- name: retry_jobs
 -- Operator retry of named jobs or of a filter, all or nothing: {target} is
