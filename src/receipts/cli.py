@@ -777,7 +777,7 @@ def _quiet_broken_pipe() -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``receipts`` console script; returns the exit status."""
-    from receipts.errors import InvalidOrderId, QueueError
+    from receipts.errors import InvalidOrderId, QueueError, UnusableDatabase
     from receipts.logs import configure_logging
     from receipts.migrate import MigrationError
 
@@ -807,6 +807,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _quiet_broken_pipe()
     except (SettingsError, UsageError, InvalidOrderId) as exc:
         _error(str(exc))
+        return EXIT_USAGE
+    except UnusableDatabase as exc:  # the DSN names a database receipts refuses
+        _error(redact_dsn(str(exc)))
         return EXIT_USAGE
     except (QueueError, MigrationError, OSError) as exc:
         _error(redact_dsn(str(exc)))

@@ -19,7 +19,7 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from receipts.enqueue import NOTIFY_CHANNEL
-from receipts.errors import DatabaseUnavailable, QueueError, SchemaMissing
+from receipts.errors import DatabaseUnavailable, QueueError, SchemaMissing, refuse_encoding
 from receipts.settings import Settings, redact_dsn
 
 CONNECT_TIMEOUT_SECONDS = 5
@@ -170,10 +170,15 @@ async def connect(settings: Settings, role: str) -> psycopg.AsyncConnection[Any]
 async def check_connection(settings: Settings, role: str) -> None:
     """Connect once and close, so a one-shot command fails fast with the real reason.
 
-    Raises :class:`DatabaseUnavailable` instead of a pool timeout after 5 s.
+    Raises :class:`DatabaseUnavailable` instead of a pool timeout after 5 s,
+    and :class:`~receipts.errors.UnusableDatabase` for a database receipts
+    refuses (:func:`check_encoding`).
     """
     conn = await connect(settings, role)
-    await conn.close()
+    try:
+        check_encoding(conn)
+    finally:
+        await conn.close()
 
 
 async def notifications(settings: Settings) -> AsyncIterator[None]:
@@ -223,19 +228,16 @@ def storable(conn: psycopg.AsyncConnection[Any], text: str) -> str:
     return text.encode(codec, "replace").decode(codec)
 
 
-async def check_encoding(conn: psycopg.AsyncConnection[Any]) -> None:
-    """Refuse a database that cannot keep our text apart from bytes.
+def check_encoding(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
+    """Refuse a database that cannot keep our text apart from bytes (no round trip).
 
-    Raises :class:`QueueError` naming the encoding for ``SQL_ASCII`` (it stores
-    bytes without checking them, so order ids and errors written by other
-    clients could be anything). Narrow encodings such as LATIN1 are accepted:
-    error texts are stored lossily (see :func:`storable`).
+    Raises :class:`~receipts.errors.UnusableDatabase` naming the encoding for
+    ``SQL_ASCII`` (:func:`receipts.errors.refuse_encoding`: it stores bytes
+    without checking them, so order ids and errors written by other clients
+    could be anything). Narrow encodings such as LATIN1 are accepted: error
+    texts are stored lossily (see :func:`storable`).
     """
-    encoding = conn.info.parameter_status("server_encoding")
-    if encoding == "SQL_ASCII":
-        raise QueueError(
-            f"database {conn.info.dbname!r} uses encoding SQL_ASCII, which stores text "
-            "unchecked; create it with ENCODING 'UTF8'")
+    refuse_encoding(conn.info.dbname, conn.info.parameter_status("server_encoding"))
 
 
 @contextmanager
@@ -243,11 +245,15 @@ def transaction(settings: Settings, role: str) -> Iterator[psycopg.Connection[An
     """A blocking connection inside one transaction, committed on a clean exit.
 
     For one-shot commands (``receipts enqueue``). Driver errors, including
-    the connection attempt's, are raised as :mod:`receipts.errors`.
+    the connection attempt's, are raised as :mod:`receipts.errors`; a database
+    receipts refuses raises :class:`~receipts.errors.UnusableDatabase` before
+    anything is written (:func:`check_encoding`).
     """
     kwargs = connection_kwargs(settings, role) | {"autocommit": False}
     try:
-        with psycopg.connect(settings.dsn, **kwargs) as conn, conn.transaction():
-            yield conn
+        with psycopg.connect(settings.dsn, **kwargs) as conn:
+            check_encoding(conn)
+            with conn.transaction():
+                yield conn
     except psycopg.Error as exc:
         raise translate(exc) from exc

@@ -241,8 +241,8 @@ async def run_worker(settings: Settings, deliverer: Deliverer | None = None) -> 
 async def check_database(settings: Settings) -> None:
     """Refuse, at start, a database the worker cannot use.
 
-    Raises :class:`~receipts.errors.QueueError` for an encoding that cannot
-    keep our text (:func:`receipts.db.check_encoding`) and
+    Raises :class:`~receipts.errors.UnusableDatabase` for an encoding that
+    cannot keep our text (:func:`receipts.db.check_encoding`) and
     :class:`~receipts.migrate.SchemaMismatch` for a schema this version does
     not know: migrations it does not ship (a newer receipts migrated the
     database) or an applied migration that differs from the shipped file.
@@ -256,7 +256,7 @@ async def check_database(settings: Settings) -> None:
     except DatabaseUnavailable:
         return
     async with conn:
-        await check_encoding(conn)
+        check_encoding(conn)
         try:
             status = await schema_status_async(conn, schema=settings.db_schema)
         except Exception as exc:  # psycopg errors reading the tracking table: judge later
