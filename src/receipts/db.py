@@ -38,7 +38,8 @@ def translate(exc: BaseException) -> QueueError:
 
     Returns :class:`SchemaMissing` for a missing table,
     :class:`DatabaseUnavailable` for connection-level failures and pool
-    timeouts, :class:`QueueError` otherwise; messages are redacted. Callers
+    timeouts, :class:`QueueError` otherwise (a missing right names the
+    ``--print-grants`` command); messages are redacted. Callers
     ``raise translate(exc) from exc`` so the driver error stays ``__cause__``.
     """
     if isinstance(exc, psycopg.errors.UndefinedTable):
@@ -48,6 +49,11 @@ def translate(exc: BaseException) -> QueueError:
             f"{what}; run `receipts migrate` first, or set RECEIPTS_DATABASE_SCHEMA to the "
             "schema that holds the receipts tables"
         )
+    if isinstance(exc, psycopg.errors.InsufficientPrivilege):
+        what = exc.diag.message_primary or "permission denied"
+        return QueueError(
+            f"{what}: the database role lacks a right receipts needs; apply what "
+            "`receipts migrate --print-grants KIND=ROLE` prints for its kind")
     if isinstance(exc, PoolTimeout | psycopg.OperationalError | psycopg.InterfaceError):
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         return DatabaseUnavailable(f"database unavailable: {redact_dsn(first)}")

@@ -19,9 +19,10 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
+import psycopg
 from psycopg_pool import AsyncConnectionPool
 
-from receipts.db import check_encoding, connect, make_pool, statement_deadline
+from receipts.db import check_encoding, connect, make_pool, statement_deadline, translate
 from receipts.delivery import Deliverer, HttpDeliverer, TLSFileError, tls_context
 from receipts.errors import DatabaseUnavailable
 from receipts.jobqueue import JobQueue
@@ -246,6 +247,8 @@ async def check_database(settings: Settings) -> None:
     :class:`~receipts.migrate.SchemaMismatch` for a schema this version does
     not know: migrations it does not ship (a newer receipts migrated the
     database) or an applied migration that differs from the shipped file.
+    A role that may not read the tracking table is refused with a
+    :class:`~receipts.errors.QueueError` naming ``--print-grants``.
     Pending migrations are not refused: the migration hook may still be
     running, and the worker waits (claims fail with "run receipts migrate")
     until it has. An unreachable database is not refused either: the worker
@@ -259,6 +262,8 @@ async def check_database(settings: Settings) -> None:
         check_encoding(conn)
         try:
             status = await schema_status_async(conn, schema=settings.db_schema)
+        except psycopg.errors.InsufficientPrivilege as exc:  # a grant is missing: say so now
+            raise translate(exc) from exc
         except Exception as exc:  # psycopg errors reading the tracking table: judge later
             log.debug("schema_status_unread", extra={"error": str(exc)[:200]})
             return
