@@ -103,6 +103,18 @@ def connection_kwargs(settings: Settings, role: str) -> dict[str, Any]:
     return kwargs
 
 
+def commits_asynchronously(settings: Settings, role: str) -> bool:
+    """Whether *role*'s sessions commit without waiting for the WAL flush.
+
+    True for the roles of ``ASYNC_COMMIT_ROLES`` with ``RECEIPTS_SYNCHRONOUS_COMMIT=off``
+    on a direct connection. Behind PgBouncer the setting is the database
+    role's, unknown here (and the connection a worker holds is not the
+    server's, so the completer's durability proof would not hold): False.
+    """
+    return (not settings.pgbouncer and role in ASYNC_COMMIT_ROLES
+            and settings.synchronous_commit == "off")
+
+
 def make_pool(settings: Settings, role: str, *, max_size: int | None = None) -> AsyncConnectionPool:
     """An unopened pool of autocommit connections (``await pool.open()`` before use).
 

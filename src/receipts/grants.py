@@ -129,6 +129,7 @@ STATEMENTS: dict[str, Need] = {
     "resume": Need(_W, select=(FLOW,), update=(FLOW,)),
     "record_attempts": Need(_W, select=(JOBS, ATTEMPTS), insert=(ATTEMPTS,), update=(ATTEMPTS,)),
     "commit_probe": Need(_W),  # pg_logical_emit_message: any role
+    "wal_position": Need(_W),  # pg_current_wal_insert_lsn, _flush_lsn: any role
     "queue_stats": Need(_by(WORKER, REVIEW), select=(JOBS,), member_of=(READ_ALL_STATS,)),
     # -- recovery
     "recover_expired": Need(_R, select=(JOBS, ATTEMPTS), update=(JOBS, ATTEMPTS),
