@@ -34,3 +34,18 @@ def test_the_benchmark_runs_end_to_end_and_writes_its_table_as_json(tmp_path):
         "claim p99 at 1M done + 100k ready / empty"}
     assert any(t["target"].startswith("checkout p99 under drain") for t in doc["targets"])
     assert "target" in result.stdout and "raw pgbench" in result.stdout
+
+
+def test_the_commit_comparison_runs_both_modes_interleaved(tmp_path):
+    out = tmp_path / "commit.json"
+    env = {**os.environ, "XDG_RUNTIME_DIR": os.environ.get("XDG_RUNTIME_DIR", "/tmp")}
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.commit", "--rounds", "1", "--seconds", "1",
+         "--jobs", "3000", "--json", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=170,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert [p["mode"] for p in doc["phases"]] == ["idle", "off", "on", "on", "off"]
+    assert all(p["wal_fsyncs_per_second"] >= 0 for p in doc["phases"])
+    assert "drain off/on" in result.stdout
