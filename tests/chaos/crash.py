@@ -71,7 +71,7 @@ MODES = ("off", "on")
 
 @dataclass(slots=True)
 class CrashConfig:
-    """Knobs of one crash run (the defaults: the review's 3,000 jobs and 2 workers)."""
+    """Knobs of one crash run (defaults: 3,000 jobs, 2 workers × 32 slots)."""
 
     jobs: int = 3000
     workers: int = 2
