@@ -198,32 +198,59 @@ def _error(text: str) -> None:
 # ------------------------------------------------------------------ commands
 
 
+def _schema_from_environment() -> str:
+    """The queue schema chosen as the worker chooses it, without connecting or loading
+    settings: ``RECEIPTS_DATABASE_SCHEMA``, else the ``search_path`` of
+    ``RECEIPTS_DATABASE_URL``, else ``public``. Raises :class:`UsageError` for a bad name."""
+    schema = os.environ.get("RECEIPTS_DATABASE_SCHEMA", "").strip()
+    source = "RECEIPTS_DATABASE_SCHEMA"
+    if not schema:
+        dsn = os.environ.get("RECEIPTS_DATABASE_URL", "").strip()
+        schema = schema_for(dsn) if dsn else DEFAULT_SCHEMA
+        source = "the DSN's search_path"
+    if not SCHEMA_NAME.match(schema):
+        raise UsageError(f"schema {schema!r} (from {source}) is not {SCHEMA_RULE}")
+    return schema
+
+
+def check_migrate(args: argparse.Namespace) -> None:
+    """Usage of ``migrate``: ``--pending`` only with ``--print-sql``; ``--print-grants``
+    pairs parsed into ``args.grant_roles`` ({role: [kinds]})."""
+    from receipts.grants import GrantsError, parse_assignments
+
+    if args.pending and not args.print_sql:
+        raise UsageError("--pending goes with --print-sql")
+    args.grant_roles = None
+    if args.print_grants is not None:
+        try:
+            args.grant_roles = parse_assignments(args.print_grants)
+        except GrantsError as exc:
+            raise UsageError(f"--print-grants: {exc}") from None
+
+
 def cmd_migrate(settings: Settings | None, args: argparse.Namespace) -> int:
     """``receipts migrate``: apply pending migrations; prints what it applied.
 
     ``--print-sql [--pending]`` prints the migrations' SQL instead (all of them
-    needs no database); ``--check`` changes nothing and exits 0 when the schema
-    is current (or a later release's of the same major version, which this one
-    runs on), EXIT_PENDING (3) when migrations are pending and EXIT_UNKNOWN (4)
-    when the database has migrations this version cannot run on (breaking or
-    foreign) or an applied one differs.
+    needs no database); ``--print-grants KIND=ROLE…`` prints the least-privilege
+    grants of those roles (no database; :mod:`receipts.grants`); ``--check``
+    changes nothing and exits 0 when the schema is current (or a later release's
+    of the same major version, which this one runs on), EXIT_PENDING (3) when
+    migrations are pending and EXIT_UNKNOWN (4) when the database has migrations
+    this version cannot run on (breaking or foreign) or an applied one differs.
     """
     from receipts import migrate
 
-    if args.pending and not args.print_sql:
-        raise UsageError("--pending goes with --print-sql")
+    if args.grant_roles is not None:
+        from receipts.grants import grants_sql
+
+        sys.stdout.write(grants_sql(args.grant_roles, schema=_schema_from_environment(),
+                                    version=package_version()))
+        return EXIT_OK
     if args.print_sql and not args.pending:
         # No database is read, so no settings are loaded: only the schema's name,
         # chosen as the worker chooses it (the setting, else the DSN's search_path).
-        schema = os.environ.get("RECEIPTS_DATABASE_SCHEMA", "").strip()
-        source = "RECEIPTS_DATABASE_SCHEMA"
-        if not schema:
-            dsn = os.environ.get("RECEIPTS_DATABASE_URL", "").strip()
-            schema = schema_for(dsn) if dsn else DEFAULT_SCHEMA
-            source = "the DSN's search_path"
-        if not SCHEMA_NAME.match(schema):
-            raise UsageError(f"schema {schema!r} (from {source}) is not {SCHEMA_RULE}")
-        sys.stdout.write(migrate.migration_sql(schema=schema))
+        sys.stdout.write(migrate.migration_sql(schema=_schema_from_environment()))
         return EXIT_OK
     assert settings is not None
     if args.print_sql or args.check:
@@ -772,6 +799,10 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--print-sql", action="store_true",
                       help="print the migrations' SQL (with the tracking-table rows workers "
                            "check) instead of applying it; no database needed")
+    mode.add_argument("--print-grants", nargs="+", metavar="KIND=ROLE",
+                      help="print the least-privilege GRANTs of each role (kinds: owner, "
+                           "enqueue, enqueue-python, worker, recover, review), e.g. "
+                           "worker=receipts_worker; no database needed")
     mode.add_argument("--check", action="store_true",
                       help="change nothing; print the schema version; exit 0 up to date, "
                            "3 migrations pending, 4 schema unknown to this version")
@@ -909,8 +940,8 @@ COMMANDS: dict[str, Callable[..., int]] = {
 }
 # Usage checks beyond argparse, run before settings are read or a database is touched.
 CHECKS: dict[str, Callable[[argparse.Namespace], None]] = {
-    "enqueue": check_enqueue, "jobs": check_jobs, "provider": check_provider,
-    "demo": check_demo,
+    "migrate": check_migrate, "enqueue": check_enqueue, "jobs": check_jobs,
+    "provider": check_provider, "demo": check_demo,
 }
 NEEDS_SETTINGS = {"migrate", "worker", "recover", "enqueue", "jobs", "ui", "check"}
 LOGS_ON_STDOUT = {"worker", "provider", "ui"}
@@ -940,7 +971,7 @@ def _quiet_broken_pipe() -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``receipts`` console script; returns the exit status."""
-    from receipts.errors import InvalidOrderId, QueueError
+    from receipts.errors import InvalidOrderId, QueueError, UnusableDatabase
     from receipts.logs import configure_logging
     from receipts.migrate import MigrationError
 
@@ -954,8 +985,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Long-running processes log to stdout (the container log); one-shot
         # commands print their result there, so their logs go to stderr.
         stream = sys.stdout if args.command in LOGS_ON_STDOUT else sys.stderr
-        print_all_sql = getattr(args, "print_sql", False) and not args.pending
-        if args.command in NEEDS_SETTINGS and not print_all_sql:
+        offline = args.command == "migrate" and (
+            (args.print_sql and not args.pending) or args.grant_roles is not None)
+        if args.command in NEEDS_SETTINGS and not offline:
             settings = load_settings()
             if args.command == "worker":
                 check_worker_settings(settings)
@@ -975,6 +1007,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _quiet_broken_pipe()
     except (SettingsError, UsageError, InvalidOrderId) as exc:
         _error(str(exc))
+        return EXIT_USAGE
+    except UnusableDatabase as exc:  # the DSN names a database receipts refuses
+        _error(redact_dsn(str(exc)))
         return EXIT_USAGE
     except (QueueError, MigrationError, OSError) as exc:
         _error(redact_dsn(str(exc)))

@@ -21,6 +21,7 @@ import contextlib
 import dataclasses
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -33,7 +34,7 @@ from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
 from receipts.db import borrow, storable
-from receipts.errors import StatementTimeout
+from receipts.errors import DatabaseUnavailable, StatementTimeout
 from receipts.model import (
     Attempt,
     AttemptRecord,
@@ -115,6 +116,23 @@ class QueueStats:
 
 
 @dataclass(frozen=True, slots=True)
+class WalPosition:
+    """Where the server's write-ahead log stood at one read (:meth:`JobQueue.wal_position`).
+
+    ``insert_lsn`` and ``flush_lsn`` are bytes from ``0/0``: every commit that
+    returned before the read started is at or below ``insert_lsn``; everything
+    at or below ``flush_lsn`` is on disk. ``connection_since`` is
+    ``time.monotonic()`` when this queue first used the connection the read ran
+    on: the connection (and so the server it talks to, which a crash would
+    have ended) has lived at least since then.
+    """
+
+    insert_lsn: int
+    flush_lsn: int
+    connection_since: float
+
+
+@dataclass(frozen=True, slots=True)
 class RecoveryBatch:
     """What one recovery batch did: leases expired back to ready / to failed."""
 
@@ -177,6 +195,15 @@ class WorkerQueue(Protocol):
         """See :meth:`JobQueue.commit_probe`."""
         ...
 
+    async def wal_position(self) -> WalPosition:
+        """See :meth:`JobQueue.wal_position`."""
+        ...
+
+    @property
+    def last_failure_at(self) -> float:
+        """See :attr:`JobQueue.last_failure_at`."""
+        ...
+
 
 class JobQueue:
     """Queue operations on a pool; every method is one autocommit statement.
@@ -231,6 +258,27 @@ class JobQueue:
         self.rate = float(rate_limit_per_second)
         self.burst = float(burst if burst is not None else max(1.0, self.rate))
         self.max_in_progress = int(max_in_progress)
+        # When each pool connection was first borrowed (time.monotonic()): a
+        # connection replaced after a crash shows up as a new one.
+        self._seen: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
+        self._last_failure_at = float("-inf")
+
+    @property
+    def last_failure_at(self) -> float:
+        """``time.monotonic()`` when a statement last failed for its connection (-inf: never).
+
+        A database crash ends every connection, and the pool hands out a new
+        one only when none of its old ones is left idle, so after a crash a
+        statement fails before any statement runs on a new connection: a
+        write sent before this instant may have met a crash since.
+        """
+        return self._last_failure_at
+
+    def _since(self, conn: psycopg.AsyncConnection[Any]) -> float:
+        since = self._seen.get(conn)
+        if since is None:
+            since = self._seen[conn] = time.monotonic()
+        return since
 
     def _q(self, name: str) -> sql.SQL:
         """The named statement, its tables in this queue's schema."""
@@ -238,8 +286,13 @@ class JobQueue:
 
     @asynccontextmanager
     async def _conn(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
-        async with borrow(self.pool, self.deadline_seconds) as conn:
-            yield conn
+        try:
+            async with borrow(self.pool, self.deadline_seconds) as conn:
+                self._since(conn)
+                yield conn
+        except DatabaseUnavailable:
+            self._last_failure_at = time.monotonic()
+            raise
 
     async def _rows(
         self, query: sql.SQL | sql.Composed, params: dict[str, Any], *,
@@ -273,11 +326,12 @@ class JobQueue:
             params |= {"rate": self.rate, "burst": self.burst}
         statement = claim_query(limit, limited=self.rate > 0, schema=self.schema,
                                 tag=self.worker_tag)
+        sent_at = time.monotonic()
         rows = await self._rows(statement, params)
         claimed_at = time.monotonic()
         attempts = [
             Attempt(Job(id=r[0], order_id=r[1], token=r[2], attempt=r[3], traceparent=r[8]),
-                    claimed_at, _age(r[4]))
+                    claimed_at, _age(r[4]), sent_at)
             for r in rows if r[0] is not None
         ]
         flow = _flow_state(rows[0][5:8]) if rows else FlowState()
@@ -403,6 +457,20 @@ class JobQueue:
         async with self._conn() as conn:
             await conn.execute(self._q("commit_probe"))  # no params: one simple query
         return time.perf_counter() - start
+
+    async def wal_position(self) -> WalPosition:
+        """Read the server's WAL insert and flush positions (the ``wal_position`` block).
+
+        One tiny statement, no table. The completer proves with it that an
+        asynchronously committed write is durable (docs/design.md §2). Raises
+        the queue's errors (``DatabaseUnavailable`` …).
+        """
+        async with self._conn() as conn:
+            since = self._since(conn)
+            cur = await conn.execute(self._q("wal_position"))
+            row = await cur.fetchone()
+        assert row is not None
+        return WalPosition(int(row[0]), int(row[1]), since)
 
     async def flow_state(self) -> FlowState:
         """The fleet-wide pause and the bucket's tokens now (tokens None without a limit)."""

@@ -133,6 +133,22 @@ class Metrics:
             "This process's leases that expired before it could ack or reschedule.",
             registry=r,
         )
+        # A database crash may undo the last asynchronously committed writes
+        # (docs/design.md §2, "What a database crash may undo").
+        self.writes_undone = Counter(
+            "receipts_writes_undone",
+            "Attempts whose outcome could not be recorded because a database crash undid a "
+            "write of theirs after it had returned (asynchronous commit): statement=claim (the "
+            "claim was undone; another attempt delivers the job again) or ack/reschedule (undone, "
+            "and writing it again was refused). Counted instead of a stale ack.",
+            ["statement"], registry=r,
+        )
+        self.writes_rewritten = Counter(
+            "receipts_writes_rewritten",
+            "Outcome writes a database crash undid after they had returned, written again "
+            "under the same lease (no delivery repeated), by statement.",
+            ["statement"], registry=r,
+        )
         self.delivery_duration = Histogram(
             "receipts_delivery_duration_seconds", "Provider call duration by outcome.",
             ["outcome"], buckets=DELIVERY_BUCKETS, registry=r,
@@ -256,6 +272,10 @@ class Metrics:
             self.provider_pauses.labels(pause)
         for result in ("resumed", "failed", "inconclusive"):
             self.provider_probes.labels(result)
+        for statement in ("claim", "ack", "reschedule"):
+            self.writes_undone.labels(statement)
+        for statement in ("ack", "reschedule"):
+            self.writes_rewritten.labels(statement)
         self.provider_tokens.set(-1)
 
     def observe_pause(self, reason: PauseReason | None) -> None:

@@ -157,11 +157,15 @@ class Attempt:
             ``claimed_at + lease_seconds`` is a safe upper bound of its end.
         enqueued_age_seconds: seconds from enqueue to the claim (None when
             unknown), for the time-to-receipt histogram.
+        claim_sent_at: ``time.monotonic()`` just before the claim statement was
+            sent (None when unknown): the database started the lease after
+            it, so less than a lease after it the lease still holds.
     """
 
     job: Job
     claimed_at: float
     enqueued_age_seconds: float | None = None
+    claim_sent_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)

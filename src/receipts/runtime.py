@@ -20,9 +20,10 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
+import psycopg
 from psycopg_pool import AsyncConnectionPool
 
-from receipts.db import check_encoding, connect, make_pool, statement_deadline
+from receipts.db import check_encoding, connect, make_pool, statement_deadline, translate
 from receipts.delivery import Deliverer, HttpDeliverer, TLSFileError, tls_context
 from receipts.errors import DatabaseUnavailable
 from receipts.heartbeat import Heartbeat, new_tag
@@ -270,14 +271,16 @@ async def run_worker(settings: Settings, deliverer: Deliverer | None = None) -> 
 async def check_database(settings: Settings) -> None:
     """Refuse, at start, a database the worker cannot use.
 
-    Raises :class:`~receipts.errors.QueueError` for an encoding that cannot
-    keep our text (:func:`receipts.db.check_encoding`) and
+    Raises :class:`~receipts.errors.UnusableDatabase` for an encoding that
+    cannot keep our text (:func:`receipts.db.check_encoding`) and
     :class:`~receipts.migrate.SchemaMismatch` for a schema this version does
     not know: migrations it does not ship that are not a later release's of the
     same major version, or an applied migration that differs from the shipped
     file. A later release's schema is accepted with a ``schema_newer`` warning:
     migrations only add within a major version, and a ``helm rollback`` runs
-    this version on the schema the newer one left (docs/design.md).
+    this version on the schema the newer one left (docs/design.md). A role that
+    may not read the tracking table is refused with a
+    :class:`~receipts.errors.QueueError` naming ``--print-grants``.
     Pending migrations are not refused: the migration hook may still be
     running, and the worker waits (claims fail with "run receipts migrate")
     until it has. An unreachable database is not refused either: the worker
@@ -288,9 +291,11 @@ async def check_database(settings: Settings) -> None:
     except DatabaseUnavailable:
         return
     async with conn:
-        await check_encoding(conn)
+        check_encoding(conn)
         try:
             status = await schema_status_async(conn, schema=settings.db_schema)
+        except psycopg.errors.InsufficientPrivilege as exc:  # a grant is missing: say so now
+            raise translate(exc) from exc
         except Exception as exc:  # psycopg errors reading the tracking table: judge later
             log.debug("schema_status_unread", extra={"error": str(exc)[:200]})
             return

@@ -51,7 +51,7 @@ from datetime import datetime
 
 from receipts.admission import AdmissionController, AdmissionPolicy
 from receipts.completion import Completer
-from receipts.db import notifications, statement_deadline
+from receipts.db import commits_asynchronously, notifications, statement_deadline
 from receipts.delivery import Deliverer
 from receipts.errors import DatabaseUnavailable, QueueError
 from receipts.flow import FlowPolicy, ProviderGate
@@ -136,7 +136,8 @@ class Worker:
         )
         self.admission = AdmissionController(admission_policy(settings)) if (
             settings.admission_control) else None
-        self.completer = Completer(queue, metrics, lease_seconds=settings.lease_seconds)
+        self.completer = Completer(queue, metrics, lease_seconds=settings.lease_seconds,
+                                   watch_durability=commits_asynchronously(settings, "worker"))
         self.gate = gate or ProviderGate(flow_policy(settings))
         self._inflight: set[asyncio.Task[None]] = set()
         self._slot_freed = asyncio.Event()

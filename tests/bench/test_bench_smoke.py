@@ -67,3 +67,18 @@ def test_the_memory_bench_runs_end_to_end_and_fits_its_line(tmp_path):
     assert all(run["peak_mib"] >= run["idle_mib"] > 0 for run in doc["runs"])
     assert {"base_bytes", "per_slot_bytes"} <= set(doc["summary"]["model"])
     assert "KiB × slots" in result.stdout
+
+
+def test_the_commit_comparison_runs_both_modes_interleaved(tmp_path):
+    out = tmp_path / "commit.json"
+    env = {**os.environ, "XDG_RUNTIME_DIR": os.environ.get("XDG_RUNTIME_DIR", "/tmp")}
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.commit", "--rounds", "1", "--seconds", "1",
+         "--jobs", "3000", "--json", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=170,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert [p["mode"] for p in doc["phases"]] == ["idle", "off", "on", "on", "off"]
+    assert all(p["wal_fsyncs_per_second"] >= 0 for p in doc["phases"])
+    assert "drain off/on" in result.stdout

@@ -13,11 +13,11 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 
 from receipts.errors import DatabaseUnavailable
-from receipts.jobqueue import QueueStats
+from receipts.jobqueue import QueueStats, WalPosition
 from receipts.model import (
     Attempt,
     AttemptRecord,
@@ -76,6 +76,16 @@ class FakeQueue:
     #: last value repeated); an exception instance is raised instead.
     probe_seconds: list[float | Exception] = field(default_factory=lambda: [0.001])
     probes: int = 0
+    wal_reads: int = 0
+    #: The write-ahead log: every claim, ack and reschedule is one record. With
+    #: ``auto_flush`` each is flushed at once; otherwise only by :meth:`flush`,
+    #: and :meth:`crash` undoes what was not flushed.
+    auto_flush: bool = True
+    lsn: int = 0
+    flushed: int = 0
+    journal: list[tuple[int, uuid.UUID, Row]] = field(default_factory=list)
+    connection_since: float = float("-inf")
+    last_failure_at: float = float("-inf")
 
     def add(self, n: int) -> list[uuid.UUID]:
         ids = []
@@ -111,10 +121,11 @@ class FakeQueue:
                           if r.state is JobState.READY and r.run_at <= now
                           and r.attempts < self.max_attempts), key=lambda r: r.run_at)
             for row in due[:limit]:
+                self._log(row)
                 row.state, row.attempts = JobState.RUNNING, row.attempts + 1
                 row.token, row.lease_until = uuid.uuid4(), now + self.lease_seconds
                 job = Job(row.id, row.order_id, row.token, row.attempts)
-                attempts.append(Attempt(job, now))
+                attempts.append(Attempt(job, now, claim_sent_at=now))
         self.claims.append((limit, len(attempts)))
         await asyncio.sleep(0)
         return ClaimResult(attempts, self._flow())
@@ -137,6 +148,7 @@ class FakeQueue:
         for job_id, token in pairs:
             row = self._owned(job_id, token)
             if row:
+                self._log(row)
                 row.state, row.token, row.last_token = JobState.DONE, None, token
                 done.add(job_id)
         if self.lose_ack_answers:
@@ -150,6 +162,7 @@ class FakeQueue:
             row = self._owned(item.attempt.job.id, item.attempt.job.token)
             if row is None:
                 continue
+            self._log(row)
             permanent = item.outcome.verdict is Verdict.PERMANENT
             back = not permanent and (item.refund or (
                 item.outcome.reason is Reason.IN_PROGRESS and row.in_progress_count < 20))
@@ -218,6 +231,31 @@ class FakeQueue:
         if isinstance(answer, Exception):
             raise answer
         return answer
+
+    def _log(self, row: Row) -> None:
+        """Journal *row* as it was before a write (one WAL record)."""
+        self.lsn += 1
+        self.journal.append((self.lsn, row.id, replace(row)))
+        if self.auto_flush:
+            self.flush()
+
+    def flush(self) -> None:
+        """The WAL writer: everything written so far is on disk."""
+        self.flushed = self.lsn
+        self.journal.clear()
+
+    def crash(self) -> None:
+        """The server dies: unflushed writes are undone, every connection is new."""
+        for _, job_id, before in reversed(self.journal):
+            self.rows[job_id] = before
+        self.journal.clear()
+        self.lsn = self.flushed
+        # Every connection ended: the next statement fails, then a new one is made.
+        self.last_failure_at = self.connection_since = time.monotonic()
+
+    async def wal_position(self) -> WalPosition:
+        self.wal_reads += 1
+        return WalPosition(self.lsn, self.flushed, self.connection_since)
 
     async def queue_stats(self) -> QueueStats:
         return QueueStats(ready_due=self.count(JobState.READY), ready=self.count(JobState.READY),

@@ -759,3 +759,13 @@ BEGIN;
 SET LOCAL synchronous_commit TO on;
 SELECT pg_logical_emit_message(true, 'receipts.probe', '');
 COMMIT;
+
+-- name: wal_position
+-- How far this server has inserted and flushed its write-ahead log, in bytes
+-- from 0/0. A commit that returned before this statement started is at or
+-- below its insert position; once a later read's flush position reaches
+-- that, the commit is durable (the completer counts an asynchronously
+-- committed outcome only then, docs/design.md §2). Any role may call both
+-- functions; no table, no lock.
+SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), '0/0')::int8,
+       pg_wal_lsn_diff(pg_current_wal_flush_lsn(), '0/0')::int8;
