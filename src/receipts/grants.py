@@ -6,7 +6,8 @@ over its statements, so a role gets exactly what its commands run (the role
 tests run every command under exactly these grants, and take each right away
 in turn to show it is needed; docs/design.md "Least-privilege roles").
 Adding a statement is one line here; a test fails while a named block of
-``sql/queries.sql`` has none.
+``sql/queries.sql`` or ``sql/operations.sql`` has none, or names a table its
+line does not.
 
 Kinds (``receipts migrate --print-grants KIND=ROLE …``):
 
@@ -23,8 +24,24 @@ Kinds (``receipts migrate --print-grants KIND=ROLE …``):
   the ``ON CONFLICT (order_id)`` arbiter). Column rights keep ``state``,
   ``attempts`` and the lease at their defaults: no done row can be forged,
   but the order id and ``run_at`` are checked by the client library only.
-* ``worker``, ``recover``, ``review``: ``receipts worker``; ``receipts
-  recover``; ``receipts jobs …`` and ``receipts ui`` (read and act).
+* ``worker``: ``receipts worker``, its heartbeat (``receipt_workers``) included.
+* ``recover``: ``receipts recover``.
+* ``review``: ``receipts jobs …`` and ``receipts ui``: reads, retry, discard,
+  bulk actions (``receipt_bulk_actions``), the fleet pause and resume,
+  sign-out (``receipt_ui_revoked``), and the page's "recover now". That
+  button runs ``recover_expired``, the statement of ``receipts recover``, so
+  this kind runs it too (docs/design.md "Least-privilege roles" says why it
+  belongs here rather than to a second connection of the page's).
+
+Where a ``review`` statement writes a few columns of a table a more privileged
+kind shares (``receipt_jobs`` with the worker and recovery, ``receipt_flow``
+with the worker), its right is column-level (:attr:`Need.update_columns`): a
+``review`` role may move a job's state, attempts, times, error and lease, and
+write the pause's columns, but not a job's order id, trace context or
+last-outcome token, nor the fleet's token bucket or probe record. Tables the
+kind alone writes (``receipt_bulk_actions``, ``receipt_ui_revoked``; the
+worker's ``receipt_workers``) and the attempt history (whose every column a
+record writes) get whole-table rights.
 
 This module needs nothing but the standard library and :mod:`receipts.statements`.
 """
@@ -43,8 +60,11 @@ JOBS = "receipt_jobs"
 ATTEMPTS = "receipt_attempts"
 FLOW = "receipt_flow"
 MIGRATIONS = "receipts_schema_migrations"
+WORKERS = "receipt_workers"
+BULK_ACTIONS = "receipt_bulk_actions"
+UI_REVOKED = "receipt_ui_revoked"
 #: Every table the migrations create, in creation order.
-TABLES = (MIGRATIONS, JOBS, FLOW, ATTEMPTS)
+TABLES = (MIGRATIONS, JOBS, FLOW, ATTEMPTS, WORKERS, BULK_ACTIONS, UI_REVOKED)
 #: The SQL function of the enqueue API (migrations 0004, 0006), by signature.
 ENQUEUE_FUNCTION = "receipts_enqueue(text, timestamptz, text)"
 #: Predefined role whose members see every session in ``pg_stat_activity``
@@ -66,9 +86,11 @@ KINDS: dict[str, str] = {
     ENQUEUE: "an orders service calling SELECT receipts_enqueue(...): nothing on any table",
     ENQUEUE_PYTHON: "an orders service using the Python API (receipts.enqueue, enqueue_many) "
                     "or `receipts enqueue`: column rights for its INSERT",
-    WORKER: "receipts worker (claims, outcomes, flow control, queue gauges, attempt history)",
+    WORKER: "receipts worker (claims, outcomes, flow control, queue gauges, attempt history, "
+            "heartbeats)",
     RECOVER: "receipts recover (expired leases, exhausted jobs, pruning)",
-    REVIEW: "receipts jobs ... and receipts ui (read, retry, discard)",
+    REVIEW: "receipts jobs ... and receipts ui (read, retry, discard, bulk actions, fleet "
+            "pause and resume, recover now, sign-out)",
 }
 
 # ---------------------------------------------------------- the statements
@@ -82,8 +104,9 @@ class Need:
         kinds: the kinds whose commands run the statement.
         select, insert, update, delete: tables it needs that right on (the
             whole table).
-        insert_columns, select_columns: ``{table: columns}`` where a column
-            right is enough (the Python enqueue API).
+        insert_columns, select_columns, update_columns: ``{table: columns}``
+            where a column right is enough (the Python enqueue API; the
+            review kind's writes to tables a more privileged kind shares).
         execute: functions of the queue schema it calls, by signature.
         member_of: predefined roles it needs to see what it reads.
     """
@@ -95,6 +118,7 @@ class Need:
     delete: tuple[str, ...] = ()
     insert_columns: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     select_columns: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
+    update_columns: Mapping[str, tuple[str, ...]] = field(default_factory=dict)
     execute: tuple[str, ...] = ()
     member_of: tuple[str, ...] = ()
 
@@ -106,11 +130,23 @@ def _by(*kinds: str) -> frozenset[str]:
 _W, _R, _V = _by(WORKER), _by(RECOVER), _by(REVIEW)
 _ENQUEUED = {JOBS: ("id", "order_id", "run_at", "traceparent")}
 _READ_BACK = {JOBS: ("id", "order_id")}
+#: What an operator's retry writes (retry_failed, retry_jobs, retry_effect); a
+#: discard (discard_jobs, discard_effect) writes the first two of them.
+_RETRIED = {JOBS: ("state", "finished_at", "attempts", "run_at", "last_error")}
+_DISCARDED = {JOBS: ("state", "finished_at")}
+#: What recover_expired writes on a job (recovery and the page's "recover now").
+_RECOVERED = {JOBS: ("state", "run_at", "finished_at", "lease_token", "lease_until",
+                     "last_error")}
+#: What pause_fleet and resume_fleet write: the pause, never the token bucket
+#: (tokens, tokens_at) or the last probe's record.
+_PAUSE = {FLOW: ("pause_reason", "paused_until", "pause_seconds", "probe_until", "pause_cause",
+                 "pause_cause_until", "pause_note", "paused_by", "paused_at")}
 
 #: Every statement receipts runs against the queue: the named blocks of
-#: ``sql/queries.sql`` (fragments excluded) and the few that live elsewhere.
-#: An ``UPDATE``/``DELETE`` with a ``WHERE`` or ``RETURNING`` also needs
-#: ``SELECT``; ``INSERT … ON CONFLICT DO UPDATE`` needs ``UPDATE``.
+#: ``sql/queries.sql`` and ``sql/operations.sql`` (fragments excluded) and the
+#: few that live elsewhere. An ``UPDATE``/``DELETE`` with a ``WHERE`` or
+#: ``RETURNING`` also needs ``SELECT``; ``INSERT … ON CONFLICT DO UPDATE``
+#: needs ``UPDATE``; ``SELECT … FOR UPDATE`` needs ``UPDATE`` on a column.
 STATEMENTS: dict[str, Need] = {
     # -- enqueue (the orders service)
     "enqueue": Need(_by(ENQUEUE_PYTHON), insert_columns=_ENQUEUED, select_columns=_READ_BACK),
@@ -128,14 +164,17 @@ STATEMENTS: dict[str, Need] = {
     "begin_probe": Need(_W, select=(FLOW,), update=(FLOW,)),
     "resume": Need(_W, select=(FLOW,), update=(FLOW,)),
     "record_attempts": Need(_W, select=(JOBS, ATTEMPTS), insert=(ATTEMPTS,), update=(ATTEMPTS,)),
+    "heartbeat": Need(_W, select=(WORKERS,), insert=(WORKERS,), update=(WORKERS,)),
+    "forget_workers": Need(_W, select=(WORKERS,), delete=(WORKERS,)),
     "commit_probe": Need(_W),  # pg_logical_emit_message: any role
     "wal_position": Need(_W),  # pg_current_wal_insert_lsn, _flush_lsn: any role
     "queue_stats": Need(_by(WORKER, REVIEW), select=(JOBS,), member_of=(READ_ALL_STATS,)),
-    # -- recovery
-    "recover_expired": Need(_R, select=(JOBS, ATTEMPTS), update=(JOBS, ATTEMPTS),
-                            insert=(ATTEMPTS,)),
+    # -- recovery (recover_expired also from the review page's "recover now")
+    "recover_expired": Need(_by(RECOVER, REVIEW), select=(JOBS, ATTEMPTS), insert=(ATTEMPTS,),
+                            update=(ATTEMPTS,), update_columns=_RECOVERED),
     "fail_exhausted": Need(_R, select=(JOBS,), update=(JOBS,)),
-    "prune": Need(_R, select=(JOBS, ATTEMPTS), delete=(JOBS, ATTEMPTS)),
+    # FOR UPDATE SKIP LOCKED picks the rows: UPDATE on the jobs, though none is updated.
+    "prune": Need(_R, select=(JOBS, ATTEMPTS), update=(JOBS,), delete=(JOBS, ATTEMPTS)),
     # -- review: receipts jobs …, receipts ui
     "state_counts": Need(_V, select=(JOBS,)),
     "oldest_failed": Need(_V, select=(JOBS,)),
@@ -144,17 +183,35 @@ STATEMENTS: dict[str, Need] = {
     "show_job_by_order": Need(_V, select=(JOBS,)),
     "job_attempts": Need(_V, select=(ATTEMPTS,)),
     "job_states": Need(_V, select=(JOBS,)),
-    "review_jobs": Need(_V, select=(JOBS, ATTEMPTS)),
+    "review_jobs": Need(_V, select=(JOBS, ATTEMPTS, WORKERS)),  # the lease holder's pod
     "review_count": Need(_V, select=(JOBS, ATTEMPTS)),
-    "retry_failed": Need(_V, select=(JOBS,), update=(JOBS,)),
-    "retry_jobs": Need(_V, select=(JOBS, ATTEMPTS), update=(JOBS,)),
-    "discard_jobs": Need(_V, select=(JOBS, ATTEMPTS), update=(JOBS,)),
+    "retry_failed": Need(_V, select=(JOBS,), update_columns=_RETRIED),
+    "retry_jobs": Need(_V, select=(JOBS, ATTEMPTS), update_columns=_RETRIED),
+    "discard_jobs": Need(_V, select=(JOBS, ATTEMPTS), update_columns=_DISCARDED),
     "provider_pause": Need(_V, select=(FLOW,)),
     "flow_state": Need(_V, select=(FLOW,)),
+    # -- review: the operator's statements (sql/operations.sql)
+    "fleet_flow": Need(_V, select=(FLOW,)),
+    "pause_fleet": Need(_V, select=(FLOW,), update_columns=_PAUSE),
+    "resume_fleet": Need(_V, select=(FLOW,), update_columns=_PAUSE),
+    "workers_seen": Need(_V, select=(WORKERS,)),
+    "revoke_session": Need(_V, select=(UI_REVOKED,), insert=(UI_REVOKED,),
+                           delete=(UI_REVOKED,)),
+    "revoked_sessions": Need(_V, select=(UI_REVOKED,)),
+    "bulk_create": Need(_V, select=(BULK_ACTIONS,), insert=(BULK_ACTIONS,),
+                        delete=(BULK_ACTIONS,)),
+    "bulk_get": Need(_V, select=(BULK_ACTIONS,)),
+    "bulk_recent": Need(_V, select=(BULK_ACTIONS,)),
+    "bulk_take": Need(_V, select=(BULK_ACTIONS,), update=(BULK_ACTIONS,)),
+    "bulk_stop": Need(_V, select=(BULK_ACTIONS,), update=(BULK_ACTIONS,)),
+    "bulk_fail": Need(_V, select=(BULK_ACTIONS,), update=(BULK_ACTIONS,)),
+    # One batch: the jobs get retry_effect (_RETRIED) or discard_effect (_DISCARDED).
+    "bulk_step": Need(_V, select=(BULK_ACTIONS, JOBS, ATTEMPTS), update=(BULK_ACTIONS,),
+                      update_columns=_RETRIED),
 }
-#: Named blocks of sql/queries.sql that are fragments composed into others.
-FRAGMENTS = frozenset({"review_matching"})
-#: Statements of :data:`STATEMENTS` that are not blocks of sql/queries.sql: the SQL
+#: Named blocks of the SQL files that are fragments composed into others.
+FRAGMENTS = frozenset({"review_matching", "retry_effect", "discard_effect"})
+#: Statements of :data:`STATEMENTS` that are not blocks of the SQL files: the SQL
 #: function an orders service calls, and migrate.py's read of the tracking table.
 ELSEWHERE = frozenset({"receipts_enqueue", "schema_status"})
 
@@ -190,13 +247,19 @@ def rights(kind: str) -> frozenset[Right]:
                                   ("UPDATE", need.update), ("DELETE", need.delete)):
             out.update(Right(t, privilege) for t in tables)
         for privilege, columns in (("INSERT", need.insert_columns),
-                                   ("SELECT", need.select_columns)):
+                                   ("SELECT", need.select_columns),
+                                   ("UPDATE", need.update_columns)):
             out.update(Right(t, privilege, c) for t, cols in columns.items() for c in cols)
         out.update(Right(f, "EXECUTE") for f in need.execute)
         out.update(Right(r, "MEMBER") for r in need.member_of)
-    # A column right is moot beside the same right on the whole table.
-    whole = {(r.obj, r.privilege) for r in out if not r.column}
-    return frozenset(r for r in out if not r.column or (r.obj, r.privilege) not in whole)
+    return _without_moot_columns(out)
+
+
+def _without_moot_columns(wanted: Iterable[Right]) -> frozenset[Right]:
+    """*wanted* less the column rights that the same right on the whole table covers."""
+    wanted = set(wanted)
+    whole = {(r.obj, r.privilege) for r in wanted if not r.column}
+    return frozenset(r for r in wanted if not r.column or (r.obj, r.privilege) not in whole)
 
 
 # ------------------------------------------------------------- the text
@@ -271,7 +334,7 @@ def role_sql(role: str, kinds: Iterable[str], schema: str) -> str:
     wanted: set[Right] = set()
     for kind in kinds:
         wanted |= rights(kind)
-    return head + "\n" + rights_sql(role, wanted, schema)
+    return head + "\n" + rights_sql(role, _without_moot_columns(wanted), schema)
 
 
 def rights_sql(role: str, wanted: Iterable[Right], schema: str) -> str:

@@ -7,24 +7,29 @@ printed grants. The queue lives in schema ``shop``, named by each DSN's
 grant is tested too. Every command then runs as its own role: the worker delivers
 to a real provider, recovery sweeps, the review commands and page read and
 act, an orders service enqueues through the SQL function and through the
-Python API. Each role's statements are also run one by one, first with its
-grants (all pass), then once per right with that right taken away (one of
-them is refused): the printed grants are all needed and enough.
+Python API. The worker's heartbeat, the fleet pause and resume, bulk actions,
+the console's readings, "recover now" and sign-out run as theirs too. Each
+role's statements are also run one by one, first with its grants (all pass),
+then once per right with that right taken away (one of them is refused): the
+printed grants are all needed and enough.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
+import html
+import json
 import os
 import re
+import secrets
 import subprocess
 import sys
 import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from dataclasses import dataclass
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
@@ -37,6 +42,7 @@ from receipts import grants
 from receipts.embedded import free_port
 from receipts.enqueue import enqueue
 from receipts.errors import QueueError
+from receipts.heartbeat import new_tag
 from receipts.jobqueue import JobQueue, ReviewFilter
 from receipts.migrate import schema_status_async
 from receipts.model import (
@@ -50,6 +56,7 @@ from receipts.model import (
     Reschedule,
     Verdict,
 )
+from receipts.operations import Operations
 from receipts.supervisor import Supervisor, child_env, run_command
 from tests.conftest import RunningProvider, Server, fetch_rows
 
@@ -227,6 +234,10 @@ def _states(install: Install, prefix: str) -> dict[str, int]:
                        " GROUP BY state", (prefix + "%",))}
 
 
+#: The tag of a worker whose heartbeat row is two days old: the next worker forgets it.
+GONE_TAG = "0badc0de"
+
+
 async def test_every_command_runs_as_its_own_role(install, provider: RunningProvider, tmp_path):
     # Retries, a Retry-After pause and rejections: reschedule, attempt history and
     # flow control run too; a rate limit makes the claim charge the token bucket.
@@ -235,6 +246,9 @@ async def test_every_command_runs_as_its_own_role(install, provider: RunningProv
     with psycopg.connect(install.dsn("enqueue")) as conn:
         for i in range(40):
             conn.execute("SELECT receipts_enqueue(%s)", (f"cmd-{i:03d}",))
+    fetch_rows(install.admin, "INSERT INTO receipt_workers (tag, pod, seen_at)"
+                              " VALUES (%s, 'gone-pod', now() - interval '2 days') RETURNING 1",
+               (GONE_TAG,))
     env = {"RECEIPTS_PROVIDER_URL": provider.url, "RECEIPTS_METRICS_PORT": str(free_port()),
            "RECEIPTS_LEASE_SECONDS": "4", "RECEIPTS_LEASE_MARGIN_SECONDS": "1",
            "RECEIPTS_DELIVERY_TIMEOUT_SECONDS": "2", "RECEIPTS_RETRY_BASE_SECONDS": "0.05",
@@ -254,6 +268,7 @@ async def test_every_command_runs_as_its_own_role(install, provider: RunningProv
             until, lambda: worker.scrape().total("receipts_acks_total") == done,
             "every ack to be counted")
         metrics = await asyncio.to_thread(worker.scrape)
+        worker_pid = worker.pid
         assert sup.stop_all() == {"worker": 0}
     log = (tmp_path / "worker.log").read_text()
     for event in ("permission denied", "claim_failed", "write_failed", "admission_control_off",
@@ -263,6 +278,11 @@ async def test_every_command_runs_as_its_own_role(install, provider: RunningProv
     assert states.get("done", 0) >= 20 and sum(states.values()) == 40
     assert metrics.total("receipts_retries_total") > 0
     assert metrics.total("receipts_queue_stats_timestamp_seconds") > 0  # the gauges were read
+    # The heartbeat: the worker forgot the row gone for two days, kept its own up to date,
+    # and its last beat marked it stopped with every job it claimed.
+    assert fetch_rows(install.admin, "SELECT pid, claimed_total, stopped_at IS NOT NULL"
+                                     " FROM receipt_workers") == [
+        (worker_pid, int(metrics.total("receipts_jobs_claimed_total")), True)]
 
     # recovery: an expired lease, as a crashed worker leaves it
     fetch_rows(install.admin, "UPDATE receipt_jobs SET state = 'running', attempts = 1,"
@@ -274,9 +294,7 @@ async def test_every_command_runs_as_its_own_role(install, provider: RunningProv
 
     # review: every subcommand
     review = install.dsn("review")
-    failed = [str(r[0]) for r in fetch_rows(
-        install.admin, "SELECT id FROM receipt_jobs WHERE state = 'failed'"
-                       " AND order_id LIKE 'cmd-%%' ORDER BY id")]
+    failed = _failed(install)
     assert len(failed) >= 2
     for args in (("stats",), ("list", "--state", "failed"), ("show", failed[0]),
                  ("show", "cmd-001"), ("retry", failed[0]),
@@ -284,16 +302,57 @@ async def test_every_command_runs_as_its_own_role(install, provider: RunningProv
         result = cli(review, "jobs", *args, "--json")
         assert result.returncode == 0, (args, result.stderr)
 
-    # the review page: read, then an admin action
-    await asyncio.to_thread(_review_page_reads_and_discards, install, tmp_path)
+    # the fleet pause an operator sets and lifts
+    paused = cli(review, "jobs", "pause", "--for", "10m", "--reason", "role test", "--json")
+    assert paused.returncode == 0 and json.loads(paused.stdout)["paused"], paused.stderr
+    stats = cli(review, "jobs", "stats", "--json")
+    assert stats.returncode == 0, stats.stderr
+    assert json.loads(stats.stdout)["provider"]["reason"] == "manual"
+    resumed = cli(review, "jobs", "resume", "--json")
+    assert resumed.returncode == 0 and json.loads(resumed.stdout)["resumed"], resumed.stderr
+    assert fetch_rows(install.admin, "SELECT pause_reason, pause_note FROM receipt_flow") == [
+        (None, None)]
+
+    # a bulk action from the command line: every failed job, in batches
+    fetch_rows(install.admin, "UPDATE receipt_jobs SET state = 'failed', finished_at = now()"
+                              " WHERE order_id BETWEEN 'cmd-010' AND 'cmd-014' RETURNING 1")
+    ((failed_now,),) = fetch_rows(install.admin, "SELECT count(*) FROM receipt_jobs"
+                                                 " WHERE state = 'failed'")
+    retried = cli(review, "jobs", "retry", "--all-failed", "--json")
+    assert retried.returncode == 0, retried.stderr
+    assert json.loads(retried.stdout)["count"] == failed_now >= 5
+    assert fetch_rows(install.admin, "SELECT action, status, changed FROM receipt_bulk_actions"
+                                     ) == [("retry", "done", failed_now)]
+
+    # the review page: its readings, then every kind of action
+    await asyncio.to_thread(_review_page_reads_and_acts, install)
 
 
-def _review_page_reads_and_discards(install: Install, tmp_path: Any) -> None:
-    fetch_rows(install.admin, "UPDATE receipt_jobs SET state = 'failed', finished_at = now(),"
-                              " lease_token = NULL, lease_until = NULL"
-                              " WHERE order_id = 'cmd-002' RETURNING 1")
-    (job_id,) = fetch_rows(install.admin, "SELECT id FROM receipt_jobs"
-                                          " WHERE order_id = 'cmd-002'")[0]
+def _failed(install: Install) -> list[str]:
+    return [str(r[0]) for r in fetch_rows(
+        install.admin, "SELECT id FROM receipt_jobs WHERE state = 'failed'"
+                       " AND order_id LIKE 'cmd-%%' ORDER BY id")]
+
+
+def _job_id(install: Install, order_id: str) -> str:
+    return str(fetch_rows(install.admin, "SELECT id FROM receipt_jobs WHERE order_id = %s",
+                          (order_id,))[0][0])
+
+
+def _review_page_reads_and_acts(install: Install) -> None:
+    """As the review role: the console's readings (workers, a running job's holder, a live
+    refresh), a discard of named jobs, "recover now", a bulk discard by filter, sign-out."""
+    admin = install.admin
+    ((tag, pod),) = fetch_rows(admin, "SELECT tag, pod FROM receipt_workers")
+    fetch_rows(admin, "UPDATE receipt_jobs SET state = 'failed', finished_at = now(),"
+                      " lease_token = NULL, lease_until = NULL"
+                      " WHERE order_id = 'cmd-002' RETURNING 1")
+    # A lease under the worker's tag that ran out: the running list names its pod.
+    fetch_rows(admin, "UPDATE receipt_jobs SET state = 'running', attempts = 1,"
+                      " finished_at = NULL, lease_until = now() - interval '1 second',"
+                      " lease_token = overlay(gen_random_uuid()::text PLACING %s FROM 29)::uuid"
+                      " WHERE order_id = 'cmd-003' RETURNING 1", (tag,))
+    discarded, expired = _job_id(install, "cmd-002"), _job_id(install, "cmd-003")
     port = free_port()
     env = {"RECEIPTS_DATABASE_URL": install.dsn("review"), "RECEIPTS_UI_PORT": str(port),
            "RECEIPTS_UI_ADMIN_TOKEN": ADMIN_TOKEN}
@@ -303,23 +362,73 @@ def _review_page_reads_and_discards(install: Install, tmp_path: Any) -> None:
     try:
         with httpx.Client(base_url=url, trust_env=False, timeout=10) as http:
             until(lambda: _healthy(http), "the review page")
-            for path in ("/?state=failed", f"/jobs/{job_id}", "/?state=ready"):
-                page = http.get(path)
-                assert page.status_code == 200 and "Database unavailable" not in page.text, path
             page = http.get("/?state=failed")
-            cookie = page.headers["set-cookie"].split(";")[0]
-            csrf = re.search(r'name="csrf" value="([^"]+)"', page.text)
-            assert csrf, page.text
-            form = {"action": "discard:selected", "id": str(job_id), "expected": "1",
-                    "csrf": csrf.group(1), "token": ADMIN_TOKEN}
-            done = http.post("/act", data=form, headers={"Cookie": cookie, "Origin": url})
+            assert page.status_code == 200 and "Database unavailable" not in page.text
+            guest = page.headers["set-cookie"].split(";")[0]
+            # Named jobs, all or nothing; the admin token signs the session in.
+            done = http.post("/act", data={"action": "discard:selected", "id": discarded,
+                                           "expected": "1", "csrf": _csrf(page.text),
+                                           "token": ADMIN_TOKEN},
+                             headers={"Cookie": guest, "Origin": url})
             assert done.status_code == 200 and "Discarded" in done.text, done.text
+            session = {"Cookie": done.headers["set-cookie"].split(";")[0], "Origin": url}
+
+            # The readings: summary, workers, running list with the holder, job, live refresh.
+            home = http.get("/", headers=session)
+            assert home.status_code == 200, home.text
+            assert pod in home.text and "No worker has sent a heartbeat" not in home.text
+            running = http.get("/?state=running", headers=session)
+            assert running.status_code == 200 and "cmd-003" in running.text
+            # The lease's holder, from receipt_workers by the tag the token ends in.
+            assert f'<td data-label="Held by"><bdi>{pod}</bdi></td>' in running.text
+            assert http.get(f"/jobs/{expired}", headers=session).status_code == 200
+            live = http.get("/?state=running", headers=session | {"X-Receipts-Live": "1"})
+            assert live.status_code == 200 and "cmd-003" in live.text
+            csrf = _csrf(home.text)
+
+            # Recover now: the expired lease goes back to ready, with its history record.
+            recovered = http.post("/recover", data={"csrf": csrf}, headers=session)
+            assert recovered.status_code == 200, recovered.text
+            assert "1 expired lease(s) went back to ready" in recovered.text
+
+            # A bulk discard by filter: confirm (the count at a moment), act, progress.
+            ready = fetch_rows(admin, "SELECT count(*) FROM receipt_jobs"
+                                      " WHERE state = 'ready' AND order_id LIKE 'cmd-%%'")[0][0]
+            assert ready >= 6
+            confirm = http.post("/confirm", data={"action": "discard:filter", "state": "ready",
+                                                  "q": "cmd-", "csrf": csrf}, headers=session)
+            assert confirm.status_code == 200 and f"Discard {ready} jobs" in confirm.text
+            form = dict(re.findall(r'<input type="hidden" name="([^"]+)" value="([^"]*)">',
+                                   confirm.text))
+            started = http.post("/act", data={k: html.unescape(v) for k, v in form.items()},
+                                headers=session)
+            assert started.status_code == 303, started.text
+            bulk_page = started.headers["location"]
+            until(lambda: fetch_rows(admin, "SELECT status FROM receipt_bulk_actions"
+                                            " WHERE action = 'discard'") == [("done",)],
+                  "the bulk discard to finish")
+            assert http.get(bulk_page, headers=session).status_code == 200
+
+            # Sign-out: the session id is refused by every replica until it expires.
+            out = http.post("/logout", data={"csrf": csrf}, headers=session)
+            assert out.status_code == 303, out.text
     finally:
         process.terminate()
         output, _ = process.communicate(timeout=30)
-    assert "ui_database_error" not in output, output
-    assert fetch_rows(install.admin, "SELECT state FROM receipt_jobs WHERE id = %s",
-                      (job_id,)) == [("discarded",)]
+    for event in ("ui_database_error", "permission denied", "bulk_action_failed", "Traceback"):
+        assert event not in output, output
+    assert fetch_rows(admin, "SELECT count(*) FROM receipt_ui_revoked") == [(1,)]
+    assert fetch_rows(admin, "SELECT state FROM receipt_jobs WHERE id = %s",
+                      (discarded,)) == [("discarded",)]
+    assert fetch_rows(admin, "SELECT reason FROM receipt_attempts WHERE job_id = %s"
+                             " ORDER BY seq DESC LIMIT 1", (expired,)) == [("lease_expired",)]
+    assert _states(install, "cmd-").keys() <= {"done", "discarded"}
+
+
+def _csrf(page: str) -> str:
+    found = re.search(r'name="csrf" value="([^"]+)"', page)
+    assert found, page
+    return found.group(1)
 
 
 def _healthy(http: httpx.Client) -> bool:
@@ -348,10 +457,12 @@ def test_a_worker_missing_a_grant_refuses_to_start_and_names_the_command(install
 
 @dataclass
 class Role:
-    """Connections of one role: a queue on a small pool, and a plain connection."""
+    """Connections of one role: a queue and the operator's statements on a small pool,
+    and a plain connection."""
 
     queue: JobQueue
     limited: JobQueue
+    ops: Operations
     dsn: str
 
 
@@ -361,9 +472,12 @@ async def as_role(install: Install, kind: str) -> AsyncIterator[Role]:
                                kwargs={"autocommit": True})
     await pool.open(wait=True, timeout=10)
     try:
-        yield Role(JobQueue(pool, lease_seconds=30, max_attempts=5, schema=SCHEMA),
+        # The worker's claims end each token in its tag, as a running worker's do.
+        yield Role(JobQueue(pool, lease_seconds=30, max_attempts=5, schema=SCHEMA,
+                            worker_tag=new_tag()),
                    JobQueue(pool, lease_seconds=30, max_attempts=5, rate_limit_per_second=1e9,
-                            burst=1e9, schema=SCHEMA), install.dsn(kind))
+                            burst=1e9, schema=SCHEMA),
+                   Operations(pool, schema=SCHEMA), install.dsn(kind))
     finally:
         await pool.close()
 
@@ -398,9 +512,19 @@ def _python_enqueue(dsn: str, traced: bool) -> None:
         conn.rollback()
 
 
+def _unowned_action() -> dict[str, Any]:
+    """A bulk action row nobody owns: a batch of it locks nothing and changes nothing."""
+    return {"id": uuid.uuid4(), "action": "retry", "job_state": "failed", "reason": None,
+            "http_status": None, "since": None, "until": None, "order_contains": None,
+            "cutoff": datetime.now(UTC)}
+
+
 def exercises(role: Role) -> dict[str, Callable[[], Awaitable[Any]]]:
     """One call per statement of :data:`receipts.grants.STATEMENTS`, harmless to the queue."""
     q, limited, some = role.queue, role.limited, [(uuid.uuid4(), uuid.uuid4())]
+    ops, nobody, soon = role.ops, uuid.uuid4(), datetime.now(UTC) + timedelta(minutes=1)
+    matches_nothing = ReviewFilter(state=JobState.FAILED, order_contains=f"none-{uuid.uuid4()}",
+                                   cutoff=datetime.now(UTC))
     failure = Outcome(Verdict.RETRY, Reason.PROVIDER_5XX, detail="503")
     record = AttemptRecord(job_id=uuid.uuid4(), attempt=1, reason=Reason.PROVIDER_5XX,
                            status=503, error="", duration_seconds=0.1, worker="t")
@@ -439,12 +563,34 @@ def exercises(role: Role) -> dict[str, Callable[[], Awaitable[Any]]]:
         "discard_jobs": lambda: q.discard_jobs([uuid.uuid4()], expected=1),
         "provider_pause": lambda: q.provider_pause(),
         "flow_state": lambda: q.flow_state(),
+        # the operator's statements (sql/operations.sql)
+        "fleet_flow": lambda: ops.fleet_flow(),
+        # A manual pause of 0 s ends at once (and is refused beside a longer one) ...
+        "pause_fleet": lambda: ops.pause_fleet(0.0, note="role test", paused_by="test"),
+        # ... and a resume of a pause that ended in 2000 lifts nothing.
+        "resume_fleet": lambda: ops.resume_fleet(expected_until=datetime(2000, 1, 1, tzinfo=UTC)),
+        "heartbeat": lambda: ops.heartbeat(
+            tag=new_tag(), pod="role-test", pid=1, version="0", slots=0, inflight=0,
+            claimed_total=0, uptime_seconds=0.0, since_claim_seconds=None, stopped=True),
+        "forget_workers": lambda: ops.forget_workers(seconds=1e9),
+        "workers_seen": lambda: ops.workers_seen(seconds=60),
+        "revoke_session": lambda: ops.revoke_session(secrets.token_hex(16), expires_at=soon),
+        "revoked_sessions": lambda: ops.revoked_sessions(),
+        "bulk_create": lambda: ops.bulk_create(action="discard", view=matches_nothing,
+                                               expected=0, runner=nobody, created_by="test"),
+        "bulk_get": lambda: ops.bulk_get(nobody),
+        "bulk_recent": lambda: ops.bulk_recent(seconds=60),
+        "bulk_take": lambda: ops.bulk_take(nobody, runner=nobody, stale_seconds=60),
+        "bulk_stop": lambda: ops.bulk_stop(nobody),
+        "bulk_fail": lambda: ops.bulk_fail(nobody, runner=nobody, error="role test"),
+        "bulk_step": lambda: ops.bulk_step(_unowned_action(), runner=nobody, batch=1,
+                                           after=None),
     }
 
 
 def test_every_statement_has_an_exercise():
     class Dummy:
-        queue = limited = None
+        queue = limited = ops = None
         dsn = ""
 
     assert set(exercises(Dummy())) == set(grants.STATEMENTS)  # type: ignore[arg-type]
