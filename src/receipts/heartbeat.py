@@ -71,6 +71,7 @@ class Heartbeat:
         self._clock = clock
         self._started = clock()
         self.beats = 0
+        self._refusal_logged = False
 
     async def beat(self, *, stopped: bool = False) -> bool:
         """One upsert of this process's row; True when it was written."""
@@ -84,7 +85,13 @@ class Heartbeat:
                 claimed_total=int(claimed), uptime_seconds=now - self._started,
                 since_claim_seconds=None if last is None else now - last, stopped=stopped)
         except QueueError as exc:
-            log.debug("heartbeat_failed", extra={"error": str(exc)})
+            if "--print-grants" in str(exc) and not self._refusal_logged:
+                # A role without the heartbeat's rights (grants not applied after an
+                # upgrade): the workers list stays empty, so say it once, loudly.
+                self._refusal_logged = True
+                log.warning("heartbeat_refused", extra={"error": str(exc)})
+            else:
+                log.debug("heartbeat_failed", extra={"error": str(exc)})
             return False
         self.beats += 1
         return True
