@@ -42,8 +42,12 @@ async def test_after_a_demo_sized_run_scraped_counters_agree_with_the_database(
 
         await wait_for(drained, timeout_seconds=60, what="the queue to drain")
         async def settled() -> bool:
+            # Outcomes are counted once their commit is known durable (asynchronous
+            # commits), a moment after the rows changed: wait for every order's.
             s = await served.scrape()
-            return value(s, "receipts_inflight_deliveries") == 0
+            finished = value(s, "receipts_acks_total") + sum(
+                by_label(s, "receipts_failures_total", "reason").values())
+            return value(s, "receipts_inflight_deliveries") == 0 and finished == len(orders)
 
         await wait_for(settled, timeout_seconds=10, what="no delivery in flight")
         before = value(await served.scrape(), "receipts_queue_stats_timestamp_seconds")
