@@ -21,8 +21,10 @@ connect error, nothing sent        retry      ``connect_error``
 =================================  =========  ==================================
 
 The whole exchange, body included, is bounded by one deadline
-(``delivery_timeout_seconds``), and at most ``MAX_BODY_BYTES`` of the response
-are read, so a slow-drip or 50 MB answer cannot hold a slot or memory.
+(``delivery_timeout_seconds``, kept within ``deadlines.RESOLUTION_SECONDS``
+by :class:`~receipts.deadlines.Deadlines`), and at most ``MAX_BODY_BYTES`` of
+the response are read, so a slow-drip or 50 MB answer cannot hold a slot or
+memory.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ import certifi
 import httpx
 
 from receipts import tracing
+from receipts.deadlines import Deadlines
 from receipts.model import Job, Outcome, Reason, Verdict
 from receipts.proxy import ProxyChoice
 from receipts.retry import parse_retry_after
@@ -205,8 +208,8 @@ class HttpDeliverer:
         self._send: Send = (
             transport.sender(str(target), timeouts) if isinstance(transport, AiohttpTransport)
             else httpx_sender(transport, str(target), timeouts))
+        # Host is the client's to write (from the URL; the origin's behind a proxy).
         headers = [
-            ("Host", target.netloc.decode("ascii")),
             ("User-Agent", USER_AGENT),
             ("Accept", "*/*"),
             ("Content-Type", "application/json"),
@@ -218,11 +221,14 @@ class HttpDeliverer:
             headers.append(("Authorization", "Basic " + base64.b64encode(userpass).decode()))
         self._headers = headers
         self._secrets = self.proxy.secrets()
+        # One timer for every delivery's deadline (asyncio.timeout arms one per call).
+        self._deadlines = Deadlines()
         if _TRACING:  # decided once: no extra coroutine per delivery without it
             self.deliver = self._traced_deliver  # type: ignore[method-assign]
 
     async def aclose(self) -> None:
         """Close the transport's connections."""
+        self._deadlines.close()
         await self._transport.aclose()
 
     def body(self, job: Job) -> bytes:
@@ -278,7 +284,7 @@ class HttpDeliverer:
         try:
             # One deadline for the whole exchange; reading a 2xx body gets at most
             # SUCCESS_BODY_SECONDS of it (the answer is known from the status line).
-            async with asyncio.timeout_at(deadline) as scope:
+            with self._deadlines.at(deadline) as scope:
                 answer = await self._send("POST", headers, body)
                 if 200 <= answer.status < 300:
                     if answer.complete():

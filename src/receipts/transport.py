@@ -44,6 +44,7 @@ for the whole exchange wrap the call and the body read in ``asyncio.timeout``
 from __future__ import annotations
 
 import contextvars
+import functools
 import re
 import ssl
 from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
@@ -269,14 +270,16 @@ class HttpxAnswer:
 def httpx_sender(transport: httpx.AsyncBaseTransport, url: str,
                  timeouts: Mapping[str, float | None] | None = None) -> Send:
     """A :data:`Send` for *url* over any httpx transport (httpx's own, for comparisons):
-    each call builds an ``httpx.Request`` (values as UTF-8 bytes, ``Content-Length``
-    from the body) with *timeouts* as its ``timeout`` extension."""
+    each call builds an ``httpx.Request`` (``Host`` from *url* first, values as UTF-8
+    bytes, ``Content-Length`` from the body) with *timeouts* as its ``timeout``
+    extension."""
     target = httpx.URL(url)
+    host = (b"Host", target.netloc)
     extensions = {"timeout": dict(timeouts)} if timeouts is not None else {}
 
     async def send(method: str, headers: Headers, body: bytes) -> Answer:
-        raw = [(name.encode("ascii"), value.encode("utf-8", "surrogateescape"))
-               for name, value in headers]
+        raw = [host, *((name.encode("ascii"), value.encode("utf-8", "surrogateescape"))
+                       for name, value in headers)]
         raw.append((b"Content-Length", b"%d" % len(body)))
         request = httpx.Request(method, target, headers=raw, stream=httpx.ByteStream(body),
                                 extensions=extensions)
@@ -345,12 +348,9 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         per request), values are checked by aiohttp. Raises the httpx
         exceptions of the module doc.
         """
-        target = URL(url, encoded=True)
-        timeout = _client_timeout(timeouts, self._default_timeout)
-
-        async def send(method: str, headers: Headers, body: bytes) -> Answer:
-            return AiohttpAnswer(await self._send(method, target, headers, body, timeout))
-        return send
+        # A partial, not a closure: no extra coroutine frame per request.
+        return functools.partial(self._send, URL(url, encoded=True),
+                                 _client_timeout(timeouts, self._default_timeout))
 
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         """Send *request*; return its response once the head has arrived.
@@ -377,7 +377,8 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         if timeouts is not self._timeouts_key:  # callers pass one dict every time
             self._timeouts_key = timeouts
             self._timeout = _client_timeout(timeouts, self._default_timeout)
-        response = await self._send(request.method, self._url, headers, body, self._timeout)
+        response = (await self._send(self._url, self._timeout, request.method, headers,
+                                     body))._response
         return httpx.Response(
             response.status, headers=response.raw_headers, stream=AiohttpBody(response),
             request=request,
@@ -385,8 +386,8 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
                         "reason_phrase": (response.reason or "").encode("latin-1", "replace")},
         )
 
-    async def _send(self, method: str, url: URL, headers: Headers, body: bytes,
-                    timeout: aiohttp.ClientTimeout) -> aiohttp.ClientResponse:
+    async def _send(self, url: URL, timeout: aiohttp.ClientTimeout, method: str,
+                    headers: Headers, body: bytes) -> AiohttpAnswer:
         """One request through aiohttp's session, resent once on a fresh connection when a
         reused one died before its answer (module doc); aiohttp's errors as httpx's."""
         session = self._session
@@ -395,8 +396,9 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         _REUSED.set(False)
         try:
             try:
-                return await session.request(method, url, data=body, headers=headers,
-                                             allow_redirects=False, timeout=timeout)
+                return AiohttpAnswer(await session.request(
+                    method, url, data=body, headers=headers, allow_redirects=False,
+                    timeout=timeout))
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
                     aiohttp.ClientConnectionResetError) as exc:
                 if not (_REUSED.get() and _stale(exc)):
@@ -405,8 +407,9 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
                 fresh = self._fresh
                 if fresh is None:
                     fresh = self._fresh = self._new_session(fresh=True)
-                return await fresh.request(method, url, data=body, headers=headers,
-                                           allow_redirects=False, timeout=timeout)
+                return AiohttpAnswer(await fresh.request(
+                    method, url, data=body, headers=headers, allow_redirects=False,
+                    timeout=timeout))
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
             raise _translate(exc) from exc
 
