@@ -45,6 +45,8 @@ class DeadlineScope:
     def reschedule(self, when: float) -> None:
         """Move the deadline to *when* (loop clock, seconds); no effect once expired."""
         self.when = when
+        if when < self._owner._earliest:
+            self._owner._earliest = when
 
     def __enter__(self) -> DeadlineScope:
         task = asyncio.current_task()
@@ -81,6 +83,8 @@ class Deadlines:
             raise ValueError("resolution_seconds must be positive")
         self.resolution_seconds = resolution_seconds
         self._scopes: dict[DeadlineScope, None] = {}
+        #: No open scope is due before this (a bound: scopes that closed may have set it).
+        self._earliest = float("inf")
         self._loop: asyncio.AbstractEventLoop | None = None
         self._timer: asyncio.TimerHandle | None = None
 
@@ -99,21 +103,36 @@ class Deadlines:
         if self._loop is not loop:  # first use, or a new loop: forget the old one's
             self.close()
             self._scopes.clear()
+            self._earliest = float("inf")
             self._loop = loop
         self._scopes[scope] = None
+        if scope.when < self._earliest:
+            self._earliest = scope.when
         if self._timer is None:
             self._timer = loop.call_at(loop.time() + self.resolution_seconds, self._check)
 
     def _check(self) -> None:
-        """Cancel the task of every scope past its deadline; re-arm while scopes are open."""
+        """Cancel the task of every scope past its deadline; re-arm while scopes are open.
+
+        The scopes are looked at only once the earliest deadline seen may have
+        passed (most close long before theirs), then the earliest is recomputed.
+        """
         self._timer = None
         loop = self._loop
         if loop is None or not self._scopes:
+            self._earliest = float("inf")
             return
         now = loop.time()
-        for scope in self._scopes:
-            if not scope.expired and scope.when <= now:
-                scope.expired = True
-                assert scope._task is not None
-                scope._task.cancel()  # delivered at the task's next step, not here
+        if self._earliest <= now:
+            earliest = float("inf")
+            for scope in self._scopes:
+                if scope.expired:
+                    continue
+                if scope.when <= now:
+                    scope.expired = True
+                    assert scope._task is not None
+                    scope._task.cancel()  # delivered at the task's next step, not here
+                elif scope.when < earliest:
+                    earliest = scope.when
+            self._earliest = earliest
         self._timer = loop.call_at(now + self.resolution_seconds, self._check)

@@ -1,8 +1,12 @@
-"""httpx's transport interface over aiohttp's client: the deliverer's wire.
+"""aiohttp's client as the deliverer's wire, with httpx's exceptions and interface.
 
-:class:`AiohttpTransport` is an ``httpx.AsyncBaseTransport``: the delivery
-code builds ``httpx.Request`` objects, gets ``httpx.Response`` objects back
-and catches httpx's exceptions; aiohttp (a maintained client with llhttp, a
+:class:`AiohttpTransport` offers two doors onto one exchange. The deliverer's
+is :meth:`AiohttpTransport.sender`: method, header pairs and body in, an
+:class:`Answer` out, no per-request objects of ours beyond it (the seam is
+thin because each layer costs CPU per delivery, bench/README.md). The other
+is httpx's: it is an ``httpx.AsyncBaseTransport`` (``httpx.Request`` in,
+``httpx.Response`` out), for tests and for anything written against httpx.
+Both raise httpx's exceptions. aiohttp (a maintained client with llhttp, a
 C parser) does the protocol: framing, keep-alive pooling, TLS (the caller's
 ``ssl.SSLContext``: private CA, client certificate, SNI and host name
 checks), proxies (``CONNECT`` for ``https``), response-head limits and read
@@ -36,9 +40,10 @@ a scheme other than http/https                         ``httpx.UnsupportedProtoc
 =====================================================  ==============================
 
 Timeouts come from the request's ``timeout`` extension (``connect``,
-``read``, ``pool``; seconds, None for none); callers that need one deadline
-for the whole exchange wrap the call and the body read in ``asyncio.timeout``
-(cancellation at any point closes the connection).
+``read``, ``pool``; seconds, None for none), or the sender's, converted once;
+callers that need one deadline for the whole exchange wrap the call and the
+body read in a deadline (``asyncio.timeout``, :mod:`receipts.deadlines`):
+cancellation at any point closes the connection.
 """
 
 from __future__ import annotations

@@ -56,10 +56,12 @@ async def test_concurrent_scopes_expire_each_at_their_own_deadline():
             return "timed out"
         return "done"
 
-    results = await asyncio.gather(*(bounded(0.1, 5) for _ in range(50)),
-                                   *(bounded(5, 0.2) for _ in range(50)))
-    assert results == ["timed out"] * 50 + ["done"] * 50
+    results = await asyncio.gather(*(bounded(5, 0.2) for _ in range(50)),
+                                   *(bounded(0.1, 5) for _ in range(50)))
+    assert results == ["done"] * 50 + ["timed out"] * 50
     assert loop.time() - start < 2
+    # Scopes opened once all earlier ones have closed expire too.
+    assert await bounded(0.05, 5) == "timed out"
 
 
 async def test_a_cancellation_from_outside_stays_a_cancellation():
