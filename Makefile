@@ -35,9 +35,12 @@ docs: $(STAMP)
 bench:
 	bash bench/run.sh $(BENCH_ARGS)
 
-## A bigger chaos run by hand (docs/chaos.md), e.g. make chaos CHAOS_ARGS="--jobs 50000".
+## A bigger chaos run by hand (docs/chaos.md), e.g. make chaos CHAOS_ARGS="--jobs 50000",
+## then PostgreSQL killed mid-drain with asynchronous and durable worker commits, interleaved.
+CRASH_ARGS ?= --jobs 3000 --rounds 3
 chaos: $(STAMP)
 	$(BIN)/python -m tests.chaos.run $(CHAOS_ARGS)
+	$(BIN)/python -m tests.chaos.crash $(CRASH_ARGS)
 
 ## Re-resolve requirements.lock: the image's exact dependencies (extras worker, binary, uvloop),
 ## with the hashes of every file of each version, so any platform's wheel verifies.

@@ -176,6 +176,7 @@ def run_receipts(args: argparse.Namespace) -> None:
         provider_rate_limit_per_second=args.rate_limit,
         provider_burst=args.burst,
         event_loop=args.event_loop,
+        synchronous_commit=args.synchronous_commit,
     )
     record: dict[str, float] | None = {} if args.record else None
     deliverer: Any
@@ -298,6 +299,8 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--transport", choices=TRANSPORTS,
                    help="receipts over HTTP: the client under the deliverer (default: "
                         "what `receipts worker` builds)")
+    p.add_argument("--synchronous-commit", choices=["on", "off", "local"], default="off",
+                   help="receipts: RECEIPTS_SYNCHRONOUS_COMMIT (default off, as the service)")
     p.add_argument("--profile", help="receipts: py-spy raw profile to this file")
     p.add_argument("--profile-seconds", type=float, default=6.0)
     args = p.parse_args(argv)

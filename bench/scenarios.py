@@ -388,6 +388,14 @@ def _checkout(dsn: str, seconds: float, rate: float) -> list[float]:
     return out
 
 
+def wal_fsyncs(probe: psycopg.Connection[Any]) -> float:
+    """The server's WAL fsyncs so far, every process (``pg_stat_io``, PostgreSQL 16+;
+    0 where it has no WAL rows): each one is a flush some commit waited for."""
+    row = probe.execute("SELECT coalesce(sum(fsyncs), 0) FROM pg_stat_io"
+                        " WHERE object = 'wal'").fetchone()
+    return float(row[0]) if row else 0.0
+
+
 def _workers_started(probe: psycopg.Connection[Any], processes: int,
                      jobs: int | None) -> bool:
     """Every worker process connected and, given the *jobs* they drain, claiming."""
@@ -408,6 +416,7 @@ class CheckoutPhase:
             ``TRACE_INTERVAL_SECONDS`` from its release to the window's end.
         seconds: the checkout window, seconds (None: the call's *seconds*).
         jobs: the backlog of a drain (None: the call's *drain_jobs*).
+        synchronous_commit: ``RECEIPTS_SYNCHRONOUS_COMMIT`` of the workers.
     """
 
     name: str
@@ -418,6 +427,7 @@ class CheckoutPhase:
     trace: bool = False
     seconds: float | None = None
     jobs: int | None = None
+    synchronous_commit: str = Settings.model_fields["synchronous_commit"].default
 
 
 #: How often the admission-on phase scrapes the claim-rate limit, seconds.
@@ -524,7 +534,8 @@ def checkout_impact(bench: Bench, *, drain_jobs: int, seconds: float, rate: floa
             settle(dsn, "receipt_jobs", "bench_orders")
             ports = [free_port() if phase.trace else None for _ in range(processes)]
             argvs = [receipts_argv(dsn, concurrency=phase.concurrency, batch=phase.batch,
-                                    no_admission=not phase.admission, metrics_port=port)
+                                    no_admission=not phase.admission, metrics_port=port,
+                                    synchronous_commit=phase.synchronous_commit)
                      for port in ports]
             children = Children(argvs, ports=ports)
             trace: _LimitTrace | None = None
@@ -536,17 +547,20 @@ def checkout_impact(bench: Bench, *, drain_jobs: int, seconds: float, rate: floa
                     wait_until(partial(_workers_started, probe, processes, jobs),
                                timeout_seconds=30)
                     left_at_start = remaining_jobs(probe)
+                    syncs_at_start = wal_fsyncs(probe)
                     window_start = time.monotonic()
                     lat = _checkout(dsn, window, rate)
                     elapsed = time.monotonic() - window_start
                     left = remaining_jobs(probe)
+                    syncs = wal_fsyncs(probe) - syncs_at_start
                 points = trace.stop() if trace else None
             finally:
                 if trace:
                     trace.stop()
                 children.stop()
         result.update(p50_ms=percentile(lat, 50), p99_ms=percentile(lat, 99),
-                      samples=len(lat), jobs_left_at_end=left)
+                      samples=len(lat), jobs_left_at_end=left,
+                      wal_fsyncs_per_second=syncs / elapsed)
         if jobs:
             done = left_at_start + len(lat) - left
             result.update(jobs_done_in_window=done, drain_jobs_per_second=done / elapsed)

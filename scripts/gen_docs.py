@@ -140,9 +140,13 @@ def _families(registry: Any) -> list[dict[str, Any]]:
     from prometheus_client.metrics import MetricWrapperBase
 
     found = []
+    collectors: list[Any] = []
     for collector in list(registry._collector_to_names):
         if isinstance(collector, ProcessCollector):
             continue
+        # The queue gauges sit behind a collector that hides them while stale.
+        collectors.extend(getattr(collector, "gauges", (collector,)))
+    for collector in collectors:
         assert isinstance(collector, MetricWrapperBase), collector
         for family in collector.collect():
             exposed = {"counter": f"{family.name}_total", "info": f"{family.name}_info"}.get(

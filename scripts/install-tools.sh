@@ -7,6 +7,8 @@
 #   promtool,      from the Debian package `prometheus` (2.42.0), linked into .tools/bin
 #   prometheus     (the dashboard test runs every panel's query on a real Prometheus)
 #   chromium       the Debian package, system-wide, for the review page's browser tests
+#   axe-core       the npm package's axe.min.js (4.10.3) in .tools/axe/, which the browser
+#                  tests inject into the review page to check its accessibility
 #   nginx,         Debian packages, system-wide, for the egress tests (a real provider with
 #   tinyproxy,     keep-alive limits, large heads and mutual TLS; real forward proxies with
 #   squid          CONNECT); the tests start them unprivileged on 127.0.0.1 with their own
@@ -101,6 +103,25 @@ install_chromium() {  # for tests/browser/ (the review page in a real headless b
     command -v chromium >/dev/null 2>&1 || apt_install chromium
 }
 
+AXE_PACKAGE="axe-core@4.10.3"
+install_axe() {  # for tests/browser/ (accessibility checks injected into the page)
+    local target="${tools_dir}/axe/axe.min.js"
+    if [ -s "${target}" ] && grep -q "axe v4.10.3" "${target}"; then
+        log "${AXE_PACKAGE} already installed"
+        return
+    fi
+    command -v npm >/dev/null 2>&1 || apt_install npm
+    local work
+    work="$(mktemp -d)"
+    trap 'rm -rf "${work}"' RETURN
+    log "fetching ${AXE_PACKAGE} with npm pack"
+    (cd "${work}" && npm pack --silent "${AXE_PACKAGE}" >/dev/null)
+    tar -xzf "${work}"/axe-core-*.tgz -C "${work}" package/axe.min.js
+    mkdir -p "${tools_dir}/axe"
+    mv "${work}/package/axe.min.js" "${target}"
+    log "installed ${AXE_PACKAGE} (tests/browser: accessibility)"
+}
+
 install_egress_servers() {  # for tests/servers.py (nginx, tinyproxy, squid)
     local missing=()
     [ -x /usr/sbin/nginx ] || missing+=(nginx)
@@ -126,4 +147,5 @@ install_helm
 install_prometheus
 install_pgbouncer
 install_chromium
+install_axe
 install_egress_servers

@@ -30,6 +30,7 @@ from receipts.settings import (
     ENV_PREFIX,
     Settings,
     SettingsError,
+    check_ui_settings,
     check_worker_settings,
     load_settings,
     package_version,
@@ -96,7 +97,11 @@ COMMAND_SETTINGS: dict[str, tuple[str, ...]] = {
                 "migrate_lock_timeout_seconds"),
     "recover": (*_CONNECTION, "max_attempts", "synchronous_commit", *_RECOVERY_ONLY),
     "enqueue": _CONNECTION,
-    "jobs": _CONNECTION,
+    "jobs": (*_CONNECTION, "provider_rate_limit_per_second", "provider_burst"),
+    "ui": (*_CONNECTION, "ui_host", "ui_port", "ui_admin_token", "ui_viewer_token",
+           "ui_anonymous_read", "ui_pool_max_size", "ui_refresh_seconds", "max_attempts",
+           "lease_seconds", "recovery_delay_seconds", "recovery_batch_size",
+           "provider_rate_limit_per_second", "provider_burst"),
 }
 
 
@@ -193,32 +198,59 @@ def _error(text: str) -> None:
 # ------------------------------------------------------------------ commands
 
 
+def _schema_from_environment() -> str:
+    """The queue schema chosen as the worker chooses it, without connecting or loading
+    settings: ``RECEIPTS_DATABASE_SCHEMA``, else the ``search_path`` of
+    ``RECEIPTS_DATABASE_URL``, else ``public``. Raises :class:`UsageError` for a bad name."""
+    schema = os.environ.get("RECEIPTS_DATABASE_SCHEMA", "").strip()
+    source = "RECEIPTS_DATABASE_SCHEMA"
+    if not schema:
+        dsn = os.environ.get("RECEIPTS_DATABASE_URL", "").strip()
+        schema = schema_for(dsn) if dsn else DEFAULT_SCHEMA
+        source = "the DSN's search_path"
+    if not SCHEMA_NAME.match(schema):
+        raise UsageError(f"schema {schema!r} (from {source}) is not {SCHEMA_RULE}")
+    return schema
+
+
+def check_migrate(args: argparse.Namespace) -> None:
+    """Usage of ``migrate``: ``--pending`` only with ``--print-sql``; ``--print-grants``
+    pairs parsed into ``args.grant_roles`` ({role: [kinds]})."""
+    from receipts.grants import GrantsError, parse_assignments
+
+    if args.pending and not args.print_sql:
+        raise UsageError("--pending goes with --print-sql")
+    args.grant_roles = None
+    if args.print_grants is not None:
+        try:
+            args.grant_roles = parse_assignments(args.print_grants)
+        except GrantsError as exc:
+            raise UsageError(f"--print-grants: {exc}") from None
+
+
 def cmd_migrate(settings: Settings | None, args: argparse.Namespace) -> int:
     """``receipts migrate``: apply pending migrations; prints what it applied.
 
     ``--print-sql [--pending]`` prints the migrations' SQL instead (all of them
-    needs no database); ``--check`` changes nothing and exits 0 when the schema
-    is current (or a later release's of the same major version, which this one
-    runs on), EXIT_PENDING (3) when migrations are pending and EXIT_UNKNOWN (4)
-    when the database has migrations this version cannot run on (breaking or
-    foreign) or an applied one differs.
+    needs no database); ``--print-grants KIND=ROLE…`` prints the least-privilege
+    grants of those roles (no database; :mod:`receipts.grants`); ``--check``
+    changes nothing and exits 0 when the schema is current (or a later release's
+    of the same major version, which this one runs on), EXIT_PENDING (3) when
+    migrations are pending and EXIT_UNKNOWN (4) when the database has migrations
+    this version cannot run on (breaking or foreign) or an applied one differs.
     """
     from receipts import migrate
 
-    if args.pending and not args.print_sql:
-        raise UsageError("--pending goes with --print-sql")
+    if args.grant_roles is not None:
+        from receipts.grants import grants_sql
+
+        sys.stdout.write(grants_sql(args.grant_roles, schema=_schema_from_environment(),
+                                    version=package_version()))
+        return EXIT_OK
     if args.print_sql and not args.pending:
         # No database is read, so no settings are loaded: only the schema's name,
         # chosen as the worker chooses it (the setting, else the DSN's search_path).
-        schema = os.environ.get("RECEIPTS_DATABASE_SCHEMA", "").strip()
-        source = "RECEIPTS_DATABASE_SCHEMA"
-        if not schema:
-            dsn = os.environ.get("RECEIPTS_DATABASE_URL", "").strip()
-            schema = schema_for(dsn) if dsn else DEFAULT_SCHEMA
-            source = "the DSN's search_path"
-        if not SCHEMA_NAME.match(schema):
-            raise UsageError(f"schema {schema!r} (from {source}) is not {SCHEMA_RULE}")
-        sys.stdout.write(migrate.migration_sql(schema=schema))
+        sys.stdout.write(migrate.migration_sql(schema=_schema_from_environment()))
         return EXIT_OK
     assert settings is not None
     if args.print_sql or args.check:
@@ -386,6 +418,14 @@ def check_jobs(args: argparse.Namespace) -> None:
     """
     args.since_at = _parse_since(getattr(args, "since", None))
     args.uuids = None
+    if args.jobs_command == "pause":
+        from receipts.fleet import PauseError, check_note, parse_duration
+
+        try:
+            args.pause_seconds = parse_duration(args.duration)
+            args.note = check_note(args.reason)
+        except PauseError as exc:
+            raise UsageError(str(exc)) from None
     if args.jobs_command == "retry":
         if args.all_failed == bool(args.ids):
             raise UsageError("give job ids or --all-failed (not both)")
@@ -419,10 +459,13 @@ def cmd_jobs(settings: Settings, args: argparse.Namespace) -> int:
     from receipts.model import JobState
 
     async def body(queue: Any) -> int:
+        if args.jobs_command in ("pause", "resume"):
+            return await _fleet_command(settings, queue, args)
         if args.jobs_command == "stats":
             stats = await review.stats(queue)
+            flow = await _fleet_flow(settings, queue)
             if args.json:
-                print(json.dumps(stats.as_dict()))
+                print(json.dumps(stats.as_dict() | {"provider": _flow_dict(flow)}))
             else:
                 table = [(str(state), str(stats.jobs[state])) for state in JobState] + [
                     ("due now", str(stats.ready_due)),
@@ -431,6 +474,7 @@ def cmd_jobs(settings: Settings, args: argparse.Namespace) -> int:
                      f"{stats.oldest_undelivered_age_seconds:.1f}s since enqueue"),
                     ("expired leases", f"{stats.expired_leases} (awaiting recovery)"),
                     ("oldest failed", str(review.jsonable(stats.oldest_failed_at) or "-")),
+                    ("provider", _describe_flow(flow)),
                 ]
                 width = max(len(label) for label, _ in table)
                 for label, value in table:
@@ -460,15 +504,125 @@ def cmd_jobs(settings: Settings, args: argparse.Namespace) -> int:
                     print(f"attempt {a['attempt']:<4} {a['at']}  {a['reason']}"
                           f"  {a['status'] or '-'}  {(a['error'] or '')[:60]}")
             return EXIT_OK
+        from receipts.fleet import cli_author
+
+        progress = _BulkProgress()
         if args.jobs_command == "discard":
-            outcome = await review.discard(queue, args.discard_target, dry_run=args.dry_run)
+            outcome = await review.discard(queue, args.discard_target, dry_run=args.dry_run,
+                                           author=cli_author(), on_step=progress)
             _print_discard(args, outcome)
             return EXIT_OK if outcome.ok else EXIT_ERROR
-        result = await review.retry(queue, args.uuids, dry_run=args.dry_run)
+        result = await review.retry(queue, args.uuids, dry_run=args.dry_run,
+                                    author=cli_author(), on_step=progress)
         _print_retry(args, result)
         return EXIT_OK if result.ok else EXIT_ERROR
 
     return _run(_with_queue(settings, "cli", body))
+
+
+class _BulkProgress:
+    """Prints a bulk action's progress on stderr, at most every few seconds."""
+
+    EVERY_SECONDS = 5.0
+
+    def __init__(self) -> None:
+        import time
+
+        self._clock = time.monotonic
+        self._last = self._clock()
+
+    def __call__(self, step: Any) -> None:
+        now = self._clock()
+        if step.status == "running" and now - self._last >= self.EVERY_SECONDS:
+            self._last = now
+            print(f"receipts: {step.changed:,} job(s) changed so far "
+                  f"({step.examined:,} examined)", file=sys.stderr, flush=True)
+
+
+async def _fleet_flow(settings: Settings, queue: Any) -> Any:
+    """The fleet's flow state (``fleet_flow``), or None before migration 0009."""
+    from receipts.errors import SchemaMissing
+    from receipts.operations import Operations
+
+    operations = Operations(queue.pool, schema=queue.schema)
+    try:
+        return await operations.fleet_flow(rate=settings.provider_rate_limit_per_second,
+                                           burst=settings.burst)
+    except SchemaMissing:
+        return None
+
+
+def _flow_dict(flow: Any) -> dict[str, Any] | None:
+    from receipts.review import jsonable
+
+    if flow is None:
+        return None
+    return {"paused": flow.paused, "reason": flow.reason,
+            "paused_until": jsonable(flow.paused_until),
+            "remaining_seconds": round(flow.remaining_seconds, 3), "note": flow.note,
+            "paused_by": flow.paused_by, "paused_at": jsonable(flow.paused_at),
+            "last_probe_at": jsonable(flow.last_probe_at),
+            "last_probe_outcome": flow.last_probe_outcome}
+
+
+def _describe_flow(flow: Any) -> str:
+    """One line: whether deliveries are paused, why, until when, by whom."""
+    from receipts.fleet import describe_seconds
+
+    if flow is None:
+        return "unknown (run receipts migrate)"
+    if not flow.paused:
+        return "delivering (not paused)"
+    if flow.awaiting_probe:
+        return f"paused ({flow.reason}); one probe job decides when it resumes"
+    text = (f"paused ({flow.reason}) for {describe_seconds(flow.remaining_seconds)} more, "
+            f"until {flow.paused_until.isoformat()}")
+    if flow.note:
+        text += f": {flow.note!r} by {flow.paused_by}"
+    return text
+
+
+async def _fleet_command(settings: Settings, queue: Any, args: argparse.Namespace) -> int:
+    """``receipts jobs pause`` / ``resume``: the fleet-wide manual pause (receipts.fleet)."""
+    from receipts import fleet
+    from receipts.operations import Operations
+
+    operations = Operations(queue.pool, schema=queue.schema)
+    if args.jobs_command == "pause":
+        outcome = await fleet.pause(operations, seconds=args.pause_seconds, note=args.note,
+                                    author=fleet.cli_author(), replace=args.replace)
+        if args.json:
+            print(json.dumps({"paused": outcome.paused,
+                              "paused_until": review_json(outcome.paused_until),
+                              "previous_reason": outcome.previous_reason,
+                              "previous_until": review_json(outcome.previous_until)}))
+        elif outcome.paused:
+            assert outcome.paused_until is not None
+            print(f"paused every worker's deliveries until {outcome.paused_until.isoformat()} "
+                  f"({fleet.describe_seconds(args.pause_seconds)}); workers stop claiming within "
+                  "a few seconds; `receipts jobs resume` ends it sooner")
+        if not outcome.paused:
+            _error(fleet.refusal(outcome) + " (--replace)")
+            return EXIT_ERROR
+        return EXIT_OK
+    resumed = await fleet.resume(operations, author=fleet.cli_author())
+    if args.json:
+        print(json.dumps({"resumed": resumed.lifted, "reason": resumed.reason,
+                          "paused_until": review_json(resumed.paused_until),
+                          "note": resumed.note}))
+    elif resumed.lifted:
+        print(f"resumed deliveries (lifted a {resumed.reason} pause"
+              + (f": {resumed.note!r})" if resumed.note else ")"))
+    else:
+        print("not paused; nothing to resume")
+    return EXIT_OK
+
+
+def review_json(value: Any) -> Any:
+    """A datetime as ISO 8601 text (None stays None), for JSON output."""
+    from receipts.review import jsonable
+
+    return jsonable(value)
 
 
 def _print_retry(args: argparse.Namespace, result: RetryResult) -> None:
@@ -478,11 +632,11 @@ def _print_retry(args: argparse.Namespace, result: RetryResult) -> None:
     elif not result.refused:
         ids = result.would_retry if result.dry_run else result.retried
         verb = "would retry" if result.dry_run else "retried"
-        print(f"{verb} {len(ids)} failed job(s)")
+        print(f"{verb} {result.count} failed job(s)")
         for job_id in ids[:20]:
             print(f"  {job_id}")
-        if len(ids) > 20:
-            print(f"  … and {len(ids) - 20} more")
+        if result.count > 20:
+            print(f"  … and {result.count - 20} more")
     if result.refused:
         for refusal in result.refused:
             _error(refusal.reason)
@@ -507,6 +661,8 @@ def _print_discard(args: argparse.Namespace, result: Any) -> None:
         print(f"{verb} {result.expected} job(s)")
         for job_id in result.discarded[:20]:
             print(f"  {job_id}")
+        if result.expected > 20:
+            print(f"  … and {result.expected - 20} more")
 
 
 def cmd_ui(settings: Settings, args: argparse.Namespace) -> int:
@@ -643,6 +799,10 @@ def build_parser() -> argparse.ArgumentParser:
     mode.add_argument("--print-sql", action="store_true",
                       help="print the migrations' SQL (with the tracking-table rows workers "
                            "check) instead of applying it; no database needed")
+    mode.add_argument("--print-grants", nargs="+", metavar="KIND=ROLE",
+                      help="print the least-privilege GRANTs of each role (kinds: owner, "
+                           "enqueue, enqueue-python, worker, recover, review), e.g. "
+                           "worker=receipts_worker; no database needed")
     mode.add_argument("--check", action="store_true",
                       help="change nothing; print the schema version; exit 0 up to date, "
                            "3 migrations pending, 4 schema unknown to this version")
@@ -660,7 +820,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("order_ids", nargs="+", metavar="ORDER_ID",
                    help="order ids, enqueued in one transaction")
 
-    jobs = add("jobs", "Review jobs: stats, list, show, retry failed.")
+    jobs = add("jobs", "Review jobs (stats, list, show, retry, discard); pause or resume "
+                       "deliveries.")
     jsub = jobs.add_subparsers(dest="jobs_command", required=True, metavar="ACTION")
 
     def action(name: str, help_text: str, description: str | None = None
@@ -704,6 +865,23 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--since", metavar="TIME",
                    help="finished (ready: due) at or after this ISO 8601 time; default: any")
     j.add_argument("--dry-run", action="store_true", help="show what would change; change nothing")
+
+    j = action(
+        "pause", "stop every worker's deliveries for a while, with a reason",
+        "Pause every worker's claims for DURATION (10s to 7d): deliveries in flight finish, "
+        "nothing new is claimed until the pause ends by itself or `receipts jobs resume`. "
+        "Every worker honours it within a few seconds, released versions too. A longer "
+        "automatic pause (provider outage, bad credentials, Retry-After) is kept unless "
+        "--replace. Exit 0 paused, 1 refused, 2 bad usage.")
+    j.add_argument("--for", dest="duration", required=True, metavar="DURATION",
+                   help="how long, e.g. 90s, 15m, 2h, 1h30m")
+    j.add_argument("--reason", required=True, metavar="TEXT",
+                   help="why (one line, at most 200 characters; shown to every operator)")
+    j.add_argument("--replace", action="store_true",
+                   help="end a longer automatic pause at this pause's end instead")
+    action("resume", "lift the fleet's pause now (manual or automatic); workers claim again",
+           "Lift the fleet-wide pause, whatever set it: every worker claims again at its next "
+           "claim (within a few seconds), without a probe. Exit 0 (also when not paused).")
 
     add("ui", "Serve the review web page (read-only unless RECEIPTS_UI_ADMIN_TOKEN is set).")
 
@@ -762,8 +940,8 @@ COMMANDS: dict[str, Callable[..., int]] = {
 }
 # Usage checks beyond argparse, run before settings are read or a database is touched.
 CHECKS: dict[str, Callable[[argparse.Namespace], None]] = {
-    "enqueue": check_enqueue, "jobs": check_jobs, "provider": check_provider,
-    "demo": check_demo,
+    "migrate": check_migrate, "enqueue": check_enqueue, "jobs": check_jobs,
+    "provider": check_provider, "demo": check_demo,
 }
 NEEDS_SETTINGS = {"migrate", "worker", "recover", "enqueue", "jobs", "ui", "check"}
 LOGS_ON_STDOUT = {"worker", "provider", "ui"}
@@ -793,7 +971,7 @@ def _quiet_broken_pipe() -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``receipts`` console script; returns the exit status."""
-    from receipts.errors import InvalidOrderId, QueueError
+    from receipts.errors import InvalidOrderId, QueueError, UnusableDatabase
     from receipts.logs import configure_logging
     from receipts.migrate import MigrationError
 
@@ -807,11 +985,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         # Long-running processes log to stdout (the container log); one-shot
         # commands print their result there, so their logs go to stderr.
         stream = sys.stdout if args.command in LOGS_ON_STDOUT else sys.stderr
-        print_all_sql = getattr(args, "print_sql", False) and not args.pending
-        if args.command in NEEDS_SETTINGS and not print_all_sql:
+        offline = args.command == "migrate" and (
+            (args.print_sql and not args.pending) or args.grant_roles is not None)
+        if args.command in NEEDS_SETTINGS and not offline:
             settings = load_settings()
             if args.command == "worker":
                 check_worker_settings(settings)
+            if args.command == "ui":
+                check_ui_settings(settings)
             from receipts.proxy import environment_secrets
 
             configure_logging(settings.log_level, stream,
@@ -826,6 +1007,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _quiet_broken_pipe()
     except (SettingsError, UsageError, InvalidOrderId) as exc:
         _error(str(exc))
+        return EXIT_USAGE
+    except UnusableDatabase as exc:  # the DSN names a database receipts refuses
+        _error(redact_dsn(str(exc)))
         return EXIT_USAGE
     except (QueueError, MigrationError, OSError) as exc:
         _error(redact_dsn(str(exc)))

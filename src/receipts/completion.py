@@ -39,6 +39,17 @@ Accounting, written once for both kinds: a write the token/lease guard
 refused is a stale ack (``receipts_stale_acks_total``) and a lost lease;
 an ack that landed counts in ``receipts_acks_total``; a reschedule in
 ``receipts_retries_total{reason}`` or ``receipts_failures_total{reason}``.
+
+With asynchronous commits (``watch_durability``, the default
+``RECEIPTS_SYNCHRONOUS_COMMIT=off``) a write that landed is counted only once
+it is proven durable (:mod:`receipts.durability`), so a database crash that
+undoes it leaves no count behind: the completer finds the row without its
+token and writes the outcome again (``receipts_writes_rewritten_total``; the
+lease still holds, the delivery is not repeated). A write refused while its
+lease must still hold, after a statement failed for its connection since the
+claim, was refused because the crash undid its claim: it is counted in
+``receipts_writes_undone_total{statement="claim"}``, not as a stale ack
+(docs/design.md §2, "What a database crash may undo").
 """
 
 from __future__ import annotations
@@ -53,6 +64,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any, Generic, TypeVar
 
+from receipts.durability import CommitWatch
 from receipts.errors import DatabaseUnavailable, QueueError
 from receipts.jobqueue import WorkerQueue
 from receipts.logs import get_logger, job_fields
@@ -66,14 +78,27 @@ R = TypeVar("R")
 
 BACKOFF_FIRST_SECONDS = 0.05
 BACKOFF_MAX_SECONDS = 5.0
+#: The cap while the database cannot be reached: each such try already waited
+#: for the pool (5 s), so a short cap keeps the writes, and /readyz, within
+#: seconds of the database's return (docs/design.md §4, "Database outage").
+UNAVAILABLE_BACKOFF_MAX_SECONDS = 1.0
 #: How long the flusher waits for more outcomes before a statement, seconds.
 LINGER_SECONDS = 0.05
+#: How often the durability watch reads the WAL positions while writes wait for a
+#: proof, seconds (the WAL writer flushes every 200 ms by default).
+WATCH_INTERVAL_SECONDS = 0.1
+#: A refused write whose claim was sent less than the lease minus this long ago
+#: was refused while its lease still held (clocks of the two hosts may run at
+#: slightly different rates), seconds.
+LEASE_CLOCK_MARGIN_SECONDS = 1.0
 
 
 @dataclass(slots=True)
 class _Pending(Generic[T]):
     item: T
     attempt: Attempt
+    rewrite: bool = False  # written again after a database crash undid it
+    written_at: float = 0.0  # time.monotonic() when its landed write was sent
 
 
 class _Lane(Generic[T, R]):
@@ -97,10 +122,17 @@ class Completer:
         max_batch: most attempts of one kind in one statement.
         linger_seconds: how long the flusher waits for more outcomes before a
             statement that is not full, seconds (0: write at once).
+        watch_durability: the queue's sessions commit asynchronously: count a
+            landed write only once it is proven durable, and tell writes a
+            database crash undid from stale ones (see the module doc).
+        watch_interval_seconds: how often the watch reads the WAL positions
+            while writes wait for a proof, seconds.
     """
 
     def __init__(self, queue: WorkerQueue, metrics: Metrics, *, lease_seconds: float,
-                 max_batch: int = 500, linger_seconds: float = LINGER_SECONDS) -> None:
+                 max_batch: int = 500, linger_seconds: float = LINGER_SECONDS,
+                 watch_durability: bool = False,
+                 watch_interval_seconds: float = WATCH_INTERVAL_SECONDS) -> None:
         self.queue = queue
         self.metrics = metrics
         self.lease_seconds = lease_seconds
@@ -122,6 +154,13 @@ class Completer:
         self.backlog = 0
         self._busy = True
         self._acked = 0  # acks accounted since receipts_acks_total was last increased
+        self._watch: CommitWatch[tuple[_Lane[Any, Any], _Pending[Any], Any]] | None = (
+            CommitWatch() if watch_durability else None)
+        self.watch_interval_seconds = watch_interval_seconds
+        self._watch_wake = asyncio.Event()
+        self._watch_task: asyncio.Task[None] | None = None
+        # Unproven writes whose rows could not be asked about yet (the database was down).
+        self._recheck: list[tuple[_Lane[Any, Any], _Pending[Any], Any]] = []
 
     @property
     def busy(self) -> bool:
@@ -140,9 +179,16 @@ class Completer:
         self._busy = value
 
     def start(self) -> None:
-        """Start the flusher task (idempotent)."""
+        """Start the flusher task, and the durability watch when on (idempotent)."""
         if self._task is None:
             self._task = asyncio.create_task(self._run(), name="completer")
+        if self._watch is not None and self._watch_task is None:
+            self._watch_task = asyncio.create_task(self._watch_run(), name="durability-watch")
+
+    @property
+    def unproven(self) -> int:
+        """Landed writes not yet proven durable, so not counted yet (0 without the watch)."""
+        return len(self._watch) if self._watch is not None else 0
 
     def ack(self, attempt: Attempt) -> None:
         """Hand in a delivered *attempt*: it is written (or given up) in the background."""
@@ -175,10 +221,16 @@ class Completer:
         self._room.set()
 
     async def close(self, timeout_seconds: float) -> None:
-        """Flush what is pending (for at most *timeout_seconds*), then stop."""
+        """Flush what is pending (for at most *timeout_seconds*), then stop.
+
+        With the durability watch, landed writes are proven in the same time;
+        those still unproven at the end are counted as written (they were).
+        """
+        deadline = time.monotonic() + timeout_seconds
         self._closing = True
         self._wake.set()
         self._full.set()
+        self._watch_wake.set()
         if self._task is None:
             return
         try:
@@ -186,6 +238,20 @@ class Completer:
         except TimeoutError:
             self._task.cancel()
             log.warning("writes_abandoned", extra={"pending": self.backlog})
+        if self._watch_task is None or self._watch is None:
+            return
+        self._watch_wake.set()  # the flusher is done: the watch may end once it is empty
+        try:
+            await asyncio.wait_for(asyncio.shield(self._watch_task),
+                                   max(0.0, deadline - time.monotonic()))
+        except TimeoutError:
+            self._watch_task.cancel()
+        left = self._watch.release()
+        if left:
+            log.info("writes_unproven", extra={"count": len(left)})
+        for _lane, pending, result in [*left, *self._recheck]:
+            self._account(pending, result)
+        self._publish_acks()
 
     @property
     def _lanes(self) -> tuple[_Lane[Any, Any], ...]:
@@ -211,11 +277,29 @@ class Completer:
                     await asyncio.wait_for(self._full.wait(), self.linger_seconds)
             for lane in self._lanes:
                 if lane.pending:
-                    batch = lane.pending[: self.max_batch]
-                    del lane.pending[: len(batch)]
-                    await self._flush(lane, batch)
+                    await self._flush(lane, self._take(lane))
             if self._records:
                 await self._write_records()
+
+    def _take(self, lane: _Lane[T, R]) -> list[_Pending[T]]:
+        """The next batch of *lane*: up to ``max_batch`` items, one per job.
+
+        A statement's answer names the jobs it wrote, not the tokens, so two
+        attempts of one job in one statement (a late one and the current one,
+        or a write a crash undid beside the job's next attempt) would both
+        read as written. The second waits for the next statement.
+        """
+        batch: list[_Pending[T]] = []
+        seen: set[uuid.UUID] = set()
+        rest: list[_Pending[T]] = []
+        for p in lane.pending:
+            if len(batch) < self.max_batch and p.attempt.job.id not in seen:
+                seen.add(p.attempt.job.id)
+                batch.append(p)
+            else:
+                rest.append(p)
+        lane.pending = rest
+        return batch
 
     async def _write_records(self) -> None:
         """Write the queued attempt records in one statement; best effort.
@@ -243,9 +327,12 @@ class Completer:
             await self._write_batch(lane, batch)
         finally:
             self._settled(size)
-            if self._acked:
-                self.metrics.acks.inc(self._acked)  # once per batch, not per job
-                self._acked = 0
+            self._publish_acks()
+
+    def _publish_acks(self) -> None:
+        if self._acked:
+            self.metrics.acks.inc(self._acked)  # once per batch, not per job
+            self._acked = 0
 
     async def _write_batch(self, lane: _Lane[T, R], batch: list[_Pending[T]]) -> None:
         backoff = BACKOFF_FIRST_SECONDS
@@ -261,8 +348,9 @@ class Completer:
                     if not batch:
                         return
                 start = time.perf_counter()
-                self.busy_since = time.monotonic()
+                self.busy_since = sent_at = time.monotonic()
                 written = await lane.write([p.item for p in batch])
+                returned_at = time.monotonic()
                 took = time.perf_counter() - start
                 self.metrics.statement_duration.labels(lane.name).observe(took)
                 self.busy_since = None
@@ -281,12 +369,26 @@ class Completer:
                                                    "retrying": len(batch)})
                 if batch:
                     await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
-                    backoff = min(backoff * 2, BACKOFF_MAX_SECONDS)
+                    cap = (UNAVAILABLE_BACKOFF_MAX_SECONDS
+                           if isinstance(exc, DatabaseUnavailable) else BACKOFF_MAX_SECONDS)
+                    backoff = min(backoff * 2, cap)
                 continue
             lost = lane.lost
             for p in batch:
-                self._account(p, written.get(p.attempt.job.id, lost))
+                self._landed(lane, p, written.get(p.attempt.job.id, lost), sent_at, returned_at)
             return
+
+    def _landed(self, lane: _Lane[T, R], pending: _Pending[T], result: Any,
+                sent_at: float, returned_at: float) -> None:
+        """Account a written item now, or, when the write landed and the watch is on,
+        once it is proven durable."""
+        if self._watch is not None and result:
+            pending.written_at = sent_at
+            self._watch.hold((lane, pending, result), sent_at=sent_at, returned_at=returned_at,
+                             now=returned_at)
+            self._watch_wake.set()
+            return
+        self._account(pending, result)
 
     async def _settle_landed(self, lane: _Lane[T, R], batch: list[_Pending[T]]
                              ) -> list[_Pending[T]]:
@@ -294,8 +396,10 @@ class Completer:
 
         Raises the queue's errors (the caller retries the whole batch).
         """
+        sent_at = time.monotonic()
         landed = await self.queue.resolve_writes(
             [(p.attempt.job.id, p.attempt.job.token) for p in batch])
+        returned_at = time.monotonic()
         if landed:
             log.info("write_confirmed", extra={"statement": lane.name, "count": len(landed)})
         rest = []
@@ -304,8 +408,93 @@ class Completer:
             if state is None:
                 rest.append(p)
                 continue
-            self._account(p, True if isinstance(p.item, Attempt) else state)
+            self._landed(lane, p, True if isinstance(p.item, Attempt) else state,
+                         sent_at, returned_at)
         return rest
+
+    # ------------------------------------------------------- durability watch
+
+    async def _watch_run(self) -> None:
+        """Read the WAL positions while landed writes wait for a proof; settle them."""
+        assert self._watch is not None
+        watch = self._watch
+        while True:
+            if not watch and not self._recheck:
+                if self._closing and (self._task is None or self._task.done()):
+                    return
+                self._watch_wake.clear()
+                await self._watch_wake.wait()
+                continue
+            # Closing: read more often (the WAL writer flushes on its own schedule).
+            await asyncio.sleep(self.watch_interval_seconds / (5 if self._closing else 1))
+            read_at = time.monotonic()
+            try:
+                position = await self.queue.wal_position()
+            except QueueError as exc:
+                log.debug("wal_position_failed", extra={"error": str(exc)})
+                await asyncio.sleep(self.watch_interval_seconds)
+                continue
+            durable, unproven = watch.observe(position, read_at=read_at, now=time.monotonic())
+            for _lane, pending, result in durable:
+                self._account(pending, result)
+            self._publish_acks()
+            unproven += self._recheck
+            self._recheck = []
+            if unproven:
+                await self._check_unproven(unproven)
+
+    async def _check_unproven(self, items: list[tuple[_Lane[Any, Any], _Pending[Any], Any]]
+                              ) -> None:
+        """Ask the rows about writes no read could prove: still there, or undone?
+
+        A write whose row still carries its token is held again (proved by
+        later reads); one whose row does not was undone by a crash, and goes
+        back to its lane to be written again (the lease guard decides).
+        """
+        assert self._watch is not None
+        # The answer names jobs, not tokens: one question per attempt of a job.
+        groups: list[tuple[set[uuid.UUID], list[Any]]] = []
+        for item in items:
+            job_id = item[1].attempt.job.id
+            for ids, group in groups:
+                if job_id not in ids:
+                    ids.add(job_id)
+                    group.append(item)
+                    break
+            else:
+                groups.append(({job_id}, [item]))
+        for _, group in groups:
+            await self._check_group(group)
+
+    async def _check_group(self, items: list[tuple[_Lane[Any, Any], _Pending[Any], Any]]
+                           ) -> None:
+        """:meth:`_check_unproven` for attempts of distinct jobs (one statement)."""
+        assert self._watch is not None
+        sent_at = time.monotonic()
+        try:
+            there = await self.queue.resolve_writes(
+                [(p.attempt.job.id, p.attempt.job.token) for _, p, _ in items])
+        except QueueError as exc:
+            log.debug("resolve_failed", extra={"error": str(exc)})
+            self._recheck += items  # asked again after the next read
+            return
+        returned_at = time.monotonic()
+        for lane, pending, result in items:
+            if pending.attempt.job.id in there:
+                self._watch.hold((lane, pending, result), sent_at=sent_at,
+                                 returned_at=returned_at, now=returned_at)
+                continue
+            if self.queue.last_failure_at < pending.written_at:
+                # No connection failed since the write: no crash undid it. A later
+                # attempt wrote the row since (its token replaced ours): ours landed.
+                self._account(pending, result)
+                continue
+            log.warning("write_undone", extra={**job_fields(pending.attempt.job, "undone"),
+                                               "statement": lane.name, "then": "rewrite"})
+            pending.rewrite = True
+            lane.pending.append(pending)
+            self.backlog += 1
+            self._wake.set()
 
     def _drop_expired(self, lane: _Lane[T, R], batch: list[_Pending[T]]) -> list[_Pending[T]]:
         """Give up the items whose lease has certainly expired; return the rest."""
@@ -336,12 +525,16 @@ class Completer:
         item, job = pending.item, pending.attempt.job
         if isinstance(item, Attempt):
             if result:
+                if pending.rewrite:
+                    self.metrics.writes_rewritten.labels("ack").inc()
                 self._acked += 1
                 if log.isEnabledFor(logging.DEBUG):  # skip building the fields at INFO
                     log.debug("delivered", extra=job_fields(job, Reason.DELIVERED))
                 if item.enqueued_age_seconds is not None:
                     age = item.enqueued_age_seconds + time.monotonic() - item.claimed_at
                     self.metrics.time_to_receipt.observe(age)
+                return
+            if self._undone(pending, "ack"):
                 return
             self._stale()
             log.warning("stale_ack", extra=job_fields(job, "stale"))
@@ -350,7 +543,11 @@ class Completer:
         outcome = item.outcome
         fields = {**job_fields(job, outcome.reason), "status": outcome.status,
                   "error": outcome.detail or str(outcome.reason)}
+        if result is not None and pending.rewrite:
+            self.metrics.writes_rewritten.labels("reschedule").inc()
         if result is None:
+            if self._undone(pending, "reschedule"):
+                return
             self._stale()
             log.warning("stale_reschedule", extra=fields)
         elif result is JobState.FAILED:
@@ -362,6 +559,36 @@ class Completer:
             self.metrics.retries.labels(outcome.reason).inc()
             log.info("job_retry", extra={**fields, "delay_seconds": round(item.delay_seconds, 3),
                                          "refund": item.refund})
+
+    def _undone(self, pending: _Pending[Any], statement: str) -> bool:
+        """Count a refused write as undone by a database crash when it was; True if so.
+
+        Only with asynchronous commits (the watch on). Nothing but a crash
+        takes a token away while its lease holds (less than the lease since
+        the claim was sent), so a write refused within the lease lost its
+        claim to a crash (``claim``) when it is the rewrite of a write the
+        crash undid, or when a statement failed for its connection since the
+        claim was sent (a crash ends every connection). A rewrite refused
+        after that is counted as its own ``statement`` (the claim may have
+        survived and the lease run out meanwhile). Anything else is a stale
+        write.
+        """
+        if self._watch is None:
+            return False
+        attempt = pending.attempt
+        sent = attempt.claim_sent_at
+        within_lease = (sent is not None and time.monotonic() - sent
+                        < self.lease_seconds - LEASE_CLOCK_MARGIN_SECONDS)
+        if within_lease and (pending.rewrite or self.queue.last_failure_at > (sent or 0.0)):
+            what = "claim"
+        elif pending.rewrite:
+            what = statement
+        else:
+            return False
+        self.metrics.writes_undone.labels(what).inc()
+        log.warning("write_undone", extra={**job_fields(attempt.job, "undone"),
+                                           "statement": statement, "undone": what})
+        return True
 
     def _stale(self) -> None:
         # The guard refused the write: our lease expired (and maybe a newer

@@ -19,7 +19,13 @@ from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
 from receipts.enqueue import NOTIFY_CHANNEL
-from receipts.errors import DatabaseUnavailable, QueueError, SchemaMissing
+from receipts.errors import (
+    DatabaseUnavailable,
+    QueueError,
+    SchemaMissing,
+    StatementTimeout,
+    refuse_encoding,
+)
 from receipts.settings import Settings, redact_dsn
 
 CONNECT_TIMEOUT_SECONDS = 5
@@ -31,14 +37,25 @@ DEADLINE_SLACK_SECONDS = 5.0
 ASYNC_COMMIT_ROLES = frozenset({"worker", "recover"})
 #: A silent LISTEN connection is checked this often, seconds.
 LISTEN_CHECK_SECONDS = 30.0
+#: How long one of the pool's reconnection attempts keeps retrying, seconds.
+#: psycopg_pool doubles the wait between tries (1, 2, 4 s…) with no cap but
+#: this window, so after a long outage its next try could be minutes away (a
+#: worker took 32–65 s to be ready after an 11-minute outage). With 4 s the
+#: tries come 1–2 s apart; when a window runs out, the next borrow that finds
+#: no connection starts a new one at once (docs/design.md §4, "Database outage").
+RECONNECT_WINDOW_SECONDS = 4.0
 
 
 def translate(exc: BaseException) -> QueueError:
     """Map a driver or pool error to the package's errors (the one choke point).
 
     Returns :class:`SchemaMissing` for a missing table,
-    :class:`DatabaseUnavailable` for connection-level failures and pool
-    timeouts, :class:`QueueError` otherwise; messages are redacted. Callers
+    :class:`StatementTimeout` for a statement the server stopped
+    (``statement_timeout``, ``lock_timeout``, a cancel: the database is up,
+    the statement was slow), :class:`DatabaseUnavailable` for other
+    connection-level failures and pool timeouts, :class:`QueueError`
+    otherwise (a missing right names the ``--print-grants`` command);
+    messages are redacted. Callers
     ``raise translate(exc) from exc`` so the driver error stays ``__cause__``.
     """
     if isinstance(exc, psycopg.errors.UndefinedTable):
@@ -48,6 +65,14 @@ def translate(exc: BaseException) -> QueueError:
             f"{what}; run `receipts migrate` first, or set RECEIPTS_DATABASE_SCHEMA to the "
             "schema that holds the receipts tables"
         )
+    if isinstance(exc, psycopg.errors.QueryCanceled | psycopg.errors.LockNotAvailable):
+        first = (exc.diag.message_primary or type(exc).__name__).strip()
+        return StatementTimeout(f"statement stopped by the server: {redact_dsn(first)}")
+    if isinstance(exc, psycopg.errors.InsufficientPrivilege):
+        what = exc.diag.message_primary or "permission denied"
+        return QueueError(
+            f"{what}: the database role lacks a right receipts needs; apply what "
+            "`receipts migrate --print-grants KIND=ROLE` prints for its kind")
     if isinstance(exc, PoolTimeout | psycopg.OperationalError | psycopg.InterfaceError):
         first = (str(exc).strip().splitlines() or [type(exc).__name__])[0]
         return DatabaseUnavailable(f"database unavailable: {redact_dsn(first)}")
@@ -97,12 +122,25 @@ def connection_kwargs(settings: Settings, role: str) -> dict[str, Any]:
     return kwargs
 
 
+def commits_asynchronously(settings: Settings, role: str) -> bool:
+    """Whether *role*'s sessions commit without waiting for the WAL flush.
+
+    True for the roles of ``ASYNC_COMMIT_ROLES`` with ``RECEIPTS_SYNCHRONOUS_COMMIT=off``
+    on a direct connection. Behind PgBouncer the setting is the database
+    role's, unknown here (and the connection a worker holds is not the
+    server's, so the completer's durability proof would not hold): False.
+    """
+    return (not settings.pgbouncer and role in ASYNC_COMMIT_ROLES
+            and settings.synchronous_commit == "off")
+
+
 def make_pool(settings: Settings, role: str, *, max_size: int | None = None) -> AsyncConnectionPool:
     """An unopened pool of autocommit connections (``await pool.open()`` before use).
 
     *max_size* defaults to ``settings.pool_max_size``. Connections are borrowed
     for one statement at a time. Never raises for an unreachable database:
-    the pool keeps reconnecting in the background and borrowers get
+    the pool keeps reconnecting while borrowers wait (tries 1–2 s apart, in
+    windows of ``RECONNECT_WINDOW_SECONDS``) and borrowers get
     :class:`DatabaseUnavailable` after a short wait.
     """
     size = max_size or settings.pool_max_size
@@ -113,7 +151,7 @@ def make_pool(settings: Settings, role: str, *, max_size: int | None = None) -> 
         kwargs=connection_kwargs(settings, role),
         open=False,
         timeout=5.0,
-        reconnect_timeout=24 * 3600.0,
+        reconnect_timeout=RECONNECT_WINDOW_SECONDS,
         max_idle=300.0,
         name=f"receipts-{role}",
     )
@@ -170,10 +208,15 @@ async def connect(settings: Settings, role: str) -> psycopg.AsyncConnection[Any]
 async def check_connection(settings: Settings, role: str) -> None:
     """Connect once and close, so a one-shot command fails fast with the real reason.
 
-    Raises :class:`DatabaseUnavailable` instead of a pool timeout after 5 s.
+    Raises :class:`DatabaseUnavailable` instead of a pool timeout after 5 s,
+    and :class:`~receipts.errors.UnusableDatabase` for a database receipts
+    refuses (:func:`check_encoding`).
     """
     conn = await connect(settings, role)
-    await conn.close()
+    try:
+        check_encoding(conn)
+    finally:
+        await conn.close()
 
 
 async def notifications(settings: Settings) -> AsyncIterator[None]:
@@ -223,19 +266,16 @@ def storable(conn: psycopg.AsyncConnection[Any], text: str) -> str:
     return text.encode(codec, "replace").decode(codec)
 
 
-async def check_encoding(conn: psycopg.AsyncConnection[Any]) -> None:
-    """Refuse a database that cannot keep our text apart from bytes.
+def check_encoding(conn: psycopg.Connection[Any] | psycopg.AsyncConnection[Any]) -> None:
+    """Refuse a database that cannot keep our text apart from bytes (no round trip).
 
-    Raises :class:`QueueError` naming the encoding for ``SQL_ASCII`` (it stores
-    bytes without checking them, so order ids and errors written by other
-    clients could be anything). Narrow encodings such as LATIN1 are accepted:
-    error texts are stored lossily (see :func:`storable`).
+    Raises :class:`~receipts.errors.UnusableDatabase` naming the encoding for
+    ``SQL_ASCII`` (:func:`receipts.errors.refuse_encoding`: it stores bytes
+    without checking them, so order ids and errors written by other clients
+    could be anything). Narrow encodings such as LATIN1 are accepted: error
+    texts are stored lossily (see :func:`storable`).
     """
-    encoding = conn.info.parameter_status("server_encoding")
-    if encoding == "SQL_ASCII":
-        raise QueueError(
-            f"database {conn.info.dbname!r} uses encoding SQL_ASCII, which stores text "
-            "unchecked; create it with ENCODING 'UTF8'")
+    refuse_encoding(conn.info.dbname, conn.info.parameter_status("server_encoding"))
 
 
 @contextmanager
@@ -243,11 +283,15 @@ def transaction(settings: Settings, role: str) -> Iterator[psycopg.Connection[An
     """A blocking connection inside one transaction, committed on a clean exit.
 
     For one-shot commands (``receipts enqueue``). Driver errors, including
-    the connection attempt's, are raised as :mod:`receipts.errors`.
+    the connection attempt's, are raised as :mod:`receipts.errors`; a database
+    receipts refuses raises :class:`~receipts.errors.UnusableDatabase` before
+    anything is written (:func:`check_encoding`).
     """
     kwargs = connection_kwargs(settings, role) | {"autocommit": False}
     try:
-        with psycopg.connect(settings.dsn, **kwargs) as conn, conn.transaction():
-            yield conn
+        with psycopg.connect(settings.dsn, **kwargs) as conn:
+            check_encoding(conn)
+            with conn.transaction():
+                yield conn
     except psycopg.Error as exc:
         raise translate(exc) from exc

@@ -18,8 +18,10 @@ provider is called. The lease protocol (docs/design.md §2):
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import time
 import uuid
+import weakref
 from collections.abc import AsyncIterator, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
@@ -32,6 +34,7 @@ from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
 from receipts.db import borrow, storable
+from receipts.errors import DatabaseUnavailable, StatementTimeout
 from receipts.model import (
     Attempt,
     AttemptRecord,
@@ -44,7 +47,14 @@ from receipts.model import (
     Reschedule,
     Verdict,
 )
-from receipts.statements import DEFAULT_SCHEMA, claim_query, qualifier, query, statements
+from receipts.statements import (
+    DEFAULT_SCHEMA,
+    WORKER_TAG,
+    claim_query,
+    qualifier,
+    query,
+    statements,
+)
 
 
 def _age(created_at: datetime | None) -> float | None:
@@ -106,6 +116,23 @@ class QueueStats:
 
 
 @dataclass(frozen=True, slots=True)
+class WalPosition:
+    """Where the server's write-ahead log stood at one read (:meth:`JobQueue.wal_position`).
+
+    ``insert_lsn`` and ``flush_lsn`` are bytes from ``0/0``: every commit that
+    returned before the read started is at or below ``insert_lsn``; everything
+    at or below ``flush_lsn`` is on disk. ``connection_since`` is
+    ``time.monotonic()`` when this queue first used the connection the read ran
+    on: the connection (and so the server it talks to, which a crash would
+    have ended) has lived at least since then.
+    """
+
+    insert_lsn: int
+    flush_lsn: int
+    connection_since: float
+
+
+@dataclass(frozen=True, slots=True)
 class RecoveryBatch:
     """What one recovery batch did: leases expired back to ready / to failed."""
 
@@ -146,7 +173,9 @@ class WorkerQueue(Protocol):
         """See :meth:`JobQueue.record_attempts`."""
         ...
 
-    async def extend_pause(self, reason: PauseReason, seconds: float) -> FlowState:
+    async def extend_pause(self, reason: PauseReason, seconds: float, *,
+                           next_probe_seconds: float | None = None,
+                           probe_outcome: str | None = None) -> FlowState:
         """See :meth:`JobQueue.extend_pause`."""
         ...
 
@@ -154,7 +183,7 @@ class WorkerQueue(Protocol):
         """See :meth:`JobQueue.begin_probe`."""
         ...
 
-    async def resume(self, probe_until: datetime) -> bool:
+    async def resume(self, probe_until: datetime, *, probe_outcome: str = "delivered") -> bool:
         """See :meth:`JobQueue.resume`."""
         ...
 
@@ -164,6 +193,15 @@ class WorkerQueue(Protocol):
 
     async def commit_probe(self) -> float:
         """See :meth:`JobQueue.commit_probe`."""
+        ...
+
+    async def wal_position(self) -> WalPosition:
+        """See :meth:`JobQueue.wal_position`."""
+        ...
+
+    @property
+    def last_failure_at(self) -> float:
+        """See :attr:`JobQueue.last_failure_at`."""
         ...
 
 
@@ -185,6 +223,10 @@ class JobQueue:
         schema: the schema that holds the tables; every statement names it,
             so no session ``search_path`` applies (``ValueError`` for a name
             that is not a lower-case identifier).
+        worker_tag: this worker process's 8 hex digits (its
+            ``receipt_workers`` row, :mod:`receipts.heartbeat`); every lease
+            token its claims write ends in them (``claim_query``). None:
+            wholly random tokens.
 
     Every method raises :class:`~receipts.errors.DatabaseUnavailable` when the
     database cannot be reached, :class:`~receipts.errors.SchemaMissing` before
@@ -202,8 +244,12 @@ class JobQueue:
         max_in_progress: int = 20,
         deadline_seconds: float | None = None,
         schema: str = DEFAULT_SCHEMA,
+        worker_tag: str | None = None,
     ) -> None:
         self.pool = pool
+        if worker_tag is not None and not WORKER_TAG.match(worker_tag):
+            raise ValueError(f"a worker tag is 8 lower-case hex digits, not {worker_tag!r}")
+        self.worker_tag = worker_tag
         qualifier(schema)  # a bad name fails here, not at the first statement
         self.schema = schema
         self.deadline_seconds = deadline_seconds
@@ -212,6 +258,27 @@ class JobQueue:
         self.rate = float(rate_limit_per_second)
         self.burst = float(burst if burst is not None else max(1.0, self.rate))
         self.max_in_progress = int(max_in_progress)
+        # When each pool connection was first borrowed (time.monotonic()): a
+        # connection replaced after a crash shows up as a new one.
+        self._seen: weakref.WeakKeyDictionary[Any, float] = weakref.WeakKeyDictionary()
+        self._last_failure_at = float("-inf")
+
+    @property
+    def last_failure_at(self) -> float:
+        """``time.monotonic()`` when a statement last failed for its connection (-inf: never).
+
+        A database crash ends every connection, and the pool hands out a new
+        one only when none of its old ones is left idle, so after a crash a
+        statement fails before any statement runs on a new connection: a
+        write sent before this instant may have met a crash since.
+        """
+        return self._last_failure_at
+
+    def _since(self, conn: psycopg.AsyncConnection[Any]) -> float:
+        since = self._seen.get(conn)
+        if since is None:
+            since = self._seen[conn] = time.monotonic()
+        return since
 
     def _q(self, name: str) -> sql.SQL:
         """The named statement, its tables in this queue's schema."""
@@ -219,8 +286,13 @@ class JobQueue:
 
     @asynccontextmanager
     async def _conn(self) -> AsyncIterator[psycopg.AsyncConnection[Any]]:
-        async with borrow(self.pool, self.deadline_seconds) as conn:
-            yield conn
+        try:
+            async with borrow(self.pool, self.deadline_seconds) as conn:
+                self._since(conn)
+                yield conn
+        except DatabaseUnavailable:
+            self._last_failure_at = time.monotonic()
+            raise
 
     async def _rows(
         self, query: sql.SQL | sql.Composed, params: dict[str, Any], *,
@@ -252,12 +324,14 @@ class JobQueue:
         }
         if self.rate > 0:
             params |= {"rate": self.rate, "burst": self.burst}
-        statement = claim_query(limit, limited=self.rate > 0, schema=self.schema)
+        statement = claim_query(limit, limited=self.rate > 0, schema=self.schema,
+                                tag=self.worker_tag)
+        sent_at = time.monotonic()
         rows = await self._rows(statement, params)
         claimed_at = time.monotonic()
         attempts = [
             Attempt(Job(id=r[0], order_id=r[1], token=r[2], attempt=r[3], traceparent=r[8]),
-                    claimed_at, _age(r[4]))
+                    claimed_at, _age(r[4]), sent_at)
             for r in rows if r[0] is not None
         ]
         flow = _flow_state(rows[0][5:8]) if rows else FlowState()
@@ -319,20 +393,40 @@ class JobQueue:
 
     # ------------------------------------------------------- flow control
 
-    async def extend_pause(self, reason: PauseReason, seconds: float) -> FlowState:
-        """Pause the fleet for at least *seconds* from now; never shortens a pause."""
+    async def extend_pause(self, reason: PauseReason, seconds: float, *,
+                           next_probe_seconds: float | None = None,
+                           probe_outcome: str | None = None) -> FlowState:
+        """Pause the fleet for at least *seconds* from now; never shortens a pause.
+
+        *reason* is one the flow control sets (``auth``, ``outage``,
+        ``retry_after``, ``rejecting``; a ``rejecting`` pause is stored as
+        ``outage`` plus its cause, so released workers honour it). The next
+        probe may start *next_probe_seconds* from now (default: when the
+        pause ends; never later). *probe_outcome* (a reason label) records
+        a failed probe's answer as ``last_probe_outcome``. Returns the
+        fleet's state after the statement (``pause_left_seconds``: until the
+        next probe of a probed pause, else until its end).
+        """
+        seconds = max(0.0, float(seconds))
+        next_probe = seconds if next_probe_seconds is None else max(
+            0.0, min(seconds, float(next_probe_seconds)))
         rows = await self._rows(
-            self._q("extend_pause"), {"reason": str(reason), "seconds": max(0.0, float(seconds))}
+            self._q("extend_pause"),
+            {"reason": str(reason), "seconds": seconds, "next_probe_seconds": next_probe,
+             "probe_outcome": probe_outcome},
         )
         return _flow_state(rows[0][:2])
 
     async def begin_probe(self, guard_seconds: float) -> tuple[datetime, FlowState] | None:
-        """Try to become the one pod that probes the provider after a pause.
+        """Try to become the one pod that probes the provider during a pause.
 
-        Returns (the probe's deadline, for :meth:`resume`; the pause, whose
-        ``pause_left_seconds`` is the pause *length* a failed probe doubles) to
-        the winner, None to everyone else (no pause, not due yet, or another
-        pod won). *guard_seconds* is how long others wait if this pod dies.
+        A probe is due at the pause's ``probe_until`` (a short interval after
+        the last failure, see :meth:`extend_pause`), not only at its end.
+        Returns (the probe's deadline, for :meth:`resume`; the pause with its
+        effective reason, whose ``pause_left_seconds`` is the pause *length* a
+        failed probe doubles) to the winner, None to everyone else (no probed
+        pause, not due yet, or another pod won). *guard_seconds* is how long
+        others wait if this pod dies.
         """
         rows = await self._rows(self._q("begin_probe"), {"guard_seconds": float(guard_seconds)})
         if not rows:
@@ -340,9 +434,15 @@ class JobQueue:
         reason, until, pause_seconds = rows[0]
         return until, FlowState(PauseReason(reason), float(pause_seconds))
 
-    async def resume(self, probe_until: datetime) -> bool:
-        """End the pause after a probe the provider answered; False if extended since."""
-        return bool(await self._rows(self._q("resume"), {"probe_until": probe_until}))
+    async def resume(self, probe_until: datetime, *, probe_outcome: str = "delivered") -> bool:
+        """End the pause after a probe the provider answered; False if it changed since.
+
+        *probe_until* is the deadline :meth:`begin_probe` returned; the
+        probe's answer (*probe_outcome*, a reason label) and the time are
+        recorded as ``last_probe_outcome`` and ``last_probe_at``.
+        """
+        return bool(await self._rows(self._q("resume"), {"probe_until": probe_until,
+                                                          "probe_outcome": probe_outcome}))
 
     async def commit_probe(self) -> float:
         """Commit one tiny durable transaction; returns its round trip, seconds.
@@ -357,6 +457,20 @@ class JobQueue:
         async with self._conn() as conn:
             await conn.execute(self._q("commit_probe"))  # no params: one simple query
         return time.perf_counter() - start
+
+    async def wal_position(self) -> WalPosition:
+        """Read the server's WAL insert and flush positions (the ``wal_position`` block).
+
+        One tiny statement, no table. The completer proves with it that an
+        asynchronously committed write is durable (docs/design.md §2). Raises
+        the queue's errors (``DatabaseUnavailable`` …).
+        """
+        async with self._conn() as conn:
+            since = self._since(conn)
+            cur = await conn.execute(self._q("wal_position"))
+            row = await cur.fetchone()
+        assert row is not None
+        return WalPosition(int(row[0]), int(row[1]), since)
 
     async def flow_state(self) -> FlowState:
         """The fleet-wide pause and the bucket's tokens now (tokens None without a limit)."""
@@ -520,8 +634,10 @@ class JobQueue:
 
         *after* is the keyset cursor: the (``sort_at``, ``id``) of the last row
         of the previous page. Rows are dicts with the job's columns plus
-        ``sort_at`` (the view's time column) and the latest attempt's
-        ``reason`` and ``status`` (None without history).
+        ``sort_at`` (the view's time column), ``expired`` (a running job's
+        lease has run out), the latest attempt's ``reason`` and ``status``
+        (None without history) and ``holder`` (the pod whose lease a running
+        job is under, None when unknown).
         """
         params = view.params() | {
             "limit": max(1, min(int(limit), 500)),
@@ -533,10 +649,44 @@ class JobQueue:
             await cur.execute(_review_query("review_jobs", view, self.schema), params)
             return await cur.fetchall()
 
-    async def review_count(self, view: ReviewFilter) -> int:
-        """How many jobs match *view* now."""
-        rows = await self._rows(_review_query("review_count", view, self.schema), view.params())
+    async def review_count(self, view: ReviewFilter, *, cap: int | None = None) -> int:
+        """How many jobs match *view* now, counting at most *cap* (None: all of them).
+
+        A result equal to *cap* means "at least *cap*".
+        """
+        rows = await self._rows(_review_query("review_count", view, self.schema),
+                                view.params() | {"cap": cap})
         return int(rows[0][0])
+
+    async def count_now(self, view: ReviewFilter, *, timeout_seconds: float,
+                        cap: int | None = None) -> tuple[datetime, int | None]:
+        """The database's time now, and how many jobs match *view* up to then.
+
+        One transaction: ``statement_timestamp()`` is read first and bounds the
+        count (``cutoff``, the moment a bulk action is confirmed); the count
+        (of at most *cap* rows, None: all) runs under ``SET LOCAL
+        statement_timeout`` = *timeout_seconds* and is None when it did not
+        finish in time (a selective filter over many rows).
+        """
+        now: datetime | None = None
+        try:
+            async with self._conn() as conn, conn.transaction():
+                cur = await conn.execute(
+                    "SELECT statement_timestamp(), set_config('statement_timeout', %s, true)",
+                    (f"{max(1, round(timeout_seconds * 1000))}ms",))
+                row = await cur.fetchone()
+                assert row is not None
+                now = row[0]
+                bounded = dataclasses.replace(view, cutoff=now)
+                cur = await conn.execute(_review_query("review_count", bounded, self.schema),
+                                         bounded.params() | {"cap": cap})
+                counted = await cur.fetchone()
+                assert counted is not None
+                return row[0], int(counted[0])
+        except StatementTimeout:
+            if now is None:
+                raise
+            return now, None
 
     async def retry_jobs(
         self, target: ReviewFilter | Sequence[uuid.UUID], *, expected: int
@@ -582,16 +732,19 @@ class JobQueue:
     async def provider_pause(self) -> dict[str, Any]:
         """The provider pause recorded by the workers' flow control (``receipt_flow``).
 
-        A dict: ``pause_reason`` (None, ``auth``, ``outage`` or ``retry_after``),
+        A dict: ``pause_reason`` (the effective reason: None, ``auth``,
+        ``outage``, ``retry_after``, ``rejecting`` or ``manual``),
         ``paused_until`` (datetime or None), ``pause_seconds`` and
-        ``remaining_seconds`` (seconds; 0 when not paused).
+        ``remaining_seconds`` (seconds; 0 when not paused), ``last_probe_at``
+        (datetime or None) and ``last_probe_outcome`` (a reason label or None).
         """
         async with self._conn() as conn:
             dcur = conn.cursor(row_factory=dict_row)
             await dcur.execute(self._q("provider_pause"))
             row = await dcur.fetchone()
         return row or {"pause_reason": None, "paused_until": None, "pause_seconds": None,
-                       "remaining_seconds": 0.0}
+                       "remaining_seconds": 0.0, "last_probe_at": None,
+                       "last_probe_outcome": None}
 
 
 @dataclass(frozen=True, slots=True)
@@ -616,32 +769,51 @@ class ReviewFilter:
     since: datetime | None = None
     until: datetime | None = None
     order_contains: str | None = None
+    cutoff: datetime | None = None
+    expired: bool | None = None
 
     @property
     def key(self) -> str:
-        """The time column the list is ordered and filtered by."""
-        return "run_at" if self.state in (JobState.READY, JobState.RUNNING) else "finished_at"
+        """The time column the list is ordered and filtered by (``since``/``until``)."""
+        return _LIST_KEYS[self.state]
+
+    @property
+    def cutoff_key(self) -> str:
+        """The time column ``cutoff`` bounds: when a job entered a terminal state,
+        else when it was enqueued (a job that reaches the state after a bulk
+        action's confirmation is never part of it)."""
+        return "created_at" if self.state in (JobState.READY, JobState.RUNNING) else "finished_at"
 
     def params(self) -> dict[str, Any]:
         """The statement parameters of ``review_matching``."""
         return {"reason": self.reason, "status": self.status, "since": self.since,
-                "until": self.until, "order_contains": self.order_contains or None}
+                "until": self.until, "order_contains": self.order_contains or None,
+                "cutoff": self.cutoff, "expired": self.expired}
 
 
-def _matching(view: ReviewFilter, schema: str) -> sql.Composed:
+#: The time column each state's list is ordered by (its partial index's key).
+_LIST_KEYS = {JobState.READY: "run_at", JobState.RUNNING: "lease_until",
+              JobState.DONE: "finished_at", JobState.FAILED: "finished_at",
+              JobState.DISCARDED: "finished_at"}
+
+
+def matching(view: ReviewFilter, schema: str) -> sql.Composed:
+    """The ``review_matching`` fragment for *view*, for a statement over ``receipt_jobs AS j``
+    and the latest attempt ``AS la`` (review lists, actions, bulk batches)."""
     return sql.SQL(statements(schema)["review_matching"]).format(  # type: ignore[arg-type,unused-ignore]
-        state=sql.Literal(str(view.state)), key=sql.Identifier(view.key)
+        state=sql.Literal(str(view.state)), key=sql.Identifier(view.key),
+        cutoff_key=sql.Identifier(view.cutoff_key),
     )
 
 
 def _review_query(name: str, view: ReviewFilter, schema: str) -> sql.Composed:
     """A review statement with *view*'s fragment composed in (a handful per page)."""
     return sql.SQL(statements(schema)[name]).format(  # type: ignore[arg-type,unused-ignore]
-        matching=_matching(view, schema), key=sql.Identifier(view.key)
+        matching=matching(view, schema), key=sql.Identifier(view.key)
     )
 
 
 def _action_query(name: str, view: ReviewFilter | None, schema: str) -> sql.Composed:
     """retry_jobs/discard_jobs on ids (*view* None) or on *view*'s filter."""
-    target = sql.SQL("j.id = ANY(%(ids)s::uuid[])") if view is None else _matching(view, schema)
+    target = sql.SQL("j.id = ANY(%(ids)s::uuid[])") if view is None else matching(view, schema)
     return sql.SQL(statements(schema)[name]).format(target=target)  # type: ignore[arg-type,unused-ignore]

@@ -8,7 +8,11 @@ The endpoint (aiohttp) serves ``/metrics``, ``/healthz`` (the process is
 alive) and ``/readyz`` (the database answered recently). A scrape only reads
 values already in memory: it never queries the database nor borrows a pool
 connection. Queue gauges are refreshed in the background by the worker, at
-most once per ``queue_stats_interval_seconds``.
+most once per ``queue_stats_interval_seconds``, and exported only while fresh:
+once the last successful read is older than ``QUEUE_STATS_STALE_INTERVALS``
+intervals (the database is unreachable, say), they leave the scrape, so no
+alert fires on a frozen value; ``receipts_queue_stats_timestamp_seconds``
+stays and tells when they were last read (docs/design.md §5).
 
 ``_created`` series are off: :class:`Metrics` calls prometheus-client's
 ``disable_created_metrics()``, which is process-global (it also affects any
@@ -19,7 +23,7 @@ reads and were a fifth of every scrape.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Iterator
 
 from aiohttp import web
 from prometheus_client import (
@@ -29,6 +33,7 @@ from prometheus_client import (
     Gauge,
     Histogram,
     Info,
+    Metric,
     ProcessCollector,
     disable_created_metrics,
     generate_latest,
@@ -45,6 +50,32 @@ BATCH_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500)
 # through a provider outage (the retry cap is 15 min, a provider pause up to 5 by default).
 TIME_TO_RECEIPT_BUCKETS = (0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120, 300, 600, 1800,
                            3600, 7200, 14400, 28800, 86400)
+#: The queue gauges leave the scrape once their last successful read is older
+#: than this many stats intervals (the alert rules rely on exactly this rule).
+QUEUE_STATS_STALE_INTERVALS = 3
+
+
+class _FreshOnly:
+    """A collector that yields its gauges only while *fresh()* says so.
+
+    The queue gauges are registered through it, not on the registry itself.
+    """
+
+    def __init__(self, gauges: Iterable[Gauge], fresh: Callable[[], bool]) -> None:
+        #: The gauges it guards (for tools that document the registry).
+        self.gauges = tuple(gauges)
+        self._fresh = fresh
+
+    def describe(self) -> Iterator[Metric]:
+        """Every gauge's description (for the registry's duplicate-name check)."""
+        for gauge in self.gauges:
+            yield from gauge.describe()
+
+    def collect(self) -> Iterator[Metric]:
+        """The gauges' samples while fresh, nothing otherwise."""
+        if self._fresh():
+            for gauge in self.gauges:
+                yield from gauge.collect()
 
 
 class Metrics:
@@ -53,11 +84,26 @@ class Metrics:
     One instance per process; pass it to the worker and the HTTP server.
     Pass ``registry=None`` to get a fresh registry (tests create many).
     Creating one turns ``_created`` series off process-wide (see the module doc).
+
+    Args:
+        registry: the registry to register on (default: a new one).
+        queue_stats_interval_seconds: how often the queue gauges are read,
+            seconds (``RECEIPTS_QUEUE_STATS_INTERVAL_SECONDS``); they are
+            exported only while their last read is at most
+            ``QUEUE_STATS_STALE_INTERVALS`` intervals old.
+        clock: monotonic seconds, for that age (tests pass their own).
     """
 
-    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry | None = None, *,
+                 queue_stats_interval_seconds: float = 15.0,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         disable_created_metrics()  # type: ignore[no-untyped-call]  # process-global
         self.registry = registry or CollectorRegistry()
+        #: Queue gauges older than this are not exported, seconds.
+        self.queue_stats_max_age_seconds = (QUEUE_STATS_STALE_INTERVALS
+                                            * queue_stats_interval_seconds)
+        self._clock = clock
+        self._queue_read_at: float | None = None  # clock() of the last successful read
         r = self.registry
         ProcessCollector(registry=r)
         Info("receipts_build", "The running receipts version (value always 1).",
@@ -87,12 +133,30 @@ class Metrics:
             "This process's leases that expired before it could ack or reschedule.",
             registry=r,
         )
+        # A database crash may undo the last asynchronously committed writes
+        # (docs/design.md §2, "What a database crash may undo").
+        self.writes_undone = Counter(
+            "receipts_writes_undone",
+            "Attempts whose outcome could not be recorded because a database crash undid a "
+            "write of theirs after it had returned (asynchronous commit): statement=claim (the "
+            "claim was undone; another attempt delivers the job again) or ack/reschedule (undone, "
+            "and writing it again was refused). Counted instead of a stale ack.",
+            ["statement"], registry=r,
+        )
+        self.writes_rewritten = Counter(
+            "receipts_writes_rewritten",
+            "Outcome writes a database crash undid after they had returned, written again "
+            "under the same lease (no delivery repeated), by statement.",
+            ["statement"], registry=r,
+        )
         self.delivery_duration = Histogram(
             "receipts_delivery_duration_seconds", "Provider call duration by outcome.",
             ["outcome"], buckets=DELIVERY_BUCKETS, registry=r,
         )
         self.inflight = Gauge(
-            "receipts_inflight_deliveries", "Deliveries in progress.", registry=r
+            "receipts_inflight_deliveries",
+            "Deliveries in progress, and rejections held before their verdict is written.",
+            registry=r,
         )
         self.slots = Gauge(
             "receipts_concurrency_slots", "Configured delivery slots.", registry=r
@@ -142,45 +206,51 @@ class Metrics:
             "Database pool connections: size, in_use, waiting (requests queued).",
             ["state"], registry=r,
         )
-        # Queue gauges, read from the database.
+        # Queue gauges, read from the database: exported only while fresh
+        # (_FreshOnly, registered below), so they are not given the registry.
         self.expired_leases = Gauge(
             "receipts_expired_leases",
-            "Running jobs whose lease has expired (awaiting recovery).", registry=r,
+            "Running jobs whose lease has expired (awaiting recovery).", registry=None,
         )
         self.ready_jobs = Gauge(
             "receipts_ready_jobs", "Ready jobs that are due now (the autoscaling signal).",
-            registry=r,
+            registry=None,
         )
         self.queue_lag = Gauge(
             "receipts_queue_lag_seconds",
-            "Age of the oldest due ready job in seconds (0 when none).", registry=r,
+            "Age of the oldest due ready job in seconds (0 when none).", registry=None,
         )
         self.oldest_undelivered = Gauge(
             "receipts_oldest_undelivered_age_seconds",
             "Seconds since the oldest ready or running job was enqueued (0 when none); "
-            "unlike the lag, a retry does not restart it.", registry=r,
+            "unlike the lag, a retry does not restart it.", registry=None,
         )
         self.oldest_finished = Gauge(
             "receipts_oldest_finished_age_seconds",
             "Seconds since the oldest done, failed or discarded row finished (0 when none); "
-            "pruning keeps it within the retention.", registry=r,
+            "pruning keeps it within the retention.", registry=None,
         )
-        self.jobs = Gauge("receipts_jobs", "Rows by state.", ["state"], registry=r)
+        self.jobs = Gauge("receipts_jobs", "Rows by state.", ["state"], registry=None)
         self.xmin_horizon_age = Gauge(
             "receipts_xmin_horizon_age_transactions",
             "How far each kind of holder (transaction, prepared, replication_slot) holds back "
             "this database's xmin horizon, in transaction IDs (cleanup of receipt_jobs waits).",
-            ["holder"], registry=r,
+            ["holder"], registry=None,
         )
         self.oldest_transaction = Gauge(
             "receipts_oldest_transaction_age_seconds",
             "Age of the oldest open transaction in the database (xmin horizon threat).",
-            registry=r,
+            registry=None,
         )
         self.dead_tuples = Gauge(
             "receipts_table_dead_tuples", "Dead tuples in receipt_jobs (pg_stat_user_tables).",
-            registry=r,
+            registry=None,
         )
+        r.register(_FreshOnly(
+            (self.expired_leases, self.ready_jobs, self.queue_lag, self.oldest_undelivered,
+             self.oldest_finished, self.jobs, self.xmin_horizon_age, self.oldest_transaction,
+             self.dead_tuples),
+            self.queue_stats_fresh))
         self.queue_stats_timestamp = Gauge(
             "receipts_queue_stats_timestamp_seconds",
             "Unix time of the last successful queue gauge refresh.", registry=r,
@@ -202,6 +272,10 @@ class Metrics:
             self.provider_pauses.labels(pause)
         for result in ("resumed", "failed", "inconclusive"):
             self.provider_probes.labels(result)
+        for statement in ("claim", "ack", "reschedule"):
+            self.writes_undone.labels(statement)
+        for statement in ("ack", "reschedule"):
+            self.writes_rewritten.labels(statement)
         self.provider_tokens.set(-1)
 
     def observe_pause(self, reason: PauseReason | None) -> None:
@@ -211,8 +285,14 @@ class Metrics:
         for pause in PauseReason:
             self.provider_paused.labels(pause).set(1 if pause is reason else 0)
 
+    def queue_stats_fresh(self) -> bool:
+        """True while the queue gauges' last successful read is at most
+        ``queue_stats_max_age_seconds`` old (never before the first read)."""
+        read_at = self._queue_read_at
+        return read_at is not None and self._clock() - read_at <= self.queue_stats_max_age_seconds
+
     def observe_queue(self, stats: QueueStats) -> None:
-        """Set the queue gauges from a :class:`QueueStats` snapshot."""
+        """Set the queue gauges from a :class:`QueueStats` snapshot (a successful read)."""
         self.ready_jobs.set(stats.ready_due)
         self.queue_lag.set(stats.lag_seconds)
         self.expired_leases.set(stats.expired)
@@ -228,6 +308,7 @@ class Metrics:
             self.xmin_horizon_age.labels(holder).set(age)
         self.dead_tuples.set(stats.dead_tuples)
         self.queue_stats_timestamp.set(time.time())
+        self._queue_read_at = self._clock()
 
     def observe_time_to_receipt(self, seconds: float) -> None:
         """Record one delivered job's enqueue → ack time, in seconds (negative clock skew → 0)."""

@@ -28,6 +28,8 @@ from typing import Any
 
 import psycopg
 
+from receipts.errors import refuse_encoding
+
 # pg_advisory_xact_lock key: "receipts" as a stable 64-bit number.
 LOCK_KEY = int.from_bytes(hashlib.sha256(b"receipts.migrate").digest()[:8], "big", signed=True)
 
@@ -149,7 +151,9 @@ def apply_migrations(
     Returns the versions applied by this call (empty when up to date).
     Raises :class:`MigrationError` when an applied file's checksum changed or
     a statement fails (that file's transaction is rolled back; earlier files
-    stay applied), and ``DatabaseUnavailable`` when the database is unreachable.
+    stay applied), ``DatabaseUnavailable`` when the database is unreachable, and
+    ``UnusableDatabase`` for a database no worker would serve (SQL_ASCII;
+    :func:`receipts.errors.refuse_encoding`), before anything is created.
 
     Every wait is bounded: connecting by *connect_timeout_seconds*, waiting for
     a lock (the advisory lock another runner holds, or a table lock for DDL)
@@ -166,6 +170,8 @@ def apply_migrations(
             connect_timeout=max(1, round(connect_timeout_seconds)),
             options=_timeouts(dsn, lock_timeout_seconds, statement_timeout_seconds),
         ) as conn:
+            # Nothing is created where no worker would serve it (SQL_ASCII).
+            refuse_encoding(conn.info.dbname, conn.info.parameter_status("server_encoding"))
             with conn.transaction():
                 conn.execute("SELECT pg_advisory_xact_lock(%s)", (LOCK_KEY,))
                 exists = conn.execute("SELECT FROM pg_namespace WHERE nspname = %s",
@@ -427,13 +433,15 @@ def read_schema_status(dsn: str, *, application_name: str = "receipts",
     *schema* defaults to :func:`receipts.settings.schema_for` of *dsn*.
 
     Raises ``DatabaseUnavailable`` (or another ``QueueError``) when the
-    database cannot be read; the message is redacted.
+    database cannot be read, ``UnusableDatabase`` for a SQL_ASCII database;
+    the message is redacted.
     """
     try:
         with psycopg.connect(
             dsn, autocommit=True, application_name=f"{application_name}-migrate",
             connect_timeout=10, options=_timeouts(dsn, 10.0, 30.0),
         ) as conn:
+            refuse_encoding(conn.info.dbname, conn.info.parameter_status("server_encoding"))
             return schema_status(conn, schema=_resolve(dsn, schema))
     except psycopg.Error as exc:
         from receipts.db import translate

@@ -118,16 +118,32 @@ class Outcome:
 
 
 class PauseReason(enum.StrEnum):
-    """Why the fleet stopped claiming (``receipts_provider_paused{reason}``).
+    """Why the fleet stopped claiming (``receipts_provider_paused{reason}``): the
+    *effective* reason of the pause (docs/design.md §11).
 
     ``auth``: the provider refused our credentials (401/403); ``outage``:
     retryable failures dominated recent deliveries; ``retry_after``: the
-    provider asked us to wait (a 429 with ``Retry-After``).
+    provider asked us to wait (a 429 with ``Retry-After``); ``rejecting``:
+    most recent distinct jobs got the same permanent answer (the same 4xx and
+    body shape) or a TLS failure; ``manual``: an operator paused the fleet.
+
+    ``rejecting`` is stored as ``pause_reason = 'outage'`` and ``manual`` as
+    ``'retry_after'``, with the cause beside them (migration 0006), so a
+    released worker honours both: probed like an outage, and ending by itself
+    at its time, respectively.
     """
 
     AUTH = "auth"
     OUTAGE = "outage"
     RETRY_AFTER = "retry_after"
+    REJECTING = "rejecting"
+    MANUAL = "manual"
+
+    @property
+    def probed(self) -> bool:
+        """True for pauses a probe ends (auth, outage, rejecting); False for those that
+        end at their time (retry_after, manual)."""
+        return self in (PauseReason.AUTH, PauseReason.OUTAGE, PauseReason.REJECTING)
 
 
 @dataclass(frozen=True, slots=True)
@@ -141,11 +157,15 @@ class Attempt:
             ``claimed_at + lease_seconds`` is a safe upper bound of its end.
         enqueued_age_seconds: seconds from enqueue to the claim (None when
             unknown), for the time-to-receipt histogram.
+        claim_sent_at: ``time.monotonic()`` just before the claim statement was
+            sent (None when unknown): the database started the lease after
+            it, so less than a lease after it the lease still holds.
     """
 
     job: Job
     claimed_at: float
     enqueued_age_seconds: float | None = None
+    claim_sent_at: float | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -153,9 +173,11 @@ class FlowState:
     """The fleet-wide provider state as one statement saw it.
 
     Attributes:
-        pause_reason: why the fleet is paused, or None when it is not.
-        pause_left_seconds: seconds until the next probe may start (≤ 0 when a
-            probe is due); None when not paused.
+        pause_reason: why the fleet is paused (the effective reason), or None
+            when it is not.
+        pause_left_seconds: for a probed pause (:attr:`PauseReason.probed`),
+            seconds until the next probe may start (≤ 0 when one is due); for
+            the others, until the pause ends; None when not paused.
         tokens: tokens in the rate-limit bucket after this statement, or None
             when the statement did not use the bucket.
     """

@@ -7,24 +7,32 @@ what it returns; anything else (a web page) can call them the same way.
 The policy lives here: ``show`` never returns a whole lease token; ``retry``
 of named jobs is all or nothing (every named job must exist and be failed,
 else nothing changes) and changes only rows still failed when it runs.
-Every function raises the queue's errors (``DatabaseUnavailable``,
-``SchemaMissing``, ``QueueError``).
+``retry`` of every failed job and ``discard`` by a filter are bulk actions
+(:mod:`receipts.bulk`): bounded by the moment they start, run in batches,
+resumable from the review page; they report at most :data:`IDS_SHOWN` ids
+and the count. Every function raises the queue's errors
+(``DatabaseUnavailable``, ``SchemaMissing``, ``QueueError``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import uuid
-from collections.abc import Sequence
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any
 
+from receipts import bulk
 from receipts.jobqueue import JobQueue, ReviewFilter
 from receipts.model import JobState
+from receipts.operations import BulkStep, Operations
 
-# Every failed job, when retry is given no ids (a bound, never reached in practice).
-RETRY_ALL_LIMIT = 1_000_000
+#: The most job ids a bulk retry or discard reports (the count says how many).
+IDS_SHOWN = 1_000
 TOKEN_SHOWN_CHARS = 8
+#: Called after each committed batch of a bulk action (progress on the command line).
+StepCallback = Callable[[BulkStep], Awaitable[None] | None]
 
 
 def jsonable(value: Any) -> Any:
@@ -136,10 +144,13 @@ class Refusal:
 class RetryResult:
     """What ``retry`` did (or, with ``dry_run``, would do).
 
-    ``retried``/``would_retry`` are job ids; ``refused`` is non-empty only when
-    nothing changed because a named job was unknown or not failed; ``missed``
-    lists named jobs that were failed when checked but no longer when the
-    update ran (another operator or a recovery raced us).
+    ``retried``/``would_retry`` are job ids (of every failed job: at most
+    :data:`IDS_SHOWN`); ``count`` is how many were (or would be) retried;
+    ``refused`` is non-empty only when nothing changed because a named job
+    was unknown or not failed; ``missed`` lists named jobs that were failed
+    when checked but no longer when the update ran (another operator or a
+    recovery raced us). ``action_id`` names the bulk action of an all-failed
+    retry.
     """
 
     dry_run: bool
@@ -147,6 +158,8 @@ class RetryResult:
     would_retry: list[str] = field(default_factory=list)
     refused: list[Refusal] = field(default_factory=list)
     missed: list[str] = field(default_factory=list)
+    count: int = 0
+    action_id: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -154,53 +167,88 @@ class RetryResult:
         return not self.refused and not self.missed
 
     def as_dict(self) -> dict[str, Any]:
-        """JSON-ready: ``{"dry_run", "retried", "would_retry", "refused": [{id, state}]}``."""
-        return {
+        """JSON-ready: ``{"dry_run", "retried", "would_retry", "count", "refused": [{id,
+        state}]}``, plus ``action_id`` for a retry of every failed job."""
+        data: dict[str, Any] = {
             "dry_run": self.dry_run,
             "retried": list(self.retried),
             "would_retry": list(self.would_retry),
+            "count": self.count,
             "refused": [{"id": r.id, "state": r.state} for r in self.refused],
         }
+        if self.action_id is not None:
+            data["action_id"] = self.action_id
+        return data
 
 
 async def retry(queue: JobQueue, ids: Sequence[uuid.UUID] | None, *,
-                dry_run: bool = False) -> RetryResult:
+                dry_run: bool = False, author: str = "cli",
+                on_step: StepCallback | None = None) -> RetryResult:
     """Move failed jobs back to ready (attempts 0, due now); *ids* None means every failed job.
 
     Named jobs are all or nothing: if any is unknown or not failed, nothing
     changes and the result lists the refusals. Duplicated ids count once.
-    ``last_error`` is kept, prefixed ``manual retry after:``.
+    Every failed job is a bulk action by *author* (failed at the moment it
+    starts; *on_step* after each batch). ``last_error`` is kept, prefixed
+    ``manual retry after:``.
     """
-    wanted = None if ids is None else list(dict.fromkeys(ids))
-    if wanted is None:
-        targets = [str(r["id"]) for r in await queue.list_jobs(JobState.FAILED,
-                                                              limit=RETRY_ALL_LIMIT)]
-    else:
-        refused: list[Refusal] = []
-        for job_id in wanted:
-            row = await queue.show_job(str(job_id))
-            if row is None:
-                refused.append(Refusal(str(job_id), "unknown"))
-            elif row["state"] != JobState.FAILED:
-                refused.append(Refusal(str(job_id), str(row["state"])))
-        if refused:
-            return RetryResult(dry_run=dry_run, refused=refused)
-        targets = [str(i) for i in wanted]
+    if ids is None:
+        view = ReviewFilter(state=JobState.FAILED)
+        if dry_run:
+            count, sample = await _would_change(queue, view)
+            return RetryResult(dry_run=True, would_retry=sample, count=count)
+        progress = await _bulk(queue, "retry", view, author, on_step)
+        return RetryResult(dry_run=False, retried=[str(i) for i in progress.changed_ids],
+                           count=progress.changed, action_id=str(progress.action_id))
+    wanted = list(dict.fromkeys(ids))
+    refused: list[Refusal] = []
+    for job_id in wanted:
+        row = await queue.show_job(str(job_id))
+        if row is None:
+            refused.append(Refusal(str(job_id), "unknown"))
+        elif row["state"] != JobState.FAILED:
+            refused.append(Refusal(str(job_id), str(row["state"])))
+    if refused:
+        return RetryResult(dry_run=dry_run, refused=refused)
+    targets = [str(i) for i in wanted]
     if dry_run:
-        return RetryResult(dry_run=True, would_retry=targets)
+        return RetryResult(dry_run=True, would_retry=targets, count=len(targets))
     changed = [str(i) for i in await queue.retry_failed(wanted)]
-    missed = [] if wanted is None else sorted(set(targets) - set(changed))
-    return RetryResult(dry_run=False, retried=changed, missed=missed)
+    missed = sorted(set(targets) - set(changed))
+    return RetryResult(dry_run=False, retried=changed, missed=missed, count=len(changed))
+
+
+async def _would_change(queue: JobQueue, view: ReviewFilter) -> tuple[int, list[str]]:
+    """How many jobs *view* matches now, and the ids of the newest :data:`IDS_SHOWN`."""
+    _, count, _ = await bulk.confirmation(queue, view, timeout_seconds=30.0,
+                                          cap=10_000_000)
+    rows = await queue.review_jobs(view, limit=min(IDS_SHOWN, 500))
+    return count, [str(r["id"]) for r in rows]
+
+
+async def _bulk(queue: JobQueue, action: str, view: ReviewFilter, author: str,
+                on_step: StepCallback | None) -> bulk.Progress:
+    """Run a bulk action over *view* from now to its end (:mod:`receipts.bulk`)."""
+    operations = Operations(queue.pool, schema=queue.schema,
+                            deadline_seconds=queue.deadline_seconds)
+    cutoff, count, exact = await bulk.confirmation(queue, view)
+    row, runner = await bulk.start(operations, action=action,
+                                   view=dataclasses.replace(view, cutoff=cutoff),
+                                   expected=count if exact else None, created_by=author)
+    return await bulk.run(operations, row, runner, policy=bulk.BulkPolicy(),
+                          keep_ids=IDS_SHOWN, on_step=on_step)
 
 
 @dataclass(frozen=True, slots=True)
 class DiscardResult:
     """What ``discard`` did (or, with ``dry_run``, would do).
 
-    ``discarded`` holds job ids; ``refused`` is non-empty only when nothing
-    changed because a named job was unknown or not ready/failed; ``changed``
-    is True when the set of jobs changed between the count and the update
-    (then nothing changed either).
+    ``discarded`` holds job ids (of a filter: at most :data:`IDS_SHOWN`);
+    ``expected`` is how many were (or would be) discarded; ``refused`` is
+    non-empty only when nothing changed because a named job was unknown or
+    not ready/failed; ``changed`` is True when named jobs changed between the
+    check and the update (then nothing changed either). ``action_id`` names
+    the bulk action of a filter.
     """
 
     dry_run: bool
@@ -208,6 +256,7 @@ class DiscardResult:
     discarded: list[str] = field(default_factory=list)
     refused: list[Refusal] = field(default_factory=list)
     changed: bool = False
+    action_id: str | None = None
 
     @property
     def ok(self) -> bool:
@@ -215,37 +264,49 @@ class DiscardResult:
         return not self.refused and not self.changed
 
     def as_dict(self) -> dict[str, Any]:
-        """JSON-ready: ``{"dry_run", "discarded", "would_discard", "refused"}``."""
-        return {
+        """JSON-ready: ``{"dry_run", "discarded", "would_discard", "count", "refused"}``,
+        plus ``action_id`` for a filter."""
+        data: dict[str, Any] = {
             "dry_run": self.dry_run,
             "discarded": [] if self.dry_run else list(self.discarded),
             "would_discard": list(self.discarded) if self.dry_run else [],
+            "count": self.expected,
             "refused": [{"id": r.id, "state": r.state} for r in self.refused],
         }
+        if self.action_id is not None:
+            data["action_id"] = self.action_id
+        return data
 
 
 async def discard(queue: JobQueue, target: Sequence[uuid.UUID] | ReviewFilter, *,
-                  dry_run: bool = False) -> DiscardResult:
+                  dry_run: bool = False, author: str = "cli",
+                  on_step: StepCallback | None = None) -> DiscardResult:
     """Move ready or failed jobs to ``discarded`` (terminal; the row keeps the order deduplicated).
 
     *target* is a list of job ids (all or nothing: any unknown, running or
-    finished job refuses the lot) or a :class:`~receipts.jobqueue.ReviewFilter`
-    over ready or failed jobs. The update locks the rows and changes nothing
-    unless exactly the counted jobs still qualify. Running jobs are never touched.
+    finished job refuses the lot; the update changes nothing unless exactly
+    those jobs still qualify) or a :class:`~receipts.jobqueue.ReviewFilter`
+    over ready or failed jobs: a bulk action by *author* over the jobs in
+    the state when it starts (*on_step* after each batch). Running jobs are
+    never touched.
     """
     if isinstance(target, ReviewFilter):
-        found = [str(r["id"]) for r in await queue.review_jobs(target, limit=500)]
-        expected = await queue.review_count(target)
-    else:
-        wanted = list(dict.fromkeys(target))
-        states = await queue.job_states(wanted)
-        refused = [Refusal(str(i), str(states.get(i, "unknown"))) for i in wanted
-                   if states.get(i) not in (JobState.READY, JobState.FAILED)]
-        if refused:
-            return DiscardResult(dry_run=dry_run, refused=refused)
-        found, expected, target = [str(i) for i in wanted], len(wanted), wanted
+        if dry_run:
+            count, sample = await _would_change(queue, target)
+            return DiscardResult(dry_run=True, expected=count, discarded=sample)
+        progress = await _bulk(queue, "discard", target, author, on_step)
+        return DiscardResult(dry_run=False, expected=progress.changed,
+                             discarded=[str(i) for i in progress.changed_ids],
+                             action_id=str(progress.action_id))
+    wanted = list(dict.fromkeys(target))
+    states = await queue.job_states(wanted)
+    refused = [Refusal(str(i), str(states.get(i, "unknown"))) for i in wanted
+               if states.get(i) not in (JobState.READY, JobState.FAILED)]
+    if refused:
+        return DiscardResult(dry_run=dry_run, refused=refused)
+    found = [str(i) for i in wanted]
     if dry_run:
-        return DiscardResult(dry_run=True, expected=expected, discarded=found)
-    ids = [str(i) for i in await queue.discard_jobs(target, expected=expected)]
-    return DiscardResult(dry_run=False, expected=expected, discarded=ids,
-                         changed=len(ids) != expected)
+        return DiscardResult(dry_run=True, expected=len(wanted), discarded=found)
+    ids = [str(i) for i in await queue.discard_jobs(wanted, expected=len(wanted))]
+    return DiscardResult(dry_run=False, expected=len(wanted), discarded=ids,
+                         changed=len(ids) != len(wanted))

@@ -20,15 +20,18 @@ from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
+import psycopg
 from psycopg_pool import AsyncConnectionPool
 
-from receipts.db import check_encoding, connect, make_pool, statement_deadline
+from receipts.db import check_encoding, connect, make_pool, statement_deadline, translate
 from receipts.delivery import Deliverer, HttpDeliverer, TLSFileError, tls_context
 from receipts.errors import DatabaseUnavailable
+from receipts.heartbeat import Heartbeat, new_tag
 from receipts.jobqueue import JobQueue
 from receipts.logs import get_logger
 from receipts.metrics import Metrics, make_app, start_server
 from receipts.migrate import SchemaMismatch, schema_status_async
+from receipts.operations import Operations
 from receipts.settings import Settings, SettingsError
 from receipts.worker import Worker
 
@@ -69,8 +72,10 @@ class Runtime:
     metrics_port: int
 
 
-def make_queue(settings: Settings, pool: AsyncConnectionPool) -> JobQueue:
-    """The :class:`JobQueue` the settings describe, on *pool*."""
+def make_queue(settings: Settings, pool: AsyncConnectionPool, *,
+               worker_tag: str | None = None) -> JobQueue:
+    """The :class:`JobQueue` the settings describe, on *pool*; *worker_tag* ends
+    every lease token its claims write (:mod:`receipts.heartbeat`)."""
     return JobQueue(
         pool,
         lease_seconds=settings.lease_seconds,
@@ -80,6 +85,7 @@ def make_queue(settings: Settings, pool: AsyncConnectionPool) -> JobQueue:
         max_in_progress=settings.max_in_progress_answers,
         deadline_seconds=statement_deadline(settings),
         schema=settings.db_schema,
+        worker_tag=worker_tag,
     )
 
 
@@ -135,10 +141,11 @@ async def worker_runtime(
     Raises ``OSError`` when the metrics port is taken. The pool opens without
     waiting: an unreachable database is the worker's to ride out.
     """
-    metrics = metrics or Metrics()
+    metrics = metrics or Metrics(
+        queue_stats_interval_seconds=settings.queue_stats_interval_seconds)
     pool = make_pool(settings, "worker")
     deliverer = deliverer or make_deliverer(settings)
-    queue = make_queue(settings, pool)
+    queue = make_queue(settings, pool, worker_tag=new_tag())
     worker = Worker(settings, queue, deliverer, metrics)
     watch_pool(pool, metrics)
     port = settings.metrics_port if metrics_port is None else metrics_port
@@ -220,7 +227,9 @@ def worker_gc() -> Iterator[None]:
 async def run_worker(settings: Settings, deliverer: Deliverer | None = None) -> None:
     """Run a worker process until SIGTERM, SIGINT or SIGHUP, then drain and return.
 
-    While it runs, the garbage collector is tuned for it (:func:`worker_gc`).
+    While it runs, the garbage collector is tuned for it (:func:`worker_gc`)
+    and its heartbeat keeps its ``receipt_workers`` row fresh
+    (:class:`~receipts.heartbeat.Heartbeat`; the last one marks it stopped).
 
     *deliverer* defaults to HTTP to ``settings.provider_url``. Raises
     ``OSError`` when the metrics port is taken, and
@@ -244,21 +253,34 @@ async def run_worker(settings: Settings, deliverer: Deliverer | None = None) -> 
             # Which egress proxy the provider's requests take, credentials masked.
             "proxy": settings.provider_proxy_choice(os.environ).describe(),
         })
-        with worker_gc():
-            await runtime.worker.run()
+        heartbeat = Heartbeat(
+            Operations(runtime.pool, schema=settings.db_schema,
+                       deadline_seconds=statement_deadline(settings)),
+            runtime.worker, runtime.metrics, tag=runtime.queue.worker_tag or new_tag())
+        beating = asyncio.create_task(heartbeat.run(), name="heartbeat")
+        try:
+            with worker_gc():
+                await runtime.worker.run()
+        finally:
+            beating.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await beating
+            await heartbeat.stop()
 
 
 async def check_database(settings: Settings) -> None:
     """Refuse, at start, a database the worker cannot use.
 
-    Raises :class:`~receipts.errors.QueueError` for an encoding that cannot
-    keep our text (:func:`receipts.db.check_encoding`) and
+    Raises :class:`~receipts.errors.UnusableDatabase` for an encoding that
+    cannot keep our text (:func:`receipts.db.check_encoding`) and
     :class:`~receipts.migrate.SchemaMismatch` for a schema this version does
     not know: migrations it does not ship that are not a later release's of the
     same major version, or an applied migration that differs from the shipped
     file. A later release's schema is accepted with a ``schema_newer`` warning:
     migrations only add within a major version, and a ``helm rollback`` runs
-    this version on the schema the newer one left (docs/design.md).
+    this version on the schema the newer one left (docs/design.md). A role that
+    may not read the tracking table is refused with a
+    :class:`~receipts.errors.QueueError` naming ``--print-grants``.
     Pending migrations are not refused: the migration hook may still be
     running, and the worker waits (claims fail with "run receipts migrate")
     until it has. An unreachable database is not refused either: the worker
@@ -269,9 +291,11 @@ async def check_database(settings: Settings) -> None:
     except DatabaseUnavailable:
         return
     async with conn:
-        await check_encoding(conn)
+        check_encoding(conn)
         try:
             status = await schema_status_async(conn, schema=settings.db_schema)
+        except psycopg.errors.InsufficientPrivilege as exc:  # a grant is missing: say so now
+            raise translate(exc) from exc
         except Exception as exc:  # psycopg errors reading the tracking table: judge later
             log.debug("schema_status_unread", extra={"error": str(exc)[:200]})
             return

@@ -329,6 +329,27 @@ class Settings(BaseSettings):
         default=None,
         description="Enables the review page's actions for whoever enters it; unset: read-only.",
     )
+    ui_viewer_token: SecretStr | None = Field(
+        default=None,
+        description="Readers of the review page sign in with it (the admin token reads too); "
+                    "required unless the page binds to localhost or "
+                    "RECEIPTS_UI_ANONYMOUS_READ is true.",
+    )
+    ui_anonymous_read: bool = Field(
+        default=False,
+        description="Let anyone who reaches a non-localhost review page read it without a "
+                    "token (only behind a proxy that authenticates).",
+    )
+    ui_pool_max_size: int = Field(
+        default=4, ge=2, le=20,
+        description="Database connections of `receipts ui` (one refreshes the shared summary, "
+                    "one runs a bulk action, the rest serve viewers' lists).",
+    )
+    ui_refresh_seconds: float = Field(
+        default=5.0, ge=1, le=300,
+        description="How often the review page refreshes itself and its shared summary "
+                    "(every viewer shares one reading per interval).",
+    )
 
     @field_validator("database_url")
     @classmethod
@@ -346,14 +367,15 @@ class Settings(BaseSettings):
                              "unquoted names to lower case")
         return value
 
-    @field_validator("provider_token", "ui_admin_token", "provider_proxy", mode="before")
+    @field_validator("provider_token", "ui_admin_token", "ui_viewer_token", "provider_proxy",
+                     mode="before")
     @classmethod
     def _empty_token_is_none(cls, value: object) -> object:
         if isinstance(value, str) and not value.strip():
             return None
         return value
 
-    @field_validator("ui_admin_token")
+    @field_validator("ui_admin_token", "ui_viewer_token")
     @classmethod
     def _strong_ui_token(cls, value: SecretStr | None) -> SecretStr | None:
         if value is not None and len(value.get_secret_value()) < 16:
@@ -501,7 +523,7 @@ class Settings(BaseSettings):
         return self.retention_days * 86_400.0
 
     def secrets(self) -> list[str]:
-        """The literal secrets logs must mask: the DSN password, the provider token.
+        """The literal secrets logs must mask: the DSN password, the provider and UI tokens.
 
         The password is returned as libpq decodes it and, for a URI, as written
         (percent-encoded), since either spelling may reach a message. Empty
@@ -516,8 +538,9 @@ class Settings(BaseSettings):
                 found.append(urlsplit(self.dsn).password or "")
         except Exception:  # the validator already refused unparsable DSNs
             pass
-        if self.provider_token is not None:
-            found.append(self.provider_token.get_secret_value())
+        for token in (self.provider_token, self.ui_admin_token, self.ui_viewer_token):
+            if token is not None:
+                found.append(token.get_secret_value())
         if self.provider_proxy is not None:
             from receipts.proxy import ProxyChoice
 
@@ -575,6 +598,29 @@ def check_provider_url(url: str) -> None:
         raise ValueError("has an invalid port (a number from 1 to 65535)")
     if any(ch.isspace() or ord(ch) < 0x20 or ord(ch) == 0x7F for ch in url.strip()):
         raise ValueError("contains whitespace or control characters")
+
+
+def check_ui_settings(settings: Settings) -> None:
+    """Raise :class:`SettingsError` unless *settings* can serve the review page safely.
+
+    A page bound beyond localhost (``RECEIPTS_UI_HOST``) shows order ids and
+    provider errors to whoever reaches it, so readers need the viewer token
+    unless ``RECEIPTS_UI_ANONYMOUS_READ`` says an authenticating proxy stands
+    in front; the two tokens must differ (a reader could otherwise act).
+    """
+    from receipts.ui.session import is_loopback
+
+    viewer, admin = settings.ui_viewer_token, settings.ui_admin_token
+    if (viewer is not None and admin is not None
+            and viewer.get_secret_value() == admin.get_secret_value()):
+        raise SettingsError(f"{ENV_PREFIX}UI_VIEWER_TOKEN: must differ from "
+                            f"{ENV_PREFIX}UI_ADMIN_TOKEN (readers could act)")
+    if is_loopback(settings.ui_host) or viewer is not None or settings.ui_anonymous_read:
+        return
+    raise SettingsError(
+        f"{ENV_PREFIX}UI_VIEWER_TOKEN: is required when the review page binds to "
+        f"{settings.ui_host} (beyond this machine); set it (readers sign in with it), or set "
+        f"{ENV_PREFIX}UI_ANONYMOUS_READ=true only behind a proxy that authenticates")
 
 
 # Variables Kubernetes injects for a Service named "receipts…" (service links),

@@ -1,9 +1,12 @@
-"""The named SQL statements of ``sql/queries.sql``, loaded once.
+"""The named SQL statements of ``sql/queries.sql`` and ``sql/operations.sql``, loaded once.
 
-Each runtime statement is a ``-- name: NAME`` block in one file; a method of
-:class:`receipts.jobqueue.JobQueue` (or :mod:`receipts.enqueue`) carries the
-name of the block it runs, so a reader goes from the method to the SQL
-without a search. This module needs only psycopg's ``sql`` composer.
+Each runtime statement is a ``-- name: NAME`` block: the queue's own (claim,
+ack, recovery, review) in ``queries.sql``, the operator's (fleet pause,
+heartbeats, bulk actions; :mod:`receipts.operations`) in
+``operations.sql``. A method of :class:`receipts.jobqueue.JobQueue`,
+:class:`receipts.operations.Operations` (or :mod:`receipts.enqueue`)
+carries the name of the block it runs, so a reader goes from the method to
+the SQL without a search. This module needs only psycopg's ``sql`` composer.
 
 Every table is written ``{schema}.receipt_jobs`` in the file and qualified
 here with the configured schema (:func:`receipts.settings.schema_for`), so a
@@ -46,21 +49,28 @@ def qualifier(schema: str | None) -> str:
     return f'"{schema}".'
 
 
+#: The files of named statements, in load order (a name may be defined once).
+STATEMENT_FILES = ("sql/queries.sql", "sql/operations.sql")
+
+
 @cache
 def statements(schema: str | None = DEFAULT_SCHEMA) -> dict[str, str]:
-    """All named statements of ``sql/queries.sql`` keyed by name, tables in *schema*.
+    """All named statements of :data:`STATEMENT_FILES` keyed by name, tables in *schema*.
 
     Loaded once per schema. Raises ``ValueError`` for a bad schema name
-    (:func:`qualifier`).
+    (:func:`qualifier`) or a name defined twice.
     """
     prefix = qualifier(schema)
-    text = resources.files("receipts").joinpath("sql/queries.sql").read_text("utf-8")
-    text = text.replace("{schema}.", prefix)
     blocks: dict[str, str] = {}
-    for chunk in re.split(r"^-- name: ", text, flags=re.M)[1:]:
-        name, _, body = chunk.partition("\n")
-        lines = [ln for ln in body.splitlines() if not ln.lstrip().startswith("--")]
-        blocks[name.strip()] = "\n".join(lines).strip().rstrip(";")
+    for path in STATEMENT_FILES:
+        text = resources.files("receipts").joinpath(path).read_text("utf-8")
+        text = text.replace("{schema}.", prefix)
+        for chunk in re.split(r"^-- name: ", text, flags=re.M)[1:]:
+            name, _, body = chunk.partition("\n")
+            lines = [ln for ln in body.splitlines() if not ln.lstrip().startswith("--")]
+            if name.strip() in blocks:
+                raise ValueError(f"statement {name.strip()!r} is defined twice ({path})")
+            blocks[name.strip()] = "\n".join(lines).strip().rstrip(";")
     return blocks
 
 
@@ -73,12 +83,33 @@ def query(name: str, schema: str | None = DEFAULT_SCHEMA) -> sql.SQL:
     return sql.SQL(statements(schema)[name])  # type: ignore[arg-type,unused-ignore]
 
 
+#: The lease token expression of the claim statements, as ``queries.sql`` writes it.
+RANDOM_TOKEN = "lease_token = gen_random_uuid(),"
+#: A worker's tag: 8 lower-case hex digits (``receipt_workers.tag``).
+WORKER_TAG = re.compile(r"^[0-9a-f]{8}$")
+
+
 @cache
-def claim_query(limit: int, *, limited: bool = False,
-                schema: str | None = DEFAULT_SCHEMA) -> sql.Composed:
+def claim_query(limit: int, *, limited: bool = False, schema: str | None = DEFAULT_SCHEMA,
+                tag: str | None = None) -> sql.Composed:
     """The claim statement with *limit* as a literal (docs/design.md §10: no bind LIMIT).
 
     *limited* selects the variant that charges the fleet-wide token bucket.
+    With *tag* (a worker's 8 hex digits, :data:`WORKER_TAG`), each lease token
+    the claim writes ends in those digits instead of random ones (90 random
+    bits stay), so whoever reads a running job's token can name the worker
+    that holds it (``receipt_workers``; the review page). The tag is an
+    argument here rather than a parameter of the statement, so the text in
+    ``queries.sql`` stays a complete statement for pgbench and EXPLAIN.
+    Raises ``ValueError`` for a tag that is not 8 lower-case hex digits.
     """
-    name = "claim_limited" if limited else "claim"
-    return sql.SQL(statements(schema)[name]).format(limit=sql.Literal(limit))  # type: ignore[arg-type,unused-ignore]
+    text = statements(schema)["claim_limited" if limited else "claim"]
+    if tag is not None:
+        if not WORKER_TAG.match(tag):
+            raise ValueError(f"a worker tag is 8 lower-case hex digits, not {tag!r}")
+        if text.count(RANDOM_TOKEN) != 1:
+            raise ValueError("the claim statement no longer writes one gen_random_uuid() token")
+        # The token's text is 8-4-4-4-12 hex digits: characters 29-36 are its last 8.
+        text = text.replace(RANDOM_TOKEN, "lease_token = overlay(gen_random_uuid()::text"
+                            f" PLACING '{tag}' FROM 29)::uuid,")
+    return sql.SQL(text).format(limit=sql.Literal(limit))  # type: ignore[arg-type,unused-ignore]

@@ -15,18 +15,22 @@ Shape (docs/design.md §4, §11):
   cut short by a LISTEN/NOTIFY wake-up (one extra direct connection, off
   behind PgBouncer transaction pooling). Polling is always the safety net.
 * Provider flow control: every claim reads the fleet-wide pause; while it
-  holds, the pod sleeps until it runs out, holding no connection and no lock.
-  Then one pod wins the probe and claims one job; its answer resumes the fleet
-  or doubles the pause. Outcomes feed the :class:`~receipts.flow.ProviderGate`,
-  which may extend the pause (outage, 401/403, ``Retry-After``). Under a
-  fleet-wide rate limit a claim that ran out of tokens sleeps until the next
-  token.
+  holds, the pod sleeps until the next probe is due (every few seconds,
+  however long the pause) or the pause ends, holding no connection and no
+  lock. One pod wins the probe and claims one job; its answer resumes the
+  fleet or doubles the pause. Outcomes feed the
+  :class:`~receipts.flow.ProviderGate`, which may extend the pause (outage,
+  systemic rejection, 401/403, ``Retry-After``) and may hold a 4xx verdict
+  (the job's lease, not its slot) until later answers tell a bad order from
+  a provider rejecting everything. Under a fleet-wide rate limit a claim that
+  ran out of tokens sleeps until the next token.
 * Admission control (on by default): claims also spend a local token bucket
   whose rate an AIMD limiter adapts to the claim and ack statements' latency,
   so a drain leaves the checkout database its headroom
   (:mod:`receipts.admission`).
-* Database outage: the loop backs off (jittered, ≤ 30 s), ``/readyz`` says
-  not ready, and it resumes by itself.
+* Database outage: the loop backs off (jittered; ≤ 1 s while the database
+  cannot be reached, ≤ 30 s after an error in a statement), ``/readyz`` says
+  not ready, and it resumes by itself within seconds of the database's return.
 * Stop: claim nothing more, let in-flight deliveries finish for up to
   ``min(shutdown_grace_seconds, delivery_timeout_seconds)``, abandon the rest
   (their leases expire and recovery returns them), flush the completer,
@@ -37,17 +41,19 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import random
 import socket
 import time
+import uuid
 from collections.abc import Iterable
 from datetime import datetime
 
 from receipts.admission import AdmissionController, AdmissionPolicy
 from receipts.completion import Completer
-from receipts.db import notifications, statement_deadline
+from receipts.db import commits_asynchronously, notifications, statement_deadline
 from receipts.delivery import Deliverer
-from receipts.errors import QueueError
+from receipts.errors import DatabaseUnavailable, QueueError
 from receipts.flow import FlowPolicy, ProviderGate
 from receipts.jobqueue import WorkerQueue
 from receipts.logs import get_logger, job_fields
@@ -73,7 +79,14 @@ STOP_CLAIM_SECONDS = 1.0
 PAUSE_RECHECK_SECONDS = 5.0
 WATCHDOG_SLACK_SECONDS = 10.0
 OUTAGE_BACKOFF_FIRST_SECONDS = 0.1
+#: Backoff cap after a claim the database refused (an error in the statement).
 OUTAGE_BACKOFF_MAX_SECONDS = 30.0
+#: Backoff cap while the database cannot be reached: each such claim already
+#: waited for the pool (its timeout, 5 s), during which the pool's reconnection
+#: attempt hands it the first connection the database accepts; a short cap keeps
+#: one such wait always pending, so the worker is ready within seconds of the
+#: database's return, whatever the outage's length (docs/design.md §4).
+UNAVAILABLE_BACKOFF_MAX_SECONDS = 1.0
 #: While the queue has work and deliveries are in flight, the claim loop waits
 #: up to this long (seconds) for a tenth of the slots to be free before it claims.
 CLAIM_LINGER_SECONDS = 0.005
@@ -123,7 +136,8 @@ class Worker:
         )
         self.admission = AdmissionController(admission_policy(settings)) if (
             settings.admission_control) else None
-        self.completer = Completer(queue, metrics, lease_seconds=settings.lease_seconds)
+        self.completer = Completer(queue, metrics, lease_seconds=settings.lease_seconds,
+                                   watch_durability=commits_asynchronously(settings, "worker"))
         self.gate = gate or ProviderGate(flow_policy(settings))
         self._inflight: set[asyncio.Task[None]] = set()
         self._slot_freed = asyncio.Event()
@@ -135,8 +149,14 @@ class Worker:
         self._wake = asyncio.Event()
         self._stop = asyncio.Event()
         self._db_ok = False
+        self._unreachable = False  # the last claim failed for want of a connection
         self._busy_since: float | None = None
         self._flow_read_at = 0.0  # monotonic: when the fleet's flow state was last read
+        #: Monotonic time of the last claim that returned a job (None: none yet);
+        #: the heartbeat reports it (:mod:`receipts.heartbeat`).
+        self.last_claim_at: float | None = None
+        #: Rejections the gate holds: job id → (attempt, outcome, its deadline timer).
+        self._held: dict[uuid.UUID, tuple[Attempt, Outcome, asyncio.TimerHandle]] = {}
         #: Who made an attempt, in its history: the pod (host) name.
         self.name = socket.gethostname()[:100]
         #: Record first-attempt deliveries too (the row itself tells them otherwise).
@@ -147,8 +167,9 @@ class Worker:
         #: (tests assert it never exceeds 0).
         self.max_overclaim = 0
         metrics.slots.set(settings.concurrency)
-        # Read when scraped: nothing to update per delivery.
-        metrics.inflight.set_function(lambda: len(self._inflight))
+        # Read when scraped: nothing to update per delivery. A held rejection's job
+        # is still leased to this pod, its outcome not yet written: it counts.
+        metrics.inflight.set_function(lambda: len(self._inflight) + len(self._held))
         self._probe_seconds = metrics.statement_duration.labels("commit_probe")
         #: receipts_delivery_duration_seconds by outcome, labelled once (labels() locks).
         self._delivery_seconds = {reason: metrics.delivery_duration.labels(reason)
@@ -247,7 +268,9 @@ class Worker:
             wait = await self.step(free)
             if wait is None:  # the database failed us
                 await self._sleep(backoff * random.uniform(0.5, 1.0), wakeable=False)
-                backoff = min(backoff * 2, OUTAGE_BACKOFF_MAX_SECONDS)
+                cap = (UNAVAILABLE_BACKOFF_MAX_SECONDS if self._unreachable
+                       else OUTAGE_BACKOFF_MAX_SECONDS)
+                backoff = min(backoff * 2, cap)
                 continue
             backoff = OUTAGE_BACKOFF_FIRST_SECONDS
             seconds, wakeable = wait
@@ -294,6 +317,7 @@ class Worker:
             result = await self.claim_once(limit, probe=probe_until is not None)
         except QueueError as exc:
             self._db_state(False)
+            self._unreachable = isinstance(exc, DatabaseUnavailable)
             self.metrics.db_errors.labels("claim").inc()
             log.warning("claim_failed", extra={"error": str(exc)})
             return None
@@ -302,7 +326,7 @@ class Worker:
         if probe_until is not None:
             if result.attempts:
                 gate.start_probe(result.attempts[0].job.id, probe_until,
-                                 state.pause_left_seconds or 0.0)
+                                 state.pause_left_seconds or 0.0, state.pause_reason)
                 log.info("provider_probe", extra=job_fields(result.attempts[0].job, "probe"))
             return 0.0, False
         if admission is not None:
@@ -316,6 +340,8 @@ class Worker:
             return self.settings.poll_interval_seconds * random.uniform(0.75, 1.25), False
         self._backlogged = len(result.attempts) >= limit
         self.completer.busy = self._backlogged
+        if self._held and not self._inflight:  # nothing more to hear: decide them now
+            self._settle_held(idle=True)
         if self._backlogged:
             return 0.0, False
         tokens = result.flow.tokens
@@ -345,6 +371,7 @@ class Worker:
         self.metrics.claim_batch.observe(len(result.attempts))
         if result.attempts:
             self.metrics.jobs_claimed.inc(len(result.attempts))
+            self.last_claim_at = time.monotonic()
         if result.flow.tokens is not None:
             self.metrics.provider_tokens.set(result.flow.tokens)
         for attempt in result.attempts:
@@ -365,6 +392,8 @@ class Worker:
                 log.warning("provider_paused", extra={
                     "reason": str(self.gate.reason),
                     "pause_seconds": round(self.gate.pause_left(), 3)})
+        if self._held:
+            self._settle_held()
 
     def _delivery_done(self, task: asyncio.Task[None]) -> None:
         self._inflight.discard(task)
@@ -408,6 +437,7 @@ class Worker:
     async def _deliver(self, attempt: Attempt) -> None:
         job = attempt.job
         start = time.perf_counter()
+        sent_at = time.monotonic()  # the flow gate's clock: held rejections compare it
         try:
             outcome = await self.deliverer.deliver(job)
         except Exception as exc:
@@ -423,18 +453,61 @@ class Worker:
         if self.record_all or outcome.verdict is not Verdict.DELIVERED or job.attempt > 1:
             self.completer.record(AttemptRecord.of(job, outcome, duration_seconds=took,
                                                    worker=self.name))
-        decision = self.gate.judge(job.id, outcome)
+        if outcome.verdict is Verdict.PERMANENT:
+            # A rejection may be held until the flow rule has judged the answers
+            # after it; never past the lease (the write needs its margin).
+            hold = (attempt.claimed_at + self.settings.lease_seconds
+                    - self.settings.lease_margin - time.monotonic())
+            decision = self.gate.judge(job.id, outcome, order_id=job.order_id,
+                                       hold_seconds=hold, sent_at=sent_at)
+        else:
+            decision = self.gate.judge(job.id, outcome, sent_at=sent_at)
+        if decision.hold_seconds is not None:  # before any await: settle() may run meanwhile
+            self._hold(attempt, outcome, decision.hold_seconds)
         if decision.probe or decision.pause is not None:
             await self._act_on_flow(attempt, outcome, decision.pause, decision.resume,
                                     decision.probe)
         # The completer owns the write from here; the slot is free when we return.
         if outcome.verdict is Verdict.DELIVERED:
             self.completer.ack(attempt)
-            return
+        elif decision.hold_seconds is None:
+            self._write_failure(attempt, outcome, requeue=decision.requeue,
+                                refund=decision.refund)
+        if self._held:  # this answer may have decided held ones
+            # The last delivery in flight, and the last claim found no more work:
+            # no answer is coming that could still decide them.
+            self._settle_held(idle=len(self._inflight) <= 1 and not self._backlogged)
+
+    def _write_failure(self, attempt: Attempt, outcome: Outcome, *, requeue: bool,
+                       refund: bool) -> None:
+        """Hand a failed attempt to the completer: failed when permanent (unless
+        *requeue*: a systemic rejection, written as a retry), else ready after its backoff."""
+        if requeue:
+            outcome = dataclasses.replace(outcome, verdict=Verdict.RETRY)
         permanent = outcome.verdict is Verdict.PERMANENT
         delay = 0.0 if permanent else self.policy.delay(
-            job.attempt, retry_after_seconds=outcome.retry_after_seconds)
-        self.completer.reschedule(Reschedule(attempt, outcome, delay, decision.refund))
+            attempt.job.attempt, retry_after_seconds=outcome.retry_after_seconds)
+        self.completer.reschedule(Reschedule(attempt, outcome, delay, refund or requeue))
+
+    def _hold(self, attempt: Attempt, outcome: Outcome, seconds: float) -> None:
+        """Keep a rejection (and the job's lease) for at most *seconds*, slot freed."""
+        timer = asyncio.get_running_loop().call_later(seconds, self._settle_held)
+        self._held[attempt.job.id] = (attempt, outcome, timer)
+        log.info("rejection_held", extra={**job_fields(attempt.job, outcome.reason),
+                                          "hold_seconds": round(seconds, 3)})
+
+    def _settle_held(self, *, final: bool = False, idle: bool = False) -> None:
+        """Write the held rejections the gate has decided (see :meth:`ProviderGate.settle`)."""
+        requeue, fail = self.gate.settle(final=final, idle=idle)
+        for job_id, requeued in [(i, True) for i in requeue] + [(i, False) for i in fail]:
+            entry = self._held.pop(job_id, None)
+            if entry is None:
+                continue
+            attempt, outcome, timer = entry
+            timer.cancel()
+            if requeued:
+                log.info("rejection_requeued", extra=job_fields(attempt.job, outcome.reason))
+            self._write_failure(attempt, outcome, requeue=requeued, refund=requeued)
 
     async def _act_on_flow(self, attempt: Attempt, outcome: Outcome,
                            pause: tuple[PauseReason, float] | None, resume: datetime | None,
@@ -444,7 +517,10 @@ class Worker:
         try:
             if pause is not None:
                 reason, seconds = pause
-                flow = await self.queue.extend_pause(reason, seconds)
+                flow = await self.queue.extend_pause(
+                    reason, seconds,
+                    next_probe_seconds=min(seconds, self.gate.policy.probe_interval_seconds),
+                    probe_outcome=str(outcome.reason) if probe else None)
                 self.metrics.provider_pauses.labels(reason).inc()
                 log.warning("provider_pause_extended", extra={
                     **fields, "reason": str(reason), "pause_seconds": round(seconds, 3)})
@@ -452,7 +528,7 @@ class Worker:
                 if probe:
                     self.metrics.provider_probes.labels("failed").inc()
             elif resume is not None:
-                resumed = await self.queue.resume(resume)
+                resumed = await self.queue.resume(resume, probe_outcome=str(outcome.reason))
                 self.metrics.provider_probes.labels("resumed").inc()
                 self._observe_flow(FlowState() if resumed else self.gate_state())
             elif probe:
@@ -530,6 +606,8 @@ class Worker:
             if abandoned:
                 log.warning("deliveries_abandoned", extra={"count": len(abandoned)})
                 await asyncio.wait(abandoned, timeout=1.0)
+        if self._held:  # stopping is no evidence: give the held rejections back
+            self._settle_held(final=True)
         await self.completer.close(timeout_seconds=ack_flush_seconds(self.settings))
         log.info("stopped")
 

@@ -8,8 +8,13 @@ of every answer).
 
 from __future__ import annotations
 
+import socket
+import ssl
+import subprocess
+import threading
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import pytest
 
@@ -19,6 +24,8 @@ from tests.conftest import check_invariants, enqueue_many, fetch_rows
 
 #: How long the provider answers 503 to everything in the outage test, seconds.
 OUTAGE_SECONDS = 60.0
+#: RECEIPTS_PAUSE_MAX_SECONDS in the outage test: reached after three failed probes.
+PAUSE_CAP_SECONDS = 30.0
 
 
 def until(predicate: Callable[[], bool], what: str, timeout_seconds: float) -> None:
@@ -73,15 +80,21 @@ def states(dsn: str) -> dict[str, int]:
     return dict(fetch_rows(dsn, "SELECT state, count(*) FROM receipt_jobs GROUP BY state"))
 
 
-def test_a_provider_outage_fails_no_job_and_the_fleet_resumes_by_itself(dsn, sup, provider):
+def test_a_provider_outage_fails_no_job_and_the_fleet_resumes_soon_after_from_a_capped_pause(
+        dsn, sup, provider):
+    """Default settings but the pause's cap, shrunk from 300 s to 30 s so that a 60 s outage
+    holds the pause at its cap for half a minute: the probe cadence, not the pause's length,
+    decides how soon deliveries resume."""
     enqueue_many(dsn, [f"order-{i}" for i in range(1000)])
     set_faults(provider, status=503)
-    workers = start_workers(sup, dsn, provider, 2)  # default settings
+    workers = start_workers(sup, dsn, provider, 2, pause_max_seconds=str(PAUSE_CAP_SECONDS))
     started = time.monotonic()
     until(lambda: any(w.scrape().total("receipts_provider_paused") == 1 for w in workers),
           "a worker to pause the fleet", 30)
+    paused_at = time.monotonic()
     time.sleep(max(0.0, OUTAGE_SECONDS - (time.monotonic() - started)))
-    during = len(answers(provider))
+    ((pause_seconds,),) = fetch_rows(dsn, "SELECT pause_seconds FROM receipt_flow")
+    during = answers(provider)
     set_faults(provider, status=None)
     healthy_at = time.monotonic()
     until(lambda: states(dsn).get("done") == 1000, "every job delivered", 240)
@@ -90,10 +103,17 @@ def test_a_provider_outage_fails_no_job_and_the_fleet_resumes_by_itself(dsn, sup
     assert states(dsn) == {"done": 1000}
     check_invariants(dsn, 5)
     probes = sum(w.scrape().total("receipts_provider_probes_total") for w in workers)
-    print(f"\n[figures] outage {OUTAGE_SECONDS:g}s: {during} provider requests during it "
-          f"(1000 jobs queued), {probes:g} probes; first receipt {resumed:.1f}s after recovery, "
-          f"all delivered {drained:.1f}s after recovery")
-    assert during < 2 * 32 + 20  # the slots in flight at detection, then single probes
+    # Past the burst of the slots in flight at detection, every request was a probe.
+    steady = [t for t, _ in during if t > paused_at + 2]
+    per_10s = 10 * len(steady) / (healthy_at - paused_at - 2)
+    print(f"\n[figures] outage {OUTAGE_SECONDS:g}s, pause at its cap ({pause_seconds:.1f}s of "
+          f"{PAUSE_CAP_SECONDS:g}s): {len(during)} provider requests during it (1000 jobs "
+          f"queued), {per_10s:.1f} per 10 s once paused, {probes:g} probes; first receipt "
+          f"{resumed:.1f}s after recovery, all delivered {drained:.1f}s after recovery")
+    assert pause_seconds >= 0.9 * PAUSE_CAP_SECONDS  # the pause had grown to its cap
+    assert resumed <= 10.0
+    assert per_10s <= 3.0  # one probe at a time, fleet-wide, every ~5 s
+    assert len(during) < 2 * 32 + 20  # the slots in flight at detection, then single probes
     assert max(a for (a,) in fetch_rows(dsn, "SELECT attempts FROM receipt_jobs")) <= 2
 
 
@@ -131,3 +151,201 @@ def test_a_fleet_rate_limit_holds_across_processes_retries_included(dsn, sup, pr
           f"{failures} answered 503 (retried)")
     assert failures > 0
     assert all(450 <= w <= 550 for w in windows), windows
+
+
+def failed_count(dsn: str) -> int:
+    return states(dsn).get("failed", 0)
+
+
+def test_a_provider_rejecting_everything_pauses_the_fleet_and_fails_no_job(dsn, sup, provider):
+    """A bad deploy in the middle of a drain: the provider starts answering 400 with the same
+    body to every request, while each worker's window is full of successes."""
+    enqueue_many(dsn, [f"order-{i}" for i in range(2000)])
+    set_faults(provider, latency_seconds=0.02)
+    workers = start_workers(sup, dsn, provider, 2)  # default settings
+    until(lambda: states(dsn).get("done", 0) >= 300, "deliveries under way", 30)
+    set_faults(provider, status=400)
+    until(lambda: any(w.scrape().value("receipts_provider_paused", reason="rejecting") == 1
+                      for w in workers), "a worker to pause the fleet for rejecting", 30)
+    until(lambda: all(w.scrape().value("receipts_provider_paused", reason="rejecting") == 1
+                      for w in workers), "every worker to honour it", 15)
+    until(lambda: sum(w.scrape().total("receipts_provider_probes_total") for w in workers) >= 2,
+          "two probes rejected again", 30)
+    (cause,) = fetch_rows(dsn, "SELECT pause_reason, pause_cause FROM receipt_flow")
+    rejected = sum(1 for _, status in answers(provider) if status == 400)
+    assert failed_count(dsn) == 0
+    # Every rejected attempt was given back.
+    assert fetch_rows(dsn, "SELECT max(attempts) FROM receipt_jobs WHERE state <> 'done'") == [
+        (0,)]
+    set_faults(provider, status=None)
+    healthy_at = time.monotonic()
+    until(lambda: states(dsn).get("done") == 2000, "every job delivered", 180)
+    resumed = next(t for t, status in answers(provider)
+                   if status < 300 and t > healthy_at) - healthy_at
+    print(f"\n[figures] provider answering 400 to everything in the middle of a drain: "
+          f"{rejected} rejected requests, 0 jobs failed; first receipt {resumed:.1f}s after "
+          f"it accepted again")
+    assert cause == ("outage", "rejecting")  # what a released worker reads: an outage
+    assert states(dsn) == {"done": 2000}
+    assert sum(w.scrape().value("receipts_failures_total", reason="rejected")
+               for w in workers) == 0
+    # Per worker: the slots in flight, and the claims that refilled them until 16 of the
+    # last 20 answers were rejections (a window full of successes); then single probes.
+    assert rejected <= 2 * (32 + 16) + 10
+    assert resumed <= 10.0
+    check_invariants(dsn, 5)
+
+
+def test_a_few_bad_orders_among_good_ones_still_fail_at_once(dsn, sup, provider):
+    orders = [f"order-{i}" for i in range(400)]
+    enqueue_many(dsn, orders)
+    set_faults(provider, reject_rate=0.02)  # 422 for a fixed 2 % of the keys
+    workers = start_workers(sup, dsn, provider, 2)
+    until(lambda: states(dsn).get("done", 0) + failed_count(dsn) == 400, "every job decided", 60)
+    rejected_keys = {key for key, _ in provider.get_json("/requests")} - set(
+        provider.get_json("/receipts"))
+    failed = {o for (o,) in fetch_rows(dsn, "SELECT order_id FROM receipt_jobs"
+                                            " WHERE state = 'failed'")}
+    ages = fetch_rows(dsn, "SELECT max(extract(epoch FROM finished_at - created_at))"
+                           " FROM receipt_jobs WHERE state = 'failed'")
+    print(f"\n[figures] {len(failed)} bad orders among 400: failed within "
+          f"{float(ages[0][0]):.1f}s of enqueue, no pause")
+    assert failed and {f"receipt:{o}" for o in failed} == rejected_keys
+    assert all(w.scrape().total("receipts_provider_pauses_total") == 0 for w in workers)
+    assert fetch_rows(dsn, "SELECT max(attempts) FROM receipt_jobs WHERE state = 'failed'") == [
+        (1,)]
+
+
+# ------------------------------------------------------------ a TLS failure
+
+
+def _openssl(*args: str, cwd: Path) -> None:
+    subprocess.run(["openssl", *args], cwd=cwd, check=True, capture_output=True, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def pki(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A private CA and a server certificate for 127.0.0.1 (the workers get no client one)."""
+    d = tmp_path_factory.mktemp("pki")
+    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "2", "-subj",
+             "/CN=receipts test CA", "-keyout", "ca.key", "-out", "ca.pem", cwd=d)
+    (d / "san.ext").write_text("subjectAltName=IP:127.0.0.1\n")
+    _openssl("req", "-newkey", "rsa:2048", "-nodes", "-subj", "/CN=provider",
+             "-keyout", "server.key", "-out", "server.csr", cwd=d)
+    _openssl("x509", "-req", "-in", "server.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
+             "-CAcreateserial", "-days", "2", "-extfile", "san.ext", "-out", "server.pem", cwd=d)
+    return d
+
+
+class TlsProvider:
+    """A receipt provider over TLS (Python's ssl module, a thread per connection) that may
+    demand a client certificate. With TLS 1.2 at most a missing certificate fails the
+    handshake itself; with TLS 1.3 the client's handshake completes and the server's
+    alert arrives on its first read, after the request was written. After a failed
+    handshake the server sends its alert and reads the client out before closing (no
+    reset), as a TLS terminator does, so the alert arrives.
+    Every request it accepts is answered 201."""
+
+    def __init__(self, pki: Path, maximum_version: ssl.TLSVersion) -> None:
+        self.require_client_cert = True
+        self.handshakes_refused = 0
+        self.delivered: list[float] = []  # monotonic times of the 201s
+        self._contexts = {}
+        for required in (True, False):
+            context = ssl.create_default_context(ssl.Purpose.CLIENT_AUTH)
+            context.maximum_version = maximum_version
+            context.load_cert_chain(pki / "server.pem", pki / "server.key")
+            if required:
+                context.load_verify_locations(pki / "ca.pem")
+                context.verify_mode = ssl.CERT_REQUIRED
+            self._contexts[required] = context
+        self._listener = socket.create_server(("127.0.0.1", 0), backlog=256)
+        self.port = self._listener.getsockname()[1]
+        threading.Thread(target=self._accept, daemon=True).start()
+
+    def url(self) -> str:
+        return f"https://127.0.0.1:{self.port}/receipts"
+
+    def _accept(self) -> None:
+        while True:
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                return
+            threading.Thread(target=self._serve, args=(conn,), daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        conn.settimeout(10)
+        try:
+            tls = self._contexts[self.require_client_cert].wrap_socket(conn, server_side=True)
+        except (ssl.SSLError, OSError):
+            self.handshakes_refused += 1
+            try:
+                conn.shutdown(socket.SHUT_WR)
+                while conn.recv(65536):
+                    pass
+            except OSError:
+                pass
+            conn.close()
+            return
+        with tls:
+            try:
+                data = b""
+                while b"\r\n\r\n" not in data:
+                    chunk = tls.recv(65536)
+                    if not chunk:
+                        return
+                    data += chunk
+                head, _, body = data.partition(b"\r\n\r\n")
+                length = next((int(line.split(b":")[1]) for line in head.split(b"\r\n")
+                               if line.lower().startswith(b"content-length:")), 0)
+                while len(body) < length:
+                    body += tls.recv(65536)
+                tls.sendall(b"HTTP/1.1 201 Created\r\nContent-Type: application/json\r\n"
+                            b"Content-Length: 2\r\nConnection: close\r\n\r\n{}")
+                self.delivered.append(time.monotonic())
+            except OSError:
+                return
+
+    def close(self) -> None:
+        self._listener.close()
+
+
+@pytest.mark.parametrize("version", [ssl.TLSVersion.TLSv1_2, ssl.TLSVersion.TLSv1_3],
+                         ids=["tls1.2", "tls1.3"])
+def test_a_tls_failure_of_every_connection_pauses_the_fleet_for_rejecting(
+        dsn, sup, pki, version):
+    """The provider demands a client certificate the workers do not have."""
+    server = TlsProvider(pki, version)
+    try:
+        enqueue_many(dsn, [f"order-{i}" for i in range(200)])
+        workers = []
+        for i in range(2):
+            port = free_port()
+            env = {"RECEIPTS_DATABASE_URL": dsn, "RECEIPTS_PROVIDER_URL": server.url(),
+                   "RECEIPTS_PROVIDER_CA_FILE": str(pki / "ca.pem"),
+                   "RECEIPTS_METRICS_PORT": str(port)}
+            workers.append(sup.start(f"worker-{i}", ["worker"], env, port=port))
+        for w in workers:
+            w.wait_healthy()
+        until(lambda: any(w.scrape().value("receipts_provider_paused", reason="rejecting") == 1
+                          for w in workers), "a worker to pause the fleet for rejecting", 30)
+        until(lambda: sum(w.scrape().total("receipts_provider_probes_total")
+                          for w in workers) >= 1, "a probe refused again", 30)
+        refused = server.handshakes_refused
+        assert failed_count(dsn) == 0
+        # A TLS failure is a retry, like an outage's: the few before the pause used one
+        # attempt each (the evidence), those after it none.
+        assert fetch_rows(dsn, "SELECT max(attempts) FROM receipt_jobs") == [(1,)]
+        server.require_client_cert = False  # the certificate requirement is lifted
+        accepted_at = time.monotonic()
+        until(lambda: states(dsn).get("done") == 200, "every job delivered", 120)
+        resumed = server.delivered[0] - accepted_at
+        print(f"\n[figures] TLS handshake refused (no client certificate): {refused} "
+              f"handshakes refused, 0 jobs failed; first receipt {resumed:.1f}s after the "
+              f"server accepted again")
+        assert refused < 2 * 32 + 20
+        assert resumed <= 10.0
+        assert states(dsn) == {"done": 200}
+    finally:
+        server.close()

@@ -36,6 +36,23 @@ def test_the_benchmark_runs_end_to_end_and_writes_its_table_as_json(tmp_path):
     assert "target" in result.stdout and "raw pgbench" in result.stdout
 
 
+def test_the_console_benchmark_runs_end_to_end(tmp_path):
+    out = tmp_path / "console.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.console", "--rounds", "1", "--drain-jobs", "500",
+         "--readings", "2", "--reading-rows", "2000", "--bulk-rows", "3000",
+         "--json", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=170,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert doc["tagged_tokens"]["plain"]["jobs_per_second"] > 0
+    assert doc["tagged_tokens"]["tagged"]["server_cpu_us_per_job"] >= 0
+    assert doc["shared_reading"]["readings"] == 2
+    assert doc["heartbeats"]["hot_share"] == 1.0
+    assert doc["bulk_retry"]["rows"] == 3000 and doc["bulk_retry"]["batches"] >= 2
+
+
 def test_the_memory_bench_runs_end_to_end_and_fits_its_line(tmp_path):
     out = tmp_path / "memory.json"
     env = {**os.environ, "XDG_RUNTIME_DIR": os.environ.get("XDG_RUNTIME_DIR", "/tmp")}
@@ -50,3 +67,18 @@ def test_the_memory_bench_runs_end_to_end_and_fits_its_line(tmp_path):
     assert all(run["peak_mib"] >= run["idle_mib"] > 0 for run in doc["runs"])
     assert {"base_bytes", "per_slot_bytes"} <= set(doc["summary"]["model"])
     assert "KiB × slots" in result.stdout
+
+
+def test_the_commit_comparison_runs_both_modes_interleaved(tmp_path):
+    out = tmp_path / "commit.json"
+    env = {**os.environ, "XDG_RUNTIME_DIR": os.environ.get("XDG_RUNTIME_DIR", "/tmp")}
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.commit", "--rounds", "1", "--seconds", "1",
+         "--jobs", "3000", "--json", str(out)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=170,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    doc = json.loads(out.read_text())
+    assert [p["mode"] for p in doc["phases"]] == ["idle", "off", "on", "on", "off"]
+    assert all(p["wal_fsyncs_per_second"] >= 0 for p in doc["phases"])
+    assert "drain off/on" in result.stdout

@@ -201,3 +201,37 @@ class Page:
     async def cookies(self) -> list[dict[str, Any]]:
         """The cookies the browser holds for the current page."""
         return list((await self.send("Network.getCookies"))["cookies"])
+
+    async def viewport(self, width: int, height: int = 900) -> None:
+        """Lay the page out as on a screen *width* CSS pixels wide (a phone: 390)."""
+        await self.send("Emulation.setDeviceMetricsOverride", width=width, height=height,
+                        deviceScaleFactor=1, mobile=width < 600)
+
+    async def wait_for(self, expression: str, *, timeout: float = 15.0) -> Any:
+        """Poll a JavaScript expression until it is truthy; its value. Raises TimeoutError."""
+        deadline = asyncio.get_running_loop().time() + timeout
+        while True:
+            value = await self.eval(expression)
+            if value:
+                return value
+            if asyncio.get_running_loop().time() > deadline:
+                raise TimeoutError(f"still false after {timeout:g}s: {expression}")
+            await asyncio.sleep(0.1)
+
+    async def overflow(self) -> int:
+        """How many CSS pixels the page is wider than its viewport (0: no sideways scroll)."""
+        return int(await self.eval(
+            "Math.max(document.documentElement.scrollWidth, document.body.scrollWidth)"
+            " - window.innerWidth"))
+
+    async def axe(self, source: str) -> list[dict[str, Any]]:
+        """Run axe-core (*source*: axe.min.js) on the page; its violations.
+
+        The script is evaluated through the DevTools protocol, which the
+        page's CSP does not govern, so the page itself keeps its strict policy.
+        """
+        await self.eval(source)
+        return list(await self.eval(
+            "axe.run(document, {resultTypes: ['violations']}).then(r => r.violations.map("
+            "v => ({id: v.id, impact: v.impact, help: v.help,"
+            " nodes: v.nodes.map(n => n.target.join(' ')).slice(0, 5)})))"))

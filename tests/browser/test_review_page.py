@@ -9,137 +9,41 @@ input, real cookies and the browser's own origin and SameSite rules.
 from __future__ import annotations
 
 import asyncio
-import os
 import uuid
-from collections.abc import AsyncIterator, Iterator
-from contextlib import asynccontextmanager
-from dataclasses import dataclass
-from pathlib import Path
+from collections.abc import AsyncIterator
 
 import httpx
 import pytest
 from aiohttp import web
 
-from receipts.db import make_pool
 from receipts.embedded import free_port
-from receipts.jobqueue import JobQueue
 from receipts.metrics import start_server
-from receipts.model import AttemptRecord, Job, Reason
-from receipts.ui import make_app
-from tests.browser.cdp import Browser, Page, find_chromium
-from tests.conftest import (
-    Server,
-    claim_jobs,
-    enqueue_many,
-    fetch_rows,
-    make_settings,
-    reschedule_one,
-)
+from receipts.model import AttemptRecord, Reason
+from tests.browser.cdp import Page
+from tests.browser.console import HOSTILE, LONG_LINE, SHOTS, TOKEN, Served, serve
+from tests.conftest import Server, claim_jobs, fetch_rows, reschedule_one
 
-TOKEN = "test-admin-token-0123456789"
-ROOT = Path(__file__).resolve().parents[2]
-SCREENSHOT = ROOT / ".tmp" / "review-page.png"
-JOB_SCREENSHOT = ROOT / ".tmp" / "review-job.png"
-HOSTILE = '<script>window.__pwned = 1</script><img src=x onerror="window.__pwned = 2">'
-LONG_LINE = "E" * 50_000
-
-
-@pytest.fixture(scope="module")
-def browser() -> Iterator[Browser]:
-    binary = find_chromium()
-    if binary is None:
-        if os.environ.get("CI"):
-            pytest.fail("chromium is missing; scripts/install-tools.sh installs Debian's chromium")
-        pytest.skip("chromium is not installed and could not be (scripts/install-tools.sh "
-                    "installs Debian's chromium package)")
-    b = Browser(binary, host_rules=("evil.test",))
-    try:
-        yield b
-    finally:
-        b.close()
-
-
-@dataclass
-class Served:
-    """The review page on a free port over a fresh database."""
-
-    dsn: str
-    queue: JobQueue
-    port: int
-    jobs: dict[str, Job]
-
-    @property
-    def url(self) -> str:
-        return f"http://127.0.0.1:{self.port}"
-
-    def state(self, order_id: str) -> str:
-        return str(fetch_rows(self.dsn, "SELECT state FROM receipt_jobs WHERE order_id = %s",
-                              (order_id,))[0][0])
-
-
-async def _seed(dsn: str, queue: JobQueue) -> dict[str, Job]:
-    """Failed jobs: three 422s (one hostile, one very long), two 503s out of attempts; one ready."""
-    plan = {
-        "order-422-a": (Reason.REJECTED, 422, "422 order unknown"),
-        "order-422-b": (Reason.REJECTED, 422, "422 " + HOSTILE),
-        "order-422-long": (Reason.REJECTED, 422, "422 " + LONG_LINE),
-        "order-503-a": (Reason.MAX_ATTEMPTS, 503, "503 provider busy"),
-        "order-503-b": (Reason.MAX_ATTEMPTS, 503, "503 provider busy"),
-    }
-    enqueue_many(dsn, list(plan))
-    jobs = {j.order_id: j for j in await claim_jobs(queue, len(plan))}
-    for order_id, (_, _, error) in plan.items():
-        await reschedule_one(queue, jobs[order_id], delay_seconds=0, error=error, permanent=True)
-    history = [AttemptRecord(jobs[o].id, 1, reason, status, error, 0.125, "receipts-worker-7f9c")
-               for o, (reason, status, error) in plan.items()]
-    history.insert(0, AttemptRecord(jobs["order-503-a"].id, 1, Reason.TIMEOUT, None,
-                                    "timed out after 10 s", 10.0, "receipts-worker-1a2b"))
-    await queue.record_attempts(history)
-    enqueue_many(dsn, ["order-ready"])
-    return jobs
-
-
-@asynccontextmanager
-async def _serve(pg18: Server, admin_token: str | None) -> AsyncIterator[Served]:
-    dsn = pg18.new_database()
-    pool = make_pool(make_settings(dsn), "ui", max_size=2)
-    await pool.open(wait=True)
-    queue = JobQueue(pool, lease_seconds=30, max_attempts=5)
-    port = free_port()
-    runner = await start_server(make_app(queue, admin_token=admin_token, loopback_only=True),
-                                port, host="127.0.0.1")
-    try:
-        yield Served(dsn, queue, port, await _seed(dsn, queue))
-    finally:
-        await runner.cleanup()
-        await pool.close()
-        pg18.drop_database(dsn)
+SCREENSHOT = SHOTS / "review-page.png"
+JOB_SCREENSHOT = SHOTS / "review-job.png"
 
 
 @pytest.fixture
 async def ui(pg18: Server) -> AsyncIterator[Served]:
     """The review page with actions (admin token set)."""
-    async with _serve(pg18, TOKEN) as served:
+    async with serve(pg18, TOKEN) as served:
         yield served
 
 
 @pytest.fixture
 async def readonly_ui(pg18: Server) -> AsyncIterator[Served]:
     """The review page without an admin token."""
-    async with _serve(pg18, None) as served:
+    async with serve(pg18, None) as served:
         yield served
-
-
-@pytest.fixture
-async def page(browser: Browser) -> AsyncIterator[Page]:
-    async with browser.page() as tab:
-        await tab.send("Network.clearBrowserCookies")
-        yield tab
 
 
 async def _rows(page: Page) -> list[str]:
     return list(await page.eval(
-        "[...document.querySelectorAll('table.jobs tbody td.order')].map(e => e.innerText)"))
+        "[...document.querySelectorAll('table.jobs tbody td.order a')].map(e => e.innerText)"))
 
 
 # ------------------------------------------------------------------ reading
@@ -194,7 +98,10 @@ async def test_pages_read_without_javascript(ui: Served, page: Page) -> None:
     doc = await page.send("DOM.getDocument", depth=-1)
     html = (await page.send("DOM.getOuterHTML", nodeId=doc["root"]["nodeId"]))["outerHTML"]
     assert "order-422-a" in html and "order-503-a" not in html
-    assert "<script" not in html.replace("&lt;script", "")
+    assert "Refresh</a>" in html  # without live updates, a plain link reloads
+    # The one script is the same-origin file; nothing inline.
+    scripts = html.replace("&lt;script", "").split("<script")[1:]
+    assert len(scripts) == 1 and scripts[0].startswith(' src="/static/live.js"')
 
 
 async def test_hostile_provider_errors_render_escaped_and_clipped(ui: Served, page: Page) -> None:
@@ -231,7 +138,7 @@ async def test_retry_needs_the_admin_token_and_then_happens(ui: Served, page: Pa
     # A wrong token: refused, nothing changes.
     await page.type("input[name=token]", "not-the-token-at-all")
     await page.click("#confirm")
-    assert await page.text("#message") == "Admin token required"
+    assert await page.text("#message") == "Wrong token"
     assert ui.state("order-422-a") == "failed"
     assert [r["status"] for r in page.responses if r["url"].endswith("/act")][-1] == 403
 
@@ -253,22 +160,34 @@ async def test_retry_needs_the_admin_token_and_then_happens(ui: Served, page: Pa
     assert "Discard 2 jobs?" in await page.text("h1")
     assert await page.eval("document.querySelector('input[name=token]') === null")
     await page.click("#confirm")
-    assert await page.text("#done") == "Discarded 2 jobs"
+    # A filter runs as a bulk action; its page follows it to the end.
+    assert "/bulk/" in await page.eval("location.pathname")
+    await page.wait_for("document.querySelector('#bulk-status')?.innerText === 'done'")
+    assert "2 of 2 confirmed" in await page.text("#bulk-changed")
     assert {ui.state("order-503-a"), ui.state("order-503-b")} == {"discarded"}
 
 
-async def test_a_confirmation_goes_stale_when_the_jobs_change(ui: Served, page: Page) -> None:
+async def test_all_matching_is_bounded_by_the_moment_of_confirmation(
+        ui: Served, page: Page) -> None:
     await page.goto(ui.url + "/login")
     await page.type("input[name=token]", TOKEN)
     await page.click("form.confirm button")
     await page.goto(ui.url + "/?status=422")
     await page.click("button[value='retry:filter']")
     assert "Retry 3 jobs?" in await page.text("h1")
-    # Meanwhile another operator retries one of them.
+    # Meanwhile another operator retries one of them, and a new 422 failure arrives.
     await ui.queue.retry_jobs([ui.jobs["order-422-a"].id], expected=1)
+    (late,) = await claim_jobs(ui.queue, 1)
+    await reschedule_one(ui.queue, late, delay_seconds=0, error="422 late", permanent=True)
+    await ui.queue.record_attempts([AttemptRecord(late.id, 1, Reason.REJECTED, 422,
+                                                  "422 late", 0.1, "receipts-worker-7f9c")])
     await page.click("#confirm")
-    assert await page.text("#message") == "Nothing changed"
-    assert ui.state("order-422-b") == "failed"
+    # Not "nothing changed": the two jobs that still qualify were retried; the late one not.
+    assert await page.wait_for("document.querySelector('#bulk-status')?.innerText === 'done'")
+    assert "2 of 3 confirmed" in await page.text("#bulk-changed")
+    assert {ui.state("order-422-b"), ui.state("order-422-long")} == {"ready"}
+    assert fetch_rows(ui.dsn, "SELECT state FROM receipt_jobs WHERE id = %s", (late.id,)) == [
+        ("failed",)]
 
 
 async def test_a_selection_with_a_job_that_does_not_qualify_changes_nothing(
@@ -332,6 +251,8 @@ async def test_the_read_only_page_offers_no_actions_and_refuses_every_post(
 ) -> None:
     await page.goto(readonly_ui.url + "/")
     assert await page.text(".mode") == "read-only"
+    assert await page.eval("document.querySelector('#pause-fleet, #resume-fleet, "
+                           "#recover-now') === null")
     assert await page.eval("document.querySelectorAll('input[name=id], button[name=action]')"
                            ".length") == 0
     async with httpx.AsyncClient(trust_env=False) as client:

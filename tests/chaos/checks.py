@@ -71,7 +71,9 @@ class WorkerView:
     it reached PostgreSQL through the proxy (so cut claims count as its
     claims); *metrics*: its last scrape; *stale*: its ``stale_ack`` /
     ``stale_reschedule`` log records (JSON objects); *unconfirmed*: its
-    ``lease_lost`` records of writes given up unconfirmed (``write_unconfirmed``).
+    ``lease_lost`` records of writes given up unconfirmed (``write_unconfirmed``);
+    *undone*: its ``write_undone`` records of writes refused within their lease
+    after a reconnection, counted as undone by a database crash.
     """
 
     name: str
@@ -82,6 +84,7 @@ class WorkerView:
     metrics: MetricSamples = field(default_factory=MetricSamples)
     stale: tuple[dict[str, Any], ...] = ()
     unconfirmed: tuple[dict[str, Any], ...] = ()
+    undone: tuple[dict[str, Any], ...] = ()
 
 
 @dataclass(slots=True)
@@ -288,13 +291,16 @@ def unconfirmable_reschedules(w: WorkerView, trail: Trail) -> list[str]:
     The answer was lost (a half-open hold outlived the deadline), and before *w* asked,
     the job, ready again, was claimed and written by a newer attempt, which replaced
     ``last_token``. *w* then gave the write up as a lost lease (``lease_lost``,
-    ``write_unconfirmed``) or had its retry refused (``stale_reschedule``), so its
+    ``write_unconfirmed``) or had its retry refused (``stale_reschedule``, or, with
+    asynchronous commits, ``write_undone``: refused within the lease after a reconnect,
+    which is what a crash that undid the claim looks like), so its
     ``receipts_retries_total`` lacks one the audit trail has. Only a write that the trail
     shows landed *and* overwritten by another attempt before *w*'s log line counts.
     """
     out = []
     given_up = [*(r for r in w.unconfirmed if r.get("statement") == "reschedule"),
-                *(r for r in w.stale if r.get("event") == "stale_reschedule")]
+                *(r for r in w.stale if r.get("event") == "stale_reschedule"),
+                *(r for r in w.undone if r.get("statement") == "reschedule")]
     for rec in given_up:
         token8, when = rec.get("token"), _log_time(rec)
         writes = trail.outcomes.get(str(rec.get("job_id")), [])

@@ -54,7 +54,10 @@ import time
 import uuid
 from dataclasses import dataclass, field
 
-CLAIM_MARKERS = (b"FOR UPDATE SKIP LOCKED", b"lease_token = gen_random_uuid()")
+#: A claim locks its candidates and draws a fresh token (a worker's claim writes its tag
+#: into the token's tail: ``overlay(gen_random_uuid()::text …)``); recovery, pruning and
+#: enqueueing each have one of the two, never both.
+CLAIM_MARKERS = (b"FOR UPDATE SKIP LOCKED", b"gen_random_uuid()")
 # An ack or a reschedule: both record the attempt's token as last_token.
 WRITE_MARKERS = (b"last_token = a.token", b"last_token = r.token")
 NEGOTIATION_CODES = {80877103, 80877104}  # SSLRequest, GSSENCRequest

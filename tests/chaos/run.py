@@ -124,6 +124,7 @@ AUDIT_QUERY = (
 )
 STALE_EVENTS = {"stale_ack", "stale_reschedule"}
 UNCONFIRMED_EVENTS = {"lease_lost"}
+UNDONE_EVENTS = {"write_undone"}
 
 
 @dataclass(slots=True)
@@ -155,10 +156,13 @@ class WorkerProc(WorkerView):
     def read_stale(self) -> None:
         """Read its refused acks and reschedules, and the writes it gave up unconfirmed,
         from its log (killed ones keep theirs)."""
-        records = read_events(self.child.log_path, STALE_EVENTS | UNCONFIRMED_EVENTS)
+        records = read_events(self.child.log_path,
+                              STALE_EVENTS | UNCONFIRMED_EVENTS | UNDONE_EVENTS)
         self.stale = tuple(r for r in records if r["event"] in STALE_EVENTS)
         self.unconfirmed = tuple(r for r in records if r["event"] in UNCONFIRMED_EVENTS
                                  and r.get("outcome") == "write_unconfirmed")
+        self.undone = tuple(r for r in records if r["event"] in UNDONE_EVENTS
+                            and "undone" in r)
 
 
 def read_events(path: Path | None, names: set[str]) -> list[dict[str, Any]]:

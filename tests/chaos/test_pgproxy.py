@@ -229,3 +229,16 @@ async def test_a_claim_on_its_way_when_its_client_closes_is_read_to_its_end_and_
     client.writer.close()
     await _until(lambda: proxy.lost, seconds=2)
     assert proxy.lost[0].why == "client gone" and not proxy.answered
+
+
+@pytest.mark.parametrize("tag", [None, "0badcafe"])
+@pytest.mark.parametrize("limited", [False, True])
+def test_the_proxy_knows_the_worker_claims_and_nothing_else_as_claims(
+        tag: str | None, limited: bool) -> None:
+    from receipts.statements import claim_query, statements
+    from tests.chaos.pgproxy import _kind
+
+    claim = claim_query(100, limited=limited, tag=tag).as_string(None).encode()
+    assert _kind(claim) == "claim"
+    for name in ("recover_expired", "prune", "fail_exhausted", "enqueue", "ack", "reschedule"):
+        assert _kind(statements()[name].encode()) != "claim", name

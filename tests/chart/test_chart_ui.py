@@ -30,6 +30,11 @@ def test_the_review_page_deployment_binds_all_interfaces_and_gets_only_what_it_n
     assert env["RECEIPTS_UI_PORT"]["value"] == "8090"
     assert env["RECEIPTS_UI_ADMIN_TOKEN"]["valueFrom"]["secretKeyRef"] == {
         "name": "receipts-ui-admin", "key": "token"}
+    assert env["RECEIPTS_UI_VIEWER_TOKEN"]["valueFrom"]["secretKeyRef"] == {
+        "name": "receipts-ui-viewer", "key": "token"}
+    assert env["RECEIPTS_UI_ANONYMOUS_READ"]["value"] == "false"
+    assert env["RECEIPTS_UI_REFRESH_SECONDS"]["value"] == "5"
+    assert env["RECEIPTS_UI_POOL_MAX_SIZE"]["value"] == "2"  # what the budget counts
     assert "RECEIPTS_PROVIDER_TOKEN" not in env  # it never calls the provider
     assert container["readinessProbe"]["httpGet"]["path"] == "/healthz"
     assert container["securityContext"]["readOnlyRootFilesystem"] is True
@@ -44,14 +49,28 @@ def test_the_review_page_deployment_binds_all_interfaces_and_gets_only_what_it_n
 
 
 def test_without_an_admin_token_secret_the_page_is_read_only() -> None:
-    docs = render((), ("ui.enabled=true",))
+    docs = render((), ("ui.enabled=true", "ui.anonymousRead=true"))
     (container,) = _ui(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
-    assert "RECEIPTS_UI_ADMIN_TOKEN" not in {e["name"] for e in container["env"]}
+    names = {e["name"] for e in container["env"]}
+    assert "RECEIPTS_UI_ADMIN_TOKEN" not in names and "RECEIPTS_UI_VIEWER_TOKEN" not in names
+    env = {e["name"]: e.get("value") for e in container["env"]}
+    assert env["RECEIPTS_UI_ANONYMOUS_READ"] == "true"
+
+
+def test_reading_the_page_needs_a_viewer_token_unless_said_otherwise() -> None:
+    result = template((), ("ui.enabled=true",))
+    assert result.returncode != 0
+    assert "set ui.viewerToken.existingSecret" in result.stderr
+    assert "ui.anonymousRead=true only behind a proxy that authenticates" in result.stderr
+    render((), ("ui.enabled=true", "ui.viewerToken.existingSecret=readers"))
+    bad = template((), ("ui.enabled=true", "ui.anonymousRead=true", "ui.refreshSeconds=0"))
+    assert bad.returncode != 0 and "refreshSeconds" in bad.stderr
 
 
 def test_the_connection_budget_counts_the_review_page() -> None:
     # Defaults: (10 + 1 surge) × (2 + 1) + 1 + 1 = 35, plus 2 per review page replica.
-    render((), ("ui.enabled=true", "connectionBudget.maxConnections=37"))
-    result = template((), ("ui.enabled=true", "connectionBudget.maxConnections=36"))
+    render((), ("ui.enabled=true", "ui.anonymousRead=true", "connectionBudget.maxConnections=37"))
+    result = template((), ("ui.enabled=true", "ui.anonymousRead=true",
+                           "connectionBudget.maxConnections=36"))
     assert result.returncode != 0
     assert "+ review page 2 = 37 connections; budget 36" in result.stderr

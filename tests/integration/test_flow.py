@@ -200,3 +200,99 @@ async def test_a_retry_after_pause_ends_by_itself_without_a_probe(dsn, queue):
     assert await queue.begin_probe(30) is None  # nothing to probe: the provider said when
     result = await queue.claim(1)
     assert len(result.attempts) == 1 and result.flow.pause_reason is None
+
+
+# ------------------------------------------- causes, the probe cadence, released workers
+
+#: The extend_pause statement of the released 0.2.0 worker (a frozen copy): it writes
+#: only the columns that release knew.
+RELEASED_EXTEND_PAUSE = """
+UPDATE receipt_flow
+SET pause_reason = CASE
+      WHEN paused_until IS NULL
+        OR statement_timestamp() + make_interval(secs => %(seconds)s) > paused_until
+      THEN %(reason)s ELSE pause_reason END,
+    paused_until = greatest(paused_until,
+                            statement_timestamp() + make_interval(secs => %(seconds)s)),
+    pause_seconds = greatest(pause_seconds, %(seconds)s),
+    probe_until = NULL
+WHERE id = 1
+"""
+
+
+def flow_row(dsn: str) -> dict[str, object]:
+    names = ("pause_reason", "pause_cause", "cause_current", "pause_note", "paused_by",
+             "last_probe_outcome", "probed_recently")
+    (row,) = fetch_rows(dsn, "SELECT pause_reason, pause_cause,"
+                             " pause_cause_until = paused_until, pause_note, paused_by,"
+                             " last_probe_outcome, last_probe_at > now() - interval '1 minute'"
+                             " FROM receipt_flow")
+    return dict(zip(names, row, strict=True))
+
+
+async def test_a_systemic_rejection_is_stored_as_an_outage_that_released_workers_honour(
+        dsn, queue):
+    enqueue_many(dsn, ["order-1"])
+    flow = await queue.extend_pause(PauseReason.REJECTING, 60)
+    assert flow.pause_reason is PauseReason.REJECTING
+    row = flow_row(dsn)
+    assert (row["pause_reason"], row["pause_cause"], row["cause_current"]) == (
+        "outage", "rejecting", True)
+    claim = await queue.claim(1)
+    assert claim.attempts == [] and claim.flow.pause_reason is PauseReason.REJECTING
+    assert (await queue.flow_state()).pause_reason is PauseReason.REJECTING
+    assert (await queue.provider_pause())["pause_reason"] == "rejecting"
+    # A released worker extends it: it writes pause_reason alone, so the cause no
+    # longer applies and the pause reads as what that worker said.
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute(RELEASED_EXTEND_PAUSE, {"reason": "outage", "seconds": 120})
+    assert (await queue.claim(1)).flow.pause_reason is PauseReason.OUTAGE
+    assert (await queue.provider_pause())["pause_reason"] == "outage"
+
+
+async def test_a_probe_is_due_an_interval_after_the_last_failure_whatever_the_pause_length(
+        dsn, queue):
+    enqueue_many(dsn, [f"order-{i}" for i in range(3)])
+    flow = await queue.extend_pause(PauseReason.OUTAGE, 300, next_probe_seconds=0.2)
+    assert 0 < flow.pause_left_seconds <= 0.2  # the claims' countdown is to the probe
+    assert await queue.begin_probe(30) is None
+    await asyncio.sleep(0.25)
+    probe_until, state = await queue.begin_probe(30)
+    assert state.pause_reason is PauseReason.OUTAGE and state.pause_left_seconds == 300
+    assert len((await queue.claim(1, probe=True)).attempts) == 1
+    # The probe failed: the pause doubles to its cap, the next probe is again an interval away.
+    await queue.extend_pause(PauseReason.OUTAGE, 300, next_probe_seconds=0.2,
+                             probe_outcome="provider_5xx")
+    assert flow_row(dsn)["last_probe_outcome"] == "provider_5xx"
+    assert not await queue.resume(probe_until)  # that probe lost its claim to resume
+    await asyncio.sleep(0.25)
+    probe_until, _ = await queue.begin_probe(30)
+    # Answered at last: the fleet resumes 300 s before the pause's nominal end.
+    assert await queue.resume(probe_until, probe_outcome="delivered")
+    row = flow_row(dsn)
+    assert row["pause_reason"] is None and row["probed_recently"]
+    assert row["last_probe_outcome"] == "delivered"
+    assert len((await queue.claim(5)).attempts) == 2
+
+
+async def test_an_operators_pause_is_not_probed_not_shortened_and_kept_until_a_longer_one(
+        dsn, queue):
+    enqueue_many(dsn, ["order-1"])
+    with psycopg.connect(dsn, autocommit=True) as conn:  # what the pause command writes
+        conn.execute("UPDATE receipt_flow SET pause_reason = 'retry_after',"
+                     " paused_until = now() + interval '1 hour', pause_seconds = 3600,"
+                     " pause_cause = 'manual', pause_cause_until = now() + interval '1 hour',"
+                     " pause_note = 'provider maintenance', paused_by = 'alice',"
+                     " paused_at = now()")
+    claim = await queue.claim(1)
+    assert claim.attempts == [] and claim.flow.pause_reason is PauseReason.MANUAL
+    assert 3590 < claim.flow.pause_left_seconds <= 3600
+    assert await queue.begin_probe(30) is None
+    flow = await queue.extend_pause(PauseReason.OUTAGE, 5)  # an outage inside it
+    assert flow.pause_reason is PauseReason.MANUAL and flow.pause_left_seconds > 3590
+    assert flow_row(dsn)["pause_note"] == "provider maintenance"
+    flow = await queue.extend_pause(PauseReason.RETRY_AFTER, 7200)  # a later end wins
+    assert flow.pause_reason is PauseReason.RETRY_AFTER
+    row = flow_row(dsn)
+    assert (row["pause_cause"], row["pause_note"], row["paused_by"]) == (
+        "retry_after", None, None)

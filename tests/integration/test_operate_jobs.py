@@ -59,7 +59,7 @@ async def test_retry_refuses_a_job_that_is_not_failed_and_changes_nothing(
     unknown = str(uuid.uuid4())
     code, out, err = _jobs(dsn, "retry", unknown, "--json")
     assert code == 1 and f"job {unknown} no such job" in err
-    assert json.loads(out) == {"dry_run": False, "retried": [], "would_retry": [],
+    assert json.loads(out) == {"dry_run": False, "retried": [], "would_retry": [], "count": 0,
                                "refused": [{"id": unknown, "state": "unknown"}]}
     assert fetch_rows(dsn, SNAPSHOT) == before
 

@@ -54,3 +54,20 @@ def test_receipts_ui_serves_read_only_on_localhost_and_stops_cleanly(dsn: str) -
         output, _ = process.communicate(timeout=30)
     assert process.returncode == 0, output
     assert '"event": "ui_started"' in output and '"mode": "read-only"' in output
+
+
+def test_receipts_ui_beyond_localhost_refuses_to_start_without_a_viewer_token(dsn: str) -> None:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("RECEIPTS_")}
+    env |= {"RECEIPTS_DATABASE_URL": dsn, "RECEIPTS_UI_HOST": "0.0.0.0",
+            "RECEIPTS_UI_PORT": str(free_port())}
+    result = subprocess.run([sys.executable, "-m", "receipts", "ui"], env=env, text=True,
+                            capture_output=True, timeout=60)
+    assert result.returncode == 2
+    assert result.stderr.strip().splitlines() == [
+        "receipts: error: RECEIPTS_UI_VIEWER_TOKEN: is required when the review page binds to "
+        "0.0.0.0 (beyond this machine); set it (readers sign in with it), or set "
+        "RECEIPTS_UI_ANONYMOUS_READ=true only behind a proxy that authenticates"]
+    same = env | {"RECEIPTS_UI_VIEWER_TOKEN": "x" * 20, "RECEIPTS_UI_ADMIN_TOKEN": "x" * 20}
+    result = subprocess.run([sys.executable, "-m", "receipts", "ui"], env=same, text=True,
+                            capture_output=True, timeout=60)
+    assert result.returncode == 2 and "must differ" in result.stderr

@@ -13,11 +13,11 @@ import asyncio
 import time
 import uuid
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 
 from receipts.errors import DatabaseUnavailable
-from receipts.jobqueue import QueueStats
+from receipts.jobqueue import QueueStats, WalPosition
 from receipts.model import (
     Attempt,
     AttemptRecord,
@@ -69,12 +69,23 @@ class FakeQueue:
     acks_waiting: int = 0  # ack statements waiting at the gate now
     pauses: list[tuple[PauseReason, float]] = field(default_factory=list)
     resumed: int = 0
+    probe_outcomes: list[str] = field(default_factory=list)  # every answered probe's reason
     refunds: int = 0
     records: list[AttemptRecord] = field(default_factory=list)
     #: What each commit probe answers, seconds (a list is consumed in order, its
     #: last value repeated); an exception instance is raised instead.
     probe_seconds: list[float | Exception] = field(default_factory=lambda: [0.001])
     probes: int = 0
+    wal_reads: int = 0
+    #: The write-ahead log: every claim, ack and reschedule is one record. With
+    #: ``auto_flush`` each is flushed at once; otherwise only by :meth:`flush`,
+    #: and :meth:`crash` undoes what was not flushed.
+    auto_flush: bool = True
+    lsn: int = 0
+    flushed: int = 0
+    journal: list[tuple[int, uuid.UUID, Row]] = field(default_factory=list)
+    connection_since: float = float("-inf")
+    last_failure_at: float = float("-inf")
 
     def add(self, n: int) -> list[uuid.UUID]:
         ids = []
@@ -90,9 +101,12 @@ class FakeQueue:
     def _flow(self) -> FlowState:
         now = time.monotonic()
         if self.pause_reason is None or (
-                self.pause_reason is PauseReason.RETRY_AFTER and self.paused_until <= now):
+                not self.pause_reason.probed and self.paused_until <= now):
             return FlowState()
-        return FlowState(self.pause_reason, self.paused_until - now)
+        due = self.paused_until
+        if self.pause_reason.probed and self.probe_until is not None:
+            due = self.probe_until
+        return FlowState(self.pause_reason, due - now)
 
     async def claim(self, limit: int, *, probe: bool = False) -> ClaimResult:
         if self.fail_claims:
@@ -107,10 +121,11 @@ class FakeQueue:
                           if r.state is JobState.READY and r.run_at <= now
                           and r.attempts < self.max_attempts), key=lambda r: r.run_at)
             for row in due[:limit]:
+                self._log(row)
                 row.state, row.attempts = JobState.RUNNING, row.attempts + 1
                 row.token, row.lease_until = uuid.uuid4(), now + self.lease_seconds
                 job = Job(row.id, row.order_id, row.token, row.attempts)
-                attempts.append(Attempt(job, now))
+                attempts.append(Attempt(job, now, claim_sent_at=now))
         self.claims.append((limit, len(attempts)))
         await asyncio.sleep(0)
         return ClaimResult(attempts, self._flow())
@@ -133,6 +148,7 @@ class FakeQueue:
         for job_id, token in pairs:
             row = self._owned(job_id, token)
             if row:
+                self._log(row)
                 row.state, row.token, row.last_token = JobState.DONE, None, token
                 done.add(job_id)
         if self.lose_ack_answers:
@@ -146,6 +162,7 @@ class FakeQueue:
             row = self._owned(item.attempt.job.id, item.attempt.job.token)
             if row is None:
                 continue
+            self._log(row)
             permanent = item.outcome.verdict is Verdict.PERMANENT
             back = not permanent and (item.refund or (
                 item.outcome.reason is Reason.IN_PROGRESS and row.in_progress_count < 20))
@@ -168,35 +185,43 @@ class FakeQueue:
     async def record_attempts(self, records: Sequence[AttemptRecord]) -> None:
         self.records.extend(records)
 
-    async def extend_pause(self, reason: PauseReason, seconds: float) -> FlowState:
+    async def extend_pause(self, reason: PauseReason, seconds: float, *,
+                           next_probe_seconds: float | None = None,
+                           probe_outcome: str | None = None) -> FlowState:
         self.pauses.append((reason, seconds))
-        until = time.monotonic() + seconds
-        if self.pause_reason is None or until > self.paused_until:
+        now = time.monotonic()
+        until = now + seconds
+        active = self._flow().paused
+        if not active or until > self.paused_until:
             self.pause_reason, self.paused_until = reason, until
-        self.pause_seconds = max(self.pause_seconds, seconds)
-        self.probe_until = None
+        self.pause_seconds = max(self.pause_seconds, seconds) if active else seconds
+        next_probe = seconds if next_probe_seconds is None else next_probe_seconds
+        self.probe_until = min(self.paused_until, now + next_probe)
+        if probe_outcome is not None:
+            self.probe_outcomes.append(probe_outcome)
         return self._flow()
 
     async def begin_probe(self, guard_seconds: float) -> tuple[datetime, FlowState] | None:
         now = time.monotonic()
-        if self.pause_reason not in (PauseReason.OUTAGE, PauseReason.AUTH) or (
-                self.paused_until > now):
+        if self.pause_reason is None or not self.pause_reason.probed:
             return None
-        if self.probe_until is not None and self.probe_until > now:
+        due = self.paused_until if self.probe_until is None else self.probe_until
+        if due > now:
             return None
         self.probe_until = now + guard_seconds
         stamp = datetime(2026, 1, 1, tzinfo=UTC) + timedelta(seconds=self.probe_until)
         return stamp, FlowState(self.pause_reason, self.pause_seconds)
 
-    async def resume(self, probe_until: datetime) -> bool:
-        if self.pause_reason is None or self.probe_until is None:
+    async def resume(self, probe_until: datetime, *, probe_outcome: str = "delivered") -> bool:
+        if self.pause_reason is None or not self.pause_reason.probed or self.probe_until is None:
             return False
         stamp = datetime(2026, 1, 1, tzinfo=UTC) + timedelta(seconds=self.probe_until)
-        if stamp != probe_until or self.paused_until > time.monotonic():
+        if stamp != probe_until:
             return False
         self.pause_reason, self.paused_until, self.pause_seconds = None, 0.0, 0.0
         self.probe_until = None
         self.resumed += 1
+        self.probe_outcomes.append(probe_outcome)
         return True
 
     async def commit_probe(self) -> float:
@@ -206,6 +231,31 @@ class FakeQueue:
         if isinstance(answer, Exception):
             raise answer
         return answer
+
+    def _log(self, row: Row) -> None:
+        """Journal *row* as it was before a write (one WAL record)."""
+        self.lsn += 1
+        self.journal.append((self.lsn, row.id, replace(row)))
+        if self.auto_flush:
+            self.flush()
+
+    def flush(self) -> None:
+        """The WAL writer: everything written so far is on disk."""
+        self.flushed = self.lsn
+        self.journal.clear()
+
+    def crash(self) -> None:
+        """The server dies: unflushed writes are undone, every connection is new."""
+        for _, job_id, before in reversed(self.journal):
+            self.rows[job_id] = before
+        self.journal.clear()
+        self.lsn = self.flushed
+        # Every connection ended: the next statement fails, then a new one is made.
+        self.last_failure_at = self.connection_since = time.monotonic()
+
+    async def wal_position(self) -> WalPosition:
+        self.wal_reads += 1
+        return WalPosition(self.lsn, self.flushed, self.connection_since)
 
     async def queue_stats(self) -> QueueStats:
         return QueueStats(ready_due=self.count(JobState.READY), ready=self.count(JobState.READY),

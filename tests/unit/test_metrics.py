@@ -66,3 +66,41 @@ def test_queue_snapshot_sets_the_age_of_the_oldest_undelivered_job() -> None:
     assert samples[("receipts_queue_lag_seconds", ())] == 0
     assert samples[("receipts_oldest_transaction_age_seconds", ())] == 2.5
     assert samples[("receipts_queue_stats_timestamp_seconds", ())] > 0
+
+
+def _stats() -> QueueStats:
+    return QueueStats(
+        ready_due=7, ready=9, running=3, expired=1, failed=2, lag_seconds=1.5,
+        done_estimate=100, dead_tuples=40, oldest_transaction_age_seconds=0.3,
+        oldest_undelivered_age_seconds=12.0)
+
+
+QUEUE_GAUGES = ("receipts_ready_jobs", "receipts_queue_lag_seconds", "receipts_expired_leases",
+                "receipts_jobs", "receipts_oldest_undelivered_age_seconds",
+                "receipts_oldest_transaction_age_seconds", "receipts_table_dead_tuples",
+                "receipts_xmin_horizon_age_transactions")
+
+
+def test_queue_gauges_leave_the_scrape_once_their_last_read_is_three_intervals_old() -> None:
+    now = [100.0]
+    metrics = Metrics(queue_stats_interval_seconds=10, clock=lambda: now[0])
+    names = lambda: {name for name, _ in _samples(metrics)}  # noqa: E731
+    assert not names() & set(QUEUE_GAUGES)  # nothing read yet: nothing to show
+    metrics.observe_queue(_stats())
+    assert set(QUEUE_GAUGES) <= names()
+    stamp = _samples(metrics)[("receipts_queue_stats_timestamp_seconds", ())]
+    now[0] += 30  # three intervals: still the rule's last fresh moment
+    assert ("receipts_ready_jobs", ()) in _samples(metrics)
+    now[0] += 0.5  # the database stopped answering the stats reads
+    samples = _samples(metrics)
+    assert not {name for name, _ in samples} & set(QUEUE_GAUGES)
+    assert samples[("receipts_queue_stats_timestamp_seconds", ())] == stamp  # kept
+    metrics.observe_queue(_stats())  # the next successful read brings them back
+    assert _samples(metrics)[("receipts_ready_jobs", ())] == 7
+
+
+def test_every_pause_reason_has_its_series_rejecting_and_manual_included() -> None:
+    samples = _samples(Metrics())
+    for reason in ("auth", "outage", "retry_after", "rejecting", "manual"):
+        assert samples[("receipts_provider_paused", (("reason", reason),))] == 0
+        assert samples[("receipts_provider_pauses_total", (("reason", reason),))] == 0

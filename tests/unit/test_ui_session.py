@@ -77,8 +77,99 @@ def test_filter_input_is_validated() -> None:
                          "since": "2026-01-31T09:00"})
     assert view.status == 422 and view.order_contains == "ord"
     assert view.since is not None and view.since.utcoffset() is not None
-    for bad in ({"state": "running"}, {"state": "nope"}, {"status": "42"},
+    assert parse_filter({"state": "running", "expired": "1"}).expired is True
+    assert parse_filter({"state": "failed", "expired": "1"}).expired is None
+    for bad in ({"state": "nope"}, {"status": "42"}, {"expired": "yes"},
                 {"status": "4x2"}, {"reason": "<b>"}, {"since": "yesterday"},
                 {"q": "o" * 201}):
         with pytest.raises(BadInput):
             parse_filter(bad)
+
+
+def test_roles_come_from_the_token_typed_and_reading_may_need_one() -> None:
+    both = Sessions(TOKEN, "a-long-enough-viewer-token")
+    assert both.role_for(TOKEN) == "admin"
+    assert both.role_for("a-long-enough-viewer-token") == "viewer"
+    assert both.role_for("guess") is None and both.viewer_required and both.actions_enabled
+    viewer, _ = both.issue("viewer")
+    assert viewer.reader and not viewer.admin
+    readers_only = Sessions(None, "a-long-enough-viewer-token")
+    assert not readers_only.actions_enabled and readers_only.role_for(TOKEN) is None
+    # A cookie of one configuration is worthless under another (the key covers both tokens).
+    _, cookie = both.issue("admin")
+    assert Sessions(TOKEN).verify(cookie) is None
+    import pytest
+
+    with pytest.raises(ValueError):
+        Sessions(None, None)
+
+
+def test_a_revoked_session_is_refused_though_its_signature_holds() -> None:
+    sessions = Sessions(TOKEN)
+    session, cookie = sessions.issue("admin")
+    assert sessions.verify(cookie) == session
+    sessions.revoke(session.sid)
+    assert sessions.verify(cookie) is None
+    other, other_cookie = sessions.issue("admin")
+    replica = Sessions(TOKEN)  # another replica learns it from the shared list
+    assert replica.verify(other_cookie) == other
+    replica.update_revoked({other.sid})
+    assert replica.verify(other_cookie) is None
+    assert len(session.short_id) == 12 and session.sid.startswith(session.short_id)
+
+
+def test_wrong_tokens_are_throttled_per_client_within_a_window() -> None:
+    from receipts.ui.session import SignInThrottle
+
+    now = [1000.0]
+    throttle = SignInThrottle(failures=3, window_seconds=60, max_clients=2,
+                              clock=lambda: now[0])
+    for _ in range(3):
+        assert throttle.retry_after("a") == 0
+        throttle.failed("a")
+        now[0] += 1
+    assert throttle.retry_after("a") == 57  # the oldest failure ages out at 1060
+    assert throttle.retry_after("b") == 0  # another client is not held back
+    now[0] = 1061
+    assert throttle.retry_after("a") == 0
+    throttle.failed("a")
+    throttle.succeeded("a")
+    assert throttle.retry_after("a") == 0
+    for client in ("c", "d", "e"):  # memory is bounded: the oldest client is forgotten
+        throttle.failed(client)
+    assert "c" not in throttle._seen and len(throttle._seen) == 2
+
+
+def test_a_secure_cookie_sticks_over_https_behind_a_proxy_and_on_localhost_only() -> None:
+    from receipts.ui.session import keeps_secure_cookie
+
+    assert keeps_secure_cookie("https", None, "review.example.com")
+    assert keeps_secure_cookie("http", "https", "review.example.com")
+    assert keeps_secure_cookie("http", None, "localhost:8090")
+    assert keeps_secure_cookie("http", None, "127.0.0.1:8090")
+    assert not keeps_secure_cookie("http", None, "review.example.com")
+    assert not keeps_secure_cookie("http", "http", "10.0.0.7:8090")
+
+
+def test_the_chart_breaks_its_lines_over_gaps_and_describes_itself() -> None:
+    from datetime import UTC, datetime, timedelta
+
+    from receipts.ui.chart import Sample, depth_chart, nice_ceiling
+
+    assert [nice_ceiling(v) for v in (0, 1, 3, 10, 11, 2_400, 999_999)] == [
+        1, 1, 5, 10, 20, 5_000, 1_000_000]
+    now = datetime(2026, 1, 1, 12, 0, tzinfo=UTC)
+    samples = [Sample(now - timedelta(seconds=s), 10, 2, 1) for s in (600, 595, 590)]
+    samples += [Sample(now - timedelta(seconds=s), 30, 0, 4) for s in (10, 5, 0)]
+    svg = str(depth_chart(samples, now, interval_seconds=5))
+    assert svg.count("<polyline") == 6  # a 10-minute gap splits each series in two
+    assert "since 11:50 UTC: ready 10 to 30 (highest 30)" in svg and ">50<" in svg
+    assert "<script" not in svg and svg.startswith('<svg class="depth"')
+    assert "no samples yet" in str(depth_chart([], now))
+
+
+def test_an_estimate_is_rounded_and_labelled() -> None:
+    from receipts.ui.app import rounded
+
+    assert [rounded(v) for v in (42, 10_150, 123_456, 1_234_567)] == [
+        "42", "10,000", "120,000", "1.2 million"]

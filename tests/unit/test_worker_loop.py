@@ -9,8 +9,9 @@ from collections.abc import Awaitable, Callable
 import pytest
 
 from receipts.completion import Completer
+from receipts.flow import FlowPolicy, ProviderGate
 from receipts.metrics import Metrics
-from receipts.model import Job, JobState, Outcome, PauseReason
+from receipts.model import Job, JobState, Outcome, PauseReason, Reason, Verdict
 from receipts.settings import Settings, load_settings
 from receipts.worker import Worker
 from tests.unit.fakes import FakeQueue, ScriptedDeliverer, outcome
@@ -35,9 +36,10 @@ async def until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
 
 
 class Loop:
-    def __init__(self, queue: FakeQueue, deliverer: ScriptedDeliverer, **overrides: object):
+    def __init__(self, queue: FakeQueue, deliverer: ScriptedDeliverer, *,
+                 gate: ProviderGate | None = None, **overrides: object):
         self.metrics = Metrics()
-        self.worker = Worker(settings(**overrides), queue, deliverer, self.metrics)
+        self.worker = Worker(settings(**overrides), queue, deliverer, self.metrics, gate=gate)
         self.task: asyncio.Task[None] | None = None
 
     def value(self, name: str, **labels: str) -> float:
@@ -333,3 +335,103 @@ async def test_a_commit_probe_the_database_refuses_turns_admission_control_off(c
     assert loop.value("receipts_claim_rate_limit") == 0
     assert loop.value("receipts_db_errors_total", statement="commit_probe") == 3
     assert any(r.msg == "admission_control_off" for r in caplog.records)
+
+
+# ------------------------------------------------- systemic rejection, probe cadence
+
+def rejected(text: str = "forced status 400", status: int = 400) -> Outcome:
+    return Outcome(Verdict.PERMANENT, Reason.REJECTED, status, None, f"{status} {text}")
+
+
+async def test_a_provider_rejecting_everything_pauses_the_fleet_and_fails_no_job():
+    queue = FakeQueue(max_attempts=2)
+    queue.add(40)
+    accepting = False
+    deliverer = ScriptedDeliverer(lambda job: outcome(201) if accepting else rejected())
+    async with Loop(queue, deliverer, concurrency=8) as loop:
+        await until(lambda: queue.pause_reason is PauseReason.REJECTING)
+        await until(lambda: loop.value("receipts_provider_probes_total", result="failed") >= 2)
+        await until(lambda: loop.worker.gate.held == 0 and not loop.worker.completer.backlog)
+        assert queue.count(JobState.FAILED) == 0
+        assert max(r.attempts for r in queue.rows.values()) == 0  # every attempt given back
+        assert loop.value("receipts_provider_paused", reason="rejecting") == 1
+        assert len(deliverer.calls) <= 8 + 8 + 3  # the slots at detection, then probes
+        accepting = True
+        await until(lambda: queue.count(JobState.DONE) == 40)
+    assert queue.count(JobState.FAILED) == 0 and queue.pause_reason is None
+    assert loop.value("receipts_failures_total", reason="rejected") == 0
+    assert loop.value("receipts_retries_total", reason="rejected") >= 8
+    assert queue.probe_outcomes[-1] == "delivered"
+
+
+async def test_a_few_bad_orders_among_good_ones_still_fail_at_once():
+    queue = FakeQueue()
+    ids = queue.add(60)
+    bad = set(ids[5:60:20])  # 3 of 60
+    deliverer = ScriptedDeliverer(
+        lambda job: rejected("order cannot receive a receipt", 422) if job.id in bad
+        else outcome(200))
+    async with Loop(queue, deliverer, concurrency=8) as loop:
+        await until(lambda: queue.count(JobState.DONE) == 57)
+        await until(lambda: queue.count(JobState.FAILED) == 3, timeout=2)  # no 30 s hold
+    assert {r.id for r in queue.rows.values() if r.state is JobState.FAILED} == bad
+    assert queue.pauses == [] and len(deliverer.calls) == 60
+    assert loop.value("receipts_failures_total", reason="rejected") == 3
+
+
+async def test_a_stopping_worker_gives_its_held_rejections_back():
+    queue = FakeQueue()
+    queue.add(2)  # claimed first, these answer only after the stop: evidence still to come
+    rejected_ids = set(queue.add(2))
+    answered = asyncio.Event()
+
+    class Deliverer(ScriptedDeliverer):
+        async def deliver(self, job: Job) -> Outcome:
+            if job.id in rejected_ids:
+                return rejected()
+            await answered.wait()
+            return outcome(200)
+
+    async with Loop(queue, Deliverer()) as loop:
+        await until(lambda: loop.worker.gate.held == 2)
+        assert loop.value("receipts_inflight_deliveries") == 4  # held: still this pod's leases
+    assert {r.id for r in queue.rows.values() if r.state is JobState.READY} >= rejected_ids
+    assert queue.count(JobState.FAILED) == 0 and queue.refunds >= 2
+
+
+async def test_a_lone_bad_order_in_a_quiet_queue_fails_at_once():
+    queue = FakeQueue()
+    queue.add(1)
+    deliverer = ScriptedDeliverer(lambda job: rejected("order cannot receive a receipt", 422))
+    async with Loop(queue, deliverer) as loop:
+        await until(lambda: queue.count(JobState.FAILED) == 1, timeout=1)  # not 30 s later
+    assert loop.worker.gate.held == 0 and queue.pauses == []
+
+
+async def test_a_long_pause_is_probed_every_interval_and_resumes_as_soon_as_the_provider_is_back():
+    policy = FlowPolicy(outage_pause_seconds=60, pause_max_seconds=600,
+                        probe_interval_seconds=0.05)
+    queue = FakeQueue()
+    queue.add(20)
+    down = True
+    deliverer = ScriptedDeliverer(lambda job: outcome(503 if down else 200))
+    async with Loop(queue, deliverer, gate=ProviderGate(policy)) as loop:
+        await until(lambda: loop.value("receipts_provider_probes_total", result="failed") >= 5)
+        assert queue.paused_until - time.monotonic() > 100  # the pause itself has grown
+        down = False
+        back = time.monotonic()
+        await until(lambda: queue.resumed == 1)
+        assert time.monotonic() - back < 1.0  # not the minutes left of the pause
+        await until(lambda: queue.count(JobState.DONE) == 20)
+    assert queue.count(JobState.FAILED) == 0
+
+
+async def test_an_operators_pause_is_honoured_without_probes_and_ends_at_its_time():
+    queue, deliverer = FakeQueue(), ScriptedDeliverer()
+    queue.add(3)
+    queue.pause_reason, queue.paused_until = PauseReason.MANUAL, time.monotonic() + 0.3
+    async with Loop(queue, deliverer) as loop:
+        await until(lambda: loop.value("receipts_provider_paused", reason="manual") == 1)
+        await until(lambda: queue.count(JobState.DONE) == 3)
+    assert deliverer.calls and len(deliverer.calls) == 3
+    assert loop.value("receipts_provider_probes_total", result="resumed") == 0

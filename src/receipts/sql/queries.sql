@@ -90,13 +90,24 @@ FROM new, (SELECT count(*) FROM wake) AS woken;
 -- one probe (%(probe)s) that won begin_probe. The pause check is one
 -- primary-key read of a one-row table, run once per statement (an InitPlan).
 -- Every row returned carries the flow state; with no job claimed one row
--- comes back whose job columns are NULL.
+-- comes back whose job columns are NULL. A worker's claims end each token in
+-- its tag (receipts.statements.claim_query), naming the lease's holder.
 WITH flow AS (
-  -- A Retry-After pause ends by itself when its time is up (the provider said
-  -- when); an outage or auth pause ends only when a probe is answered.
-  SELECT CASE WHEN pause_reason = 'retry_after' AND paused_until <= statement_timestamp()
-              THEN NULL ELSE pause_reason END AS pause_reason,
-         extract(epoch FROM paused_until - statement_timestamp())::float8 AS pause_left
+  -- The effective reason (docs/design.md §11): a Retry-After (or operator's)
+  -- pause ends by itself when its time is up; an outage, auth or rejecting
+  -- pause ends only when a probe is answered. The cause columns apply while
+  -- pause_cause_until = paused_until (a released worker that extended the
+  -- pause wrote only pause_reason). pause_left counts down to the next probe
+  -- of a probed pause (probe_until), or to the end of any other.
+  SELECT CASE WHEN pause_reason IS NULL
+                OR (pause_reason = 'retry_after' AND paused_until <= statement_timestamp())
+              THEN NULL
+              WHEN pause_cause_until = paused_until THEN coalesce(pause_cause, pause_reason)
+              ELSE pause_reason END AS pause_reason,
+         extract(epoch FROM CASE WHEN pause_reason IN ('outage', 'auth')
+                                 THEN coalesce(probe_until, paused_until)
+                                 ELSE paused_until END
+                            - statement_timestamp())::float8 AS pause_left
   FROM {schema}.receipt_flow WHERE id = 1
 ), candidate AS (
   SELECT id
@@ -129,9 +140,15 @@ FROM flow AS f LEFT JOIN claimed AS c ON true;
 -- token for an unclaimed job, never a job without a token. At most
 -- floor(tokens) of the locked candidates are claimed; the others stay ready.
 WITH flow AS MATERIALIZED (
-  SELECT CASE WHEN pause_reason = 'retry_after' AND paused_until <= statement_timestamp()
-              THEN NULL ELSE pause_reason END AS pause_reason,
-         extract(epoch FROM paused_until - statement_timestamp())::float8 AS pause_left,
+  SELECT CASE WHEN pause_reason IS NULL
+                OR (pause_reason = 'retry_after' AND paused_until <= statement_timestamp())
+              THEN NULL
+              WHEN pause_cause_until = paused_until THEN coalesce(pause_cause, pause_reason)
+              ELSE pause_reason END AS pause_reason,
+         extract(epoch FROM CASE WHEN pause_reason IN ('outage', 'auth')
+                                 THEN coalesce(probe_until, paused_until)
+                                 ELSE paused_until END
+                            - statement_timestamp())::float8 AS pause_left,
          least(%(burst)s::float8, tokens + %(rate)s::float8
                * extract(epoch FROM statement_timestamp() - tokens_at)::float8) AS tokens
   FROM {schema}.receipt_flow WHERE id = 1
@@ -242,50 +259,114 @@ WHERE j.last_token = a.token;
 
 -- name: extend_pause
 -- Pause every pod's claims for at least %(seconds)s from now because of
--- %(reason)s. Never shortens a pause: the later end wins, and with it its
--- reason; pause_seconds (the length a failed probe doubles) only grows. A
--- probe in flight loses its claim to resume: the provider failed again.
-UPDATE {schema}.receipt_flow
-SET pause_reason = CASE
-      WHEN paused_until IS NULL
-        OR statement_timestamp() + make_interval(secs => %(seconds)s) > paused_until
-      THEN %(reason)s ELSE pause_reason END,
-    paused_until = greatest(paused_until,
-                            statement_timestamp() + make_interval(secs => %(seconds)s)),
-    pause_seconds = greatest(pause_seconds, %(seconds)s),
-    probe_until = NULL
-WHERE id = 1
-RETURNING pause_reason, extract(epoch FROM paused_until - statement_timestamp())::float8,
+-- %(reason)s (auth, outage, retry_after or rejecting). Never shortens a pause:
+-- the later end wins, and with it its reason and cause. A systemic rejection
+-- is stored as pause_reason 'outage' (what a released worker understands: it
+-- is probed like one) with pause_cause 'rejecting'; pause_cause_until marks
+-- the end the cause belongs to. A new pause starts at %(seconds)s; an active
+-- one's pause_seconds (the length a failed probe doubles) only grows. The next
+-- probe may start %(next_probe_seconds)s from now (probe_until, never later
+-- than the pause's end), whatever the pause has grown to; a probe in flight
+-- loses its claim to resume (probe_until changed): the provider failed again.
+-- %(probe_outcome)s, when not NULL, records the failed probe's answer.
+-- The operator's note and author belong to the pause they were written with:
+-- an extension that wins clears them. The row lock (FOR UPDATE) makes
+-- concurrent extensions judge against each other's result.
+WITH cur AS (
+  SELECT paused_until,
+         CASE WHEN pause_reason IS NULL
+                OR (pause_reason = 'retry_after' AND paused_until <= statement_timestamp())
+              THEN NULL
+              WHEN pause_cause_until = paused_until THEN coalesce(pause_cause, pause_reason)
+              ELSE pause_reason END AS pause_reason,
+         pause_cause_until = paused_until AS cause_valid
+  FROM {schema}.receipt_flow WHERE id = 1
+  FOR UPDATE
+), n AS (
+  SELECT statement_timestamp() + make_interval(secs => %(seconds)s) AS until,
+         c.pause_reason IS NOT NULL AS active,
+         c.paused_until IS NULL OR c.pause_reason IS NULL
+           OR statement_timestamp() + make_interval(secs => %(seconds)s) > c.paused_until AS wins,
+         c.pause_reason IS NOT NULL AND coalesce(c.cause_valid, false)
+           AND c.pause_reason = %(reason)s::text AS same
+  FROM cur AS c
+)
+UPDATE {schema}.receipt_flow AS f
+SET pause_reason = CASE WHEN NOT n.wins THEN f.pause_reason
+                        WHEN %(reason)s::text = 'rejecting' THEN 'outage'
+                        ELSE %(reason)s::text END,
+    paused_until = CASE WHEN n.wins THEN n.until ELSE f.paused_until END,
+    pause_seconds = CASE WHEN n.active THEN greatest(f.pause_seconds, %(seconds)s)
+                         ELSE %(seconds)s END,
+    probe_until = least(CASE WHEN n.wins THEN n.until ELSE f.paused_until END,
+                        statement_timestamp() + make_interval(secs => %(next_probe_seconds)s)),
+    pause_cause = CASE WHEN n.wins THEN %(reason)s::text ELSE f.pause_cause END,
+    pause_cause_until = CASE WHEN n.wins THEN n.until ELSE f.pause_cause_until END,
+    pause_note = CASE WHEN n.wins THEN NULL ELSE f.pause_note END,
+    paused_by = CASE WHEN n.wins THEN NULL ELSE f.paused_by END,
+    paused_at = CASE WHEN NOT n.wins THEN f.paused_at
+                     WHEN n.same THEN coalesce(f.paused_at, statement_timestamp())
+                     ELSE statement_timestamp() END,
+    last_probe_at = CASE WHEN %(probe_outcome)s::text IS NULL THEN f.last_probe_at
+                         ELSE statement_timestamp() END,
+    last_probe_outcome = coalesce(left(%(probe_outcome)s::text, 64), f.last_probe_outcome)
+FROM n
+WHERE f.id = 1
+RETURNING CASE WHEN pause_reason IS NULL
+                OR (pause_reason = 'retry_after' AND paused_until <= statement_timestamp())
+              THEN NULL
+              WHEN pause_cause_until = paused_until THEN coalesce(pause_cause, pause_reason)
+              ELSE pause_reason END,
+          extract(epoch FROM CASE WHEN pause_reason IN ('outage', 'auth')
+                                  THEN coalesce(probe_until, paused_until)
+                                  ELSE paused_until END
+                             - statement_timestamp())::float8,
           pause_seconds;
 
 -- name: begin_probe
--- An outage or auth pause has run out: exactly one pod wins the right to
--- claim one probe job (the row lock serialises contenders, and a loser re-checks the WHERE
--- against the winner's probe_until). If the winner dies, another pod may
--- probe once %(guard_seconds)s have passed.
+-- An outage, auth or rejecting pause is due for a probe: exactly one pod wins
+-- the right to claim one probe job (the row lock serialises contenders, and a
+-- loser re-checks the WHERE against the winner's probe_until). A probe is due
+-- at probe_until (set by extend_pause: a short interval after the last
+-- failure, whatever the pause's length) or, when that is NULL (a released
+-- worker's extension), at the pause's end. If the winner dies, another pod may
+-- probe once %(guard_seconds)s have passed. Returns the effective reason.
 UPDATE {schema}.receipt_flow
 SET probe_until = statement_timestamp() + make_interval(secs => %(guard_seconds)s)
 WHERE id = 1
   AND pause_reason IN ('outage', 'auth')
-  AND paused_until <= statement_timestamp()
-  AND (probe_until IS NULL OR probe_until <= statement_timestamp())
-RETURNING pause_reason, probe_until, pause_seconds;
+  AND coalesce(probe_until, paused_until) <= statement_timestamp()
+RETURNING CASE WHEN pause_reason IS NULL
+                OR (pause_reason = 'retry_after' AND paused_until <= statement_timestamp())
+              THEN NULL
+              WHEN pause_cause_until = paused_until THEN coalesce(pause_cause, pause_reason)
+              ELSE pause_reason END,
+          probe_until, pause_seconds;
 
 -- name: resume
--- The provider answered the probe properly: end the pause, unless another pod
--- has extended it since (paused_until moved into the future, or the probe
--- was taken over after its guard ran out).
+-- The provider answered the probe properly: end the pause, unless it changed
+-- since the probe began (an extension or another pod's probe replaced
+-- probe_until, or an operator's pause replaced the reason), and record the
+-- probe's answer. The pause may end before its nominal paused_until: the
+-- probe proved the provider is back.
 UPDATE {schema}.receipt_flow
-SET pause_reason = NULL, paused_until = NULL, pause_seconds = 0, probe_until = NULL
+SET pause_reason = NULL, paused_until = NULL, pause_seconds = 0, probe_until = NULL,
+    pause_cause = NULL, pause_cause_until = NULL, pause_note = NULL, paused_by = NULL,
+    paused_at = NULL,
+    last_probe_at = statement_timestamp(), last_probe_outcome = left(%(probe_outcome)s::text, 64)
 WHERE id = 1
-  AND pause_reason IS NOT NULL
+  AND pause_reason IN ('outage', 'auth')
   AND probe_until = %(probe_until)s
-  AND paused_until <= statement_timestamp()
 RETURNING 1;
 
 -- name: flow_state
--- The fleet-wide provider state, for gauges and review.
-SELECT pause_reason,
+-- The fleet-wide provider state, for gauges and review: the effective reason,
+-- seconds to the pause's end, its length, and the bucket's tokens.
+SELECT CASE WHEN pause_reason IS NULL
+                OR (pause_reason = 'retry_after' AND paused_until <= statement_timestamp())
+              THEN NULL
+              WHEN pause_cause_until = paused_until THEN coalesce(pause_cause, pause_reason)
+              ELSE pause_reason END,
        greatest(extract(epoch FROM paused_until - statement_timestamp())::float8, 0),
        pause_seconds,
        least(%(burst)s::float8, tokens + %(rate)s::float8
@@ -535,28 +616,42 @@ ORDER BY seq DESC;
 
 -- name: review_matching
 -- A fragment, not a statement: the review filter shared by review_jobs,
--- review_count, retry_jobs and discard_jobs, over receipt_jobs AS j and the
--- job's latest attempt record AS la (reason, status). {state} is a literal
--- state (so the planner can use that state's partial index) and {key} the
--- time column of the list (finished_at, or run_at for ready jobs). A NULL
--- parameter means "any"; order_contains is a plain substring (no patterns).
+-- review_count, retry_jobs, discard_jobs and the bulk actions' bulk_step,
+-- over receipt_jobs AS j and the job's latest attempt record AS la (reason,
+-- status). {state} is a literal state (so the planner can use that state's
+-- partial index), {key} the time column of the list (finished_at; run_at for
+-- ready jobs, lease_until for running ones) and {cutoff_key} the column a
+-- bulk action's confirmation time bounds (finished_at; created_at for ready
+-- and running jobs: a job that reaches the state after the confirmation is
+-- never part of it). A NULL parameter means "any"; order_contains is a plain
+-- substring (no patterns); expired picks running jobs whose lease has (true)
+-- or has not (false) run out.
 j.state = {state}
 AND (%(reason)s::text IS NULL OR la.reason = %(reason)s::text)
 AND (%(status)s::int IS NULL OR la.status = %(status)s::int)
 AND (%(since)s::timestamptz IS NULL OR j.{key} >= %(since)s::timestamptz)
 AND (%(until)s::timestamptz IS NULL OR j.{key} < %(until)s::timestamptz)
 AND (%(order_contains)s::text IS NULL OR strpos(j.order_id, %(order_contains)s::text) > 0)
+AND (%(cutoff)s::timestamptz IS NULL OR j.{cutoff_key} <= %(cutoff)s::timestamptz)
+AND (%(expired)s::bool IS NULL
+     OR (j.lease_until <= statement_timestamp()) = %(expired)s::bool)
 
 -- name: review_jobs
 -- One page of the review list, newest first by {key}, after the keyset
 -- cursor (after_at, after_id) when given. {matching} is review_matching.
+-- holder is the pod of the worker whose lease a running job is under: the
+-- last 8 hex digits of a lease token are the claiming process's tag in
+-- receipt_workers (claim), one primary-key probe per listed row; NULL for
+-- a token written by a worker that sends no heartbeat.
 SELECT j.id, j.order_id, j.state, j.attempts, j.run_at, j.last_error, j.created_at,
-       j.finished_at, j.{key} AS sort_at, la.reason, la.status
+       j.finished_at, j.lease_until, j.lease_until <= statement_timestamp() AS expired,
+       j.{key} AS sort_at, la.reason, la.status, w.pod AS holder
 FROM {schema}.receipt_jobs AS j
 LEFT JOIN LATERAL (
   SELECT h.reason, h.status FROM {schema}.receipt_attempts AS h
   WHERE h.job_id = j.id ORDER BY h.seq DESC LIMIT 1
 ) AS la ON true
+LEFT JOIN {schema}.receipt_workers AS w ON w.tag = right(j.lease_token::text, 8)
 WHERE {matching}
   AND (%(after_at)s::timestamptz IS NULL
        OR (j.{key}, j.id) < (%(after_at)s::timestamptz, %(after_id)s::uuid))
@@ -565,14 +660,20 @@ LIMIT %(limit)s;
 
 -- name: review_count
 -- The latest attempt is only read when the filter asks for its reason or status.
+-- Counts at most %(cap)s rows (NULL: every one), so a page's count costs at
+-- most that many index entries however many jobs match.
 SELECT count(*)
-FROM {schema}.receipt_jobs AS j
-LEFT JOIN LATERAL (
-  SELECT h.reason, h.status FROM {schema}.receipt_attempts AS h
-  WHERE h.job_id = j.id AND (%(reason)s::text IS NOT NULL OR %(status)s::int IS NOT NULL)
-  ORDER BY h.seq DESC LIMIT 1
-) AS la ON true
-WHERE {matching};
+FROM (
+  SELECT 1
+  FROM {schema}.receipt_jobs AS j
+  LEFT JOIN LATERAL (
+    SELECT h.reason, h.status FROM {schema}.receipt_attempts AS h
+    WHERE h.job_id = j.id AND (%(reason)s::text IS NOT NULL OR %(status)s::int IS NOT NULL)
+    ORDER BY h.seq DESC LIMIT 1
+  ) AS la ON true
+  WHERE {matching}
+  LIMIT %(cap)s
+) AS matched;
 
 -- name: retry_jobs
 -- Operator retry of named jobs or of a filter, all or nothing: {target} is
@@ -632,10 +733,17 @@ RETURNING j.id;
 SELECT id, state FROM {schema}.receipt_jobs WHERE id = ANY(%(ids)s::uuid[]);
 
 -- name: provider_pause
--- The provider pause as the workers' flow control recorded it.
-SELECT pause_reason, paused_until, pause_seconds,
+-- The provider pause as the workers' flow control recorded it, with its
+-- effective reason (as the claims read it) and the last probe's answer.
+SELECT CASE WHEN pause_reason IS NULL
+                OR (pause_reason = 'retry_after' AND paused_until <= statement_timestamp())
+              THEN NULL
+              WHEN pause_cause_until = paused_until THEN coalesce(pause_cause, pause_reason)
+              ELSE pause_reason END AS pause_reason,
+       paused_until, pause_seconds,
        greatest(extract(epoch FROM paused_until - statement_timestamp())::float8, 0)
-         AS remaining_seconds
+         AS remaining_seconds,
+       last_probe_at, last_probe_outcome
 FROM {schema}.receipt_flow
 WHERE id = 1;
 
@@ -651,3 +759,13 @@ BEGIN;
 SET LOCAL synchronous_commit TO on;
 SELECT pg_logical_emit_message(true, 'receipts.probe', '');
 COMMIT;
+
+-- name: wal_position
+-- How far this server has inserted and flushed its write-ahead log, in bytes
+-- from 0/0. A commit that returned before this statement started is at or
+-- below its insert position; once a later read's flush position reaches
+-- that, the commit is durable (the completer counts an asynchronously
+-- committed outcome only then, docs/design.md §2). Any role may call both
+-- functions; no table, no lock.
+SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), '0/0')::int8,
+       pg_wal_lsn_diff(pg_current_wal_flush_lsn(), '0/0')::int8;

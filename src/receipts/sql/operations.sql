@@ -1,0 +1,292 @@
+-- The operator's statements (migration 0009): the fleet-wide pause an operator
+-- sets and lifts, worker heartbeats, bulk actions in bounded batches, and
+-- signed-out review-page sessions. operations.py loads this file with
+-- queries.sql (receipts.statements); a method there carries the name of the
+-- block it runs. None of these runs on a claim's or an ack's path.
+
+-- name: fleet_flow
+-- The fleet-wide provider state as an operator reads it. effective_reason is
+-- the pause's cause while the cause applies (pause_cause_until =
+-- paused_until: a released worker that extended or ended the pause wrote only
+-- pause_reason and paused_until), else pause_reason. A retry_after pause whose
+-- time is up claims nothing any more (the claim ignores it), so it counts as
+-- no pause. tokens is the bucket as the next claim would find it.
+SELECT statement_timestamp() AS now,
+       CASE WHEN f.pause_reason IS NULL
+              OR (f.pause_reason = 'retry_after' AND f.paused_until <= statement_timestamp())
+            THEN NULL
+            WHEN f.pause_cause_until = f.paused_until AND f.pause_cause IS NOT NULL
+            THEN f.pause_cause ELSE f.pause_reason END AS effective_reason,
+       f.pause_reason, f.paused_until,
+       greatest(extract(epoch FROM f.paused_until - statement_timestamp())::float8, 0)
+         AS remaining_seconds,
+       f.pause_seconds, f.probe_until,
+       CASE WHEN f.pause_cause_until = f.paused_until THEN f.pause_note END AS pause_note,
+       CASE WHEN f.pause_cause_until = f.paused_until THEN f.paused_by END AS paused_by,
+       CASE WHEN f.pause_cause_until = f.paused_until THEN f.paused_at END AS paused_at,
+       least(%(burst)s::float8, f.tokens + %(rate)s::float8
+             * extract(epoch FROM statement_timestamp() - f.tokens_at)::float8) AS tokens,
+       f.last_probe_at, f.last_probe_outcome
+FROM {schema}.receipt_flow AS f
+WHERE f.id = 1;
+
+-- name: pause_fleet
+-- An operator pauses every worker's claims for %(seconds)s from now. Written
+-- so that every worker, released ones included, understands it: pause_reason
+-- 'retry_after' (claims stop until paused_until and then resume by
+-- themselves, no probe), with the cause, note, author and start beside it and
+-- pause_cause_until = paused_until, the mark that the cause applies. A manual
+-- pause replaces no pause, an earlier manual one, or one that ends sooner; a
+-- longer automatic pause (outage, auth, Retry-After) stays unless
+-- %(replace)s: then nothing changes and the row says why. pause_seconds (what
+-- a failed probe doubles) starts again from 0, and any probe in flight loses
+-- its right to resume the fleet.
+WITH old AS MATERIALIZED (
+  SELECT f.pause_reason, f.paused_until,
+         CASE WHEN f.pause_reason IS NULL THEN NULL
+              WHEN f.pause_cause_until = f.paused_until AND f.pause_cause IS NOT NULL
+              THEN f.pause_cause ELSE f.pause_reason END AS effective_reason
+  FROM {schema}.receipt_flow AS f
+  WHERE f.id = 1
+  FOR UPDATE
+), paused AS (
+  UPDATE {schema}.receipt_flow AS f
+  SET pause_reason = 'retry_after',
+      paused_until = statement_timestamp() + make_interval(secs => %(seconds)s),
+      pause_cause = 'manual',
+      pause_cause_until = statement_timestamp() + make_interval(secs => %(seconds)s),
+      pause_note = %(note)s,
+      paused_by = %(paused_by)s,
+      paused_at = statement_timestamp(),
+      pause_seconds = 0,
+      probe_until = NULL
+  FROM old
+  WHERE f.id = 1
+    AND (%(replace)s
+         OR old.pause_reason IS NULL
+         OR old.effective_reason = 'manual'
+         OR old.paused_until <= statement_timestamp() + make_interval(secs => %(seconds)s))
+  RETURNING f.paused_until
+)
+SELECT (SELECT paused_until FROM paused) AS paused_until,
+       old.effective_reason AS previous_reason, old.paused_until AS previous_until
+FROM old;
+
+-- name: resume_fleet
+-- An operator lifts the pause, whatever its reason: every pause column is
+-- cleared and the next claim of every worker claims again (no probe). With
+-- %(expected_until)s, only the pause the operator saw (the same paused_until)
+-- is lifted: one that another pod extended or that started since is left
+-- alone. Returns the pause that was there, and whether it was lifted.
+WITH old AS MATERIALIZED (
+  SELECT f.pause_reason, f.paused_until,
+         CASE WHEN f.pause_reason IS NULL THEN NULL
+              WHEN f.pause_cause_until = f.paused_until AND f.pause_cause IS NOT NULL
+              THEN f.pause_cause ELSE f.pause_reason END AS effective_reason,
+         CASE WHEN f.pause_cause_until = f.paused_until THEN f.pause_note END AS pause_note
+  FROM {schema}.receipt_flow AS f
+  WHERE f.id = 1
+  FOR UPDATE
+), lifted AS (
+  UPDATE {schema}.receipt_flow AS f
+  SET pause_reason = NULL, paused_until = NULL, pause_seconds = 0, probe_until = NULL,
+      pause_cause = NULL, pause_cause_until = NULL, pause_note = NULL, paused_by = NULL,
+      paused_at = NULL
+  FROM old
+  WHERE f.id = 1
+    AND old.pause_reason IS NOT NULL
+    AND (%(expected_until)s::timestamptz IS NULL
+         OR old.paused_until = %(expected_until)s::timestamptz)
+  RETURNING 1
+)
+SELECT old.effective_reason, old.paused_until, old.pause_note,
+       EXISTS (SELECT FROM lifted) AS lifted
+FROM old;
+
+-- name: heartbeat
+-- One worker process says it is alive: an upsert of its own row, about every
+-- 20 s (never per claim). Times are the database's: the worker sends how long
+-- ago it started and last claimed (seconds; NULL: never). started_at is kept
+-- from the first heartbeat; stopped is sent once, by a draining worker.
+INSERT INTO {schema}.receipt_workers AS w
+  (tag, pod, pid, version, slots, inflight, claimed_total, started_at, seen_at,
+   last_claim_at, stopped_at)
+VALUES (%(tag)s, left(%(pod)s, 100), %(pid)s, left(%(version)s, 40), %(slots)s, %(inflight)s,
+        %(claimed_total)s,
+        statement_timestamp() - make_interval(secs => %(uptime_seconds)s),
+        statement_timestamp(),
+        statement_timestamp() - make_interval(secs => %(since_claim_seconds)s),
+        CASE WHEN %(stopped)s THEN statement_timestamp() END)
+ON CONFLICT (tag) DO UPDATE
+SET pod = excluded.pod, pid = excluded.pid, version = excluded.version,
+    slots = excluded.slots, inflight = excluded.inflight,
+    claimed_total = excluded.claimed_total, seen_at = excluded.seen_at,
+    last_claim_at = coalesce(excluded.last_claim_at, w.last_claim_at),
+    stopped_at = excluded.stopped_at;
+
+-- name: forget_workers
+-- Heartbeat rows not seen for %(seconds)s (a starting worker runs this once).
+DELETE FROM {schema}.receipt_workers
+WHERE seen_at < statement_timestamp() - make_interval(secs => %(seconds)s);
+
+-- name: workers_seen
+-- The workers that sent a heartbeat within the last %(seconds)s, busiest pod
+-- first. age_seconds: since the last heartbeat.
+SELECT tag, pod, pid, version, slots, inflight, claimed_total, started_at, seen_at,
+       last_claim_at, stopped_at,
+       extract(epoch FROM statement_timestamp() - seen_at)::float8 AS age_seconds
+FROM {schema}.receipt_workers
+WHERE seen_at > statement_timestamp() - make_interval(secs => %(seconds)s)
+ORDER BY stopped_at IS NOT NULL, pod, tag;
+
+-- name: revoke_session
+-- A review-page session signed out: its id is refused until %(expires_at)s,
+-- when its cookie would have expired anyway (expired entries go in the same
+-- statement).
+WITH expired AS (
+  DELETE FROM {schema}.receipt_ui_revoked WHERE expires_at <= statement_timestamp()
+)
+INSERT INTO {schema}.receipt_ui_revoked (sid, expires_at)
+VALUES (%(sid)s, %(expires_at)s)
+ON CONFLICT (sid) DO NOTHING;
+
+-- name: revoked_sessions
+SELECT sid FROM {schema}.receipt_ui_revoked WHERE expires_at > statement_timestamp();
+
+-- name: bulk_create
+-- A confirmed bulk action, owned by %(runner)s from the start. Finished
+-- actions older than 90 days go in the same statement.
+WITH old AS (
+  DELETE FROM {schema}.receipt_bulk_actions
+  WHERE finished_at < statement_timestamp() - interval '90 days'
+)
+INSERT INTO {schema}.receipt_bulk_actions
+  (id, action, job_state, reason, http_status, since, until, order_contains, cutoff,
+   expected, status, runner, created_by)
+VALUES (%(id)s, %(action)s, %(job_state)s, %(reason)s, %(http_status)s, %(since)s, %(until)s,
+        %(order_contains)s, %(cutoff)s, %(expected)s, 'running', %(runner)s, %(created_by)s)
+RETURNING *;
+
+-- name: bulk_get
+SELECT *, extract(epoch FROM statement_timestamp() - updated_at)::float8 AS idle_seconds
+FROM {schema}.receipt_bulk_actions WHERE id = %(id)s;
+
+-- name: bulk_recent
+-- The actions still running and those created within the last %(seconds)s.
+SELECT *, extract(epoch FROM statement_timestamp() - updated_at)::float8 AS idle_seconds
+FROM {schema}.receipt_bulk_actions
+WHERE status = 'running' OR created_at > statement_timestamp() - make_interval(secs => %(seconds)s)
+ORDER BY created_at DESC
+LIMIT 10;
+
+-- name: bulk_take
+-- Take over an action to run it: one that was stopped or failed, or one whose
+-- runner has written nothing for %(stale_seconds)s (its process died). The
+-- new runner token fences the old runner out: its next batch changes nothing.
+UPDATE {schema}.receipt_bulk_actions
+SET status = 'running', runner = %(runner)s, updated_at = statement_timestamp(),
+    finished_at = NULL, error = NULL
+WHERE id = %(id)s
+  AND (status IN ('stopped', 'failed')
+       OR (status = 'running'
+           AND updated_at < statement_timestamp() - make_interval(secs => %(stale_seconds)s)))
+RETURNING *;
+
+-- name: bulk_stop
+-- Stop an action between two batches (a batch in flight commits first: it
+-- holds the action's row lock, and this waits for it).
+UPDATE {schema}.receipt_bulk_actions
+SET status = 'stopped', runner = NULL, updated_at = statement_timestamp()
+WHERE id = %(id)s AND status = 'running'
+RETURNING id;
+
+-- name: bulk_fail
+UPDATE {schema}.receipt_bulk_actions
+SET status = 'failed', runner = NULL, updated_at = statement_timestamp(),
+    error = left(%(error)s, 500)
+WHERE id = %(id)s AND runner = %(runner)s
+RETURNING id;
+
+-- name: bulk_step
+-- One batch of a bulk action, one transaction. It walks the jobs of the
+-- action's state (the literal {state}) in keyset order by {key} DESC, id DESC
+-- from the cursor, over at most %(batch)s index entries, whatever the filter
+-- matches: a selective filter costs as much per batch as a broad one, never a
+-- whole scan. The matching rows (review_matching, {matching}, with the
+-- confirmation's cutoff) get {effect}; the UPDATE states the state it
+-- expects, so a job a worker, recovery or another operator moved meanwhile is
+-- left alone. The action's row is locked first and only if %(runner)s still
+-- owns it running (else nothing happens and no row comes back); its counts
+-- and cursor move in the same commit as the jobs, so a crash loses nothing
+-- and a resumed action repeats nothing. Fewer entries than %(batch)s means
+-- the walk reached the end: the action is done. The changed ids come back
+-- only when %(want_ids)s (the command line lists them; the page does not).
+WITH action AS MATERIALIZED (
+  SELECT a.id FROM {schema}.receipt_bulk_actions AS a
+  WHERE a.id = %(id)s AND a.runner = %(runner)s AND a.status = 'running'
+  FOR UPDATE
+), walked AS MATERIALIZED (
+  SELECT j.id, j.{key} AS k
+  FROM {schema}.receipt_jobs AS j
+  WHERE EXISTS (SELECT FROM action)
+    AND j.state = {state}
+    AND j.{cutoff_key} <= %(cutoff)s::timestamptz
+    AND (%(since)s::timestamptz IS NULL OR j.{key} >= %(since)s::timestamptz)
+    AND (%(until)s::timestamptz IS NULL OR j.{key} < %(until)s::timestamptz)
+    AND (%(after_at)s::timestamptz IS NULL
+         OR (j.{key}, j.id) < (%(after_at)s::timestamptz, %(after_id)s::uuid))
+  ORDER BY j.{key} DESC, j.id DESC
+  LIMIT %(batch)s
+), matched AS (
+  SELECT j.id
+  FROM walked AS w
+  JOIN {schema}.receipt_jobs AS j ON j.id = w.id
+  LEFT JOIN LATERAL (
+    SELECT h.reason, h.status FROM {schema}.receipt_attempts AS h
+    WHERE h.job_id = j.id AND (%(reason)s::text IS NOT NULL OR %(status)s::int IS NOT NULL)
+    ORDER BY h.seq DESC LIMIT 1
+  ) AS la ON true
+  WHERE {matching}
+), changed AS (
+  UPDATE {schema}.receipt_jobs AS j
+  SET {effect}
+  FROM matched AS m
+  WHERE j.id = m.id
+    AND j.state = {state}
+    AND j.{cutoff_key} <= %(cutoff)s::timestamptz
+  RETURNING j.id
+), last AS (
+  SELECT k, id FROM walked ORDER BY k, id LIMIT 1
+), progress AS (
+  UPDATE {schema}.receipt_bulk_actions AS a
+  SET examined = a.examined + (SELECT count(*) FROM walked),
+      changed = a.changed + (SELECT count(*) FROM changed),
+      batches = a.batches + 1,
+      cursor_at = coalesce((SELECT k FROM last), a.cursor_at),
+      cursor_id = coalesce((SELECT id FROM last), a.cursor_id),
+      status = CASE WHEN (SELECT count(*) FROM walked) < %(batch)s THEN 'done' ELSE 'running' END,
+      runner = CASE WHEN (SELECT count(*) FROM walked) < %(batch)s THEN NULL ELSE a.runner END,
+      finished_at = CASE WHEN (SELECT count(*) FROM walked) < %(batch)s
+                         THEN statement_timestamp() END,
+      updated_at = statement_timestamp()
+  FROM action
+  WHERE a.id = action.id
+  RETURNING a.examined, a.changed, a.status, a.cursor_at, a.cursor_id
+)
+SELECT p.examined, p.changed, p.status, p.cursor_at, p.cursor_id,
+       (SELECT count(*) FROM changed) AS batch_changed,
+       CASE WHEN %(want_ids)s THEN (SELECT array_agg(id) FROM changed) END AS changed_ids
+FROM progress AS p;
+
+-- name: retry_effect
+-- A fragment of bulk_step: what a retry does (as retry_jobs).
+state = 'ready',
+attempts = 0,
+run_at = statement_timestamp(),
+finished_at = NULL,
+last_error = 'manual retry after: ' || coalesce(j.last_error, 'unknown')
+
+-- name: discard_effect
+-- A fragment of bulk_step: what a discard does (as discard_jobs).
+state = 'discarded',
+finished_at = statement_timestamp()

@@ -1,0 +1,215 @@
+"""The least-privilege table: every statement has its rights, the printed text is exact."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import pytest
+
+from receipts import grants
+from receipts.grants import (
+    ATTEMPTS,
+    BULK_ACTIONS,
+    ENQUEUE_FUNCTION,
+    FLOW,
+    JOBS,
+    KINDS,
+    STATEMENTS,
+    UI_REVOKED,
+    WORKERS,
+    GrantsError,
+    Right,
+    grants_sql,
+    parse_assignments,
+    rights,
+)
+from receipts.statements import statements
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_every_statement_of_the_sql_files_has_its_rights_and_no_other_name_is_listed():
+    blocks = set(statements())
+    assert set(STATEMENTS) - grants.ELSEWHERE == blocks - grants.FRAGMENTS
+    assert blocks >= grants.FRAGMENTS
+    assert not grants.ELSEWHERE & blocks
+
+
+def _tables(need: grants.Need, *rights: str) -> set[str]:
+    named: set[str] = set()
+    for right in rights:
+        named |= set(getattr(need, right))
+        named |= set(getattr(need, f"{right}_columns", {}))
+    return named
+
+
+def test_every_statement_names_exactly_the_tables_its_line_gives_rights_on():
+    """The line of a statement lists every table its text names, and only those; a table
+    it inserts into, updates or deletes from has that right (whole or on columns)."""
+    texts = statements("q")
+    for name, need in STATEMENTS.items():
+        if name in grants.ELSEWHERE:
+            continue
+        text = texts[name]
+        named = set(re.findall(r'"q"\.(\w+)', text))
+        assert named == _tables(need, "select", "insert", "update", "delete"), name
+        inserted = set(re.findall(r'INSERT INTO "q"\.(\w+)', text))
+        updated = set(re.findall(r'UPDATE "q"\.(\w+)', text))
+        if "DO UPDATE" in text:
+            updated |= inserted
+        deleted = set(re.findall(r'DELETE FROM "q"\.(\w+)', text))
+        assert inserted <= _tables(need, "insert"), name
+        assert updated <= _tables(need, "update"), name
+        assert deleted == _tables(need, "delete"), name
+        if "FOR UPDATE" in text:
+            assert _tables(need, "update"), name
+
+
+def test_a_bulk_batch_may_write_what_either_effect_sets_and_no_more():
+    texts = statements()
+    effects = {name: set(re.findall(r"^(\w+) =", texts[f"{name}_effect"], re.M))
+               for name in ("retry", "discard")}
+    assert effects["retry"] == set(grants._RETRIED[JOBS])
+    assert effects["discard"] == set(grants._DISCARDED[JOBS]) < effects["retry"]
+    assert STATEMENTS["bulk_step"].update_columns == {JOBS: grants._RETRIED[JOBS]}
+
+
+def test_every_statement_is_run_by_a_known_kind_and_names_known_objects():
+    objects = set(grants.TABLES)
+    for name, need in STATEMENTS.items():
+        assert need.kinds and need.kinds <= set(KINDS) - {grants.OWNER}, name
+        named = {*need.select, *need.insert, *need.update, *need.delete,
+                 *need.insert_columns, *need.select_columns}
+        assert named <= objects, name
+
+
+def test_an_enqueue_only_role_gets_execute_on_the_function_and_nothing_on_any_table():
+    assert rights("enqueue") == {Right("schema", "USAGE"), Right(ENQUEUE_FUNCTION, "EXECUTE")}
+
+
+def test_the_python_enqueue_role_gets_column_rights_that_leave_state_and_lease_alone():
+    python = rights("enqueue-python")
+    assert {r for r in python if r.obj == JOBS} == {
+        Right(JOBS, "INSERT", c) for c in ("id", "order_id", "run_at", "traceparent")
+    } | {Right(JOBS, "SELECT", c) for c in ("id", "order_id")}
+    assert not any(r.column in ("state", "attempts", "lease_token") for r in python)
+
+
+def test_no_kind_but_recovery_may_delete_jobs_and_no_service_may_insert_jobs():
+    own = {"worker": {WORKERS}, "recover": {JOBS, ATTEMPTS},
+           "review": {BULK_ACTIONS, UI_REVOKED}}
+    for kind in set(KINDS) - {"owner"}:
+        deletes = {r.obj for r in rights(kind) if r.privilege == "DELETE"}
+        assert deletes == own.get(kind, set()), kind
+        whole_inserts = {r.obj for r in rights(kind) if r.privilege == "INSERT" and not r.column}
+        assert JOBS not in whole_inserts, kind
+
+
+def test_the_review_role_updates_only_the_columns_its_actions_write():
+    review = rights("review")
+    jobs = {r.column for r in review if r.obj == JOBS and r.privilege == "UPDATE"}
+    assert jobs == {"state", "attempts", "run_at", "finished_at", "last_error", "lease_token",
+                    "lease_until"}  # never order_id, traceparent or last_token
+    flow = {r.column for r in review if r.obj == FLOW and r.privilege == "UPDATE"}
+    assert flow == {"pause_reason", "paused_until", "pause_seconds", "probe_until",
+                    "pause_cause", "pause_cause_until", "pause_note", "paused_by", "paused_at"}
+    assert not flow & {"tokens", "tokens_at", "last_probe_at", "last_probe_outcome"}
+    # Recover now: the history record of an expired lease, as receipts recover writes it.
+    assert {Right(ATTEMPTS, "INSERT"), Right(ATTEMPTS, "UPDATE")} <= review
+    assert {r.obj for r in review if r.privilege == "SELECT"} == {
+        JOBS, FLOW, ATTEMPTS, WORKERS, BULK_ACTIONS, UI_REVOKED}
+
+
+def test_the_worker_alone_writes_heartbeats_and_nothing_of_the_console():
+    worker = rights("worker")
+    assert {r for r in worker if r.obj == WORKERS} == {
+        Right(WORKERS, p) for p in ("SELECT", "INSERT", "UPDATE", "DELETE")}
+    assert not any(r.obj in (BULK_ACTIONS, UI_REVOKED) for r in worker)
+    for kind in set(KINDS) - {"owner", "worker"}:
+        assert not any(r.obj == WORKERS and r.privilege != "SELECT" for r in rights(kind)), kind
+
+
+def test_the_printed_text_revokes_first_then_grants_each_table_once():
+    text = grants_sql(parse_assignments(["worker=receipts_worker"]), schema="shop",
+                      version="9.9")
+    lines = [ln for ln in text.splitlines() if ln and not ln.startswith("--")]
+    assert lines[0] == 'CREATE SCHEMA IF NOT EXISTS "shop";'
+    assert lines[1] == ('REVOKE ALL ON TABLE "shop".receipts_schema_migrations, '
+                        '"shop".receipt_jobs, "shop".receipt_flow, "shop".receipt_attempts, '
+                        '"shop".receipt_workers, "shop".receipt_bulk_actions, '
+                        '"shop".receipt_ui_revoked FROM "receipts_worker";')
+    assert 'GRANT SELECT, UPDATE ON TABLE "shop".receipt_jobs TO "receipts_worker";' in lines
+    assert 'GRANT pg_read_all_stats TO "receipts_worker";' in lines
+    assert sum("receipt_jobs TO" in ln for ln in lines) == 1
+
+
+def test_role_names_are_quoted_as_identifiers():
+    text = grants_sql({'odd"name': ["review"]}, schema="public")
+    assert 'TO "odd""name";' in text
+
+
+@pytest.mark.parametrize(("pairs", "message"), [
+    (["worker"], "is not KIND=ROLE"),
+    (["worker="], "is not KIND=ROLE"),
+    (["janitor=x"], "unknown kind 'janitor'"),
+    (["worker=pg_monitor"], "reserved"),
+    (["worker=public"], "reserved"),
+    (["worker=" + "x" * 64], "longer than 63 bytes"),
+    (["worker=a", "worker=b"], "given twice"),
+    (["owner=a", "worker=a"], "the owner has every right"),
+])
+def test_bad_assignments_are_refused_in_one_line(pairs, message):
+    with pytest.raises(GrantsError, match=message):
+        parse_assignments(pairs)
+
+
+def test_one_role_may_hold_several_kinds_and_gets_one_block():
+    roles = parse_assignments(["worker=svc", "recover=svc"])
+    assert roles == {"svc": ["worker", "recover"]}
+    text = grants_sql(roles, schema="public")
+    assert text.count('REVOKE ALL ON TABLE') == 1
+    assert 'GRANT SELECT, UPDATE, DELETE ON TABLE "public".receipt_jobs TO "svc";' in text
+
+
+def test_a_role_of_two_kinds_gets_the_whole_table_right_instead_of_the_columns():
+    text = grants_sql(parse_assignments(["worker=ops", "review=ops"]), schema="public")
+    assert 'GRANT SELECT, UPDATE ON TABLE "public".receipt_jobs TO "ops";' in text
+    assert 'GRANT SELECT, UPDATE ON TABLE "public".receipt_flow TO "ops";' in text
+    assert "UPDATE (" not in text
+
+
+def test_the_review_role_gets_column_updates_in_one_readable_line_per_table():
+    text = grants_sql(parse_assignments(["review=queue_review"]), schema="public")
+    assert ('GRANT SELECT, UPDATE (attempts, finished_at, last_error, lease_token, lease_until,'
+            ' run_at, state) ON TABLE "public".receipt_jobs TO "queue_review";') in text
+    assert 'GRANT SELECT, INSERT, DELETE ON TABLE "public".receipt_ui_revoked' in text
+
+
+def test_the_grants_the_readme_quotes_are_what_print_grants_prints():
+    """Every GRANT or REVOKE line the README quotes in full is printed as quoted; an elided
+    line (…) starts as printed."""
+    text = (ROOT / "README.md").read_text("utf-8")
+    quoted = [ln.strip() for ln in text.splitlines() if re.match(r"\s*(GRANT|REVOKE) ", ln)]
+    assert quoted
+    printed = grants_sql({"orders_app": ["enqueue"], "queue_worker": ["worker"]},
+                         schema="public").splitlines()
+    for line in quoted:
+        if "…" in line:
+            assert any(p.startswith(line.split("…")[0]) for p in printed), line
+        else:
+            assert line in printed, line
+
+
+def test_the_design_tables_rows_name_the_tables_each_kind_gets_rights_on():
+    text = (ROOT / "docs/design.md").read_text("utf-8")
+    section = text[text.index("### Least-privilege roles"):]
+    section = section[:section.index("\n## ")]
+    rows = dict(re.findall(r"^\| `([a-z-]+)` \| [^|]* \| (.*) \|$", section, re.M))
+    assert set(rows) == set(KINDS)
+    for kind in set(KINDS) - {"owner"}:
+        named = set(re.findall(r"`(receipts?_\w+)`", rows[kind])) - {"receipts_enqueue"}
+        tables = {r.obj for r in rights(kind) if r.obj in grants.TABLES}
+        assert named == tables, kind
+        member = any(r.privilege == "MEMBER" for r in rights(kind))
+        assert ("pg_read_all_stats" in rows[kind]) == member, kind
