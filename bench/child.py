@@ -105,16 +105,24 @@ class RecordingHttp:
 
 
 #: --transport choices: the HTTP client under the deliverer.
-TRANSPORTS = ("aiohttp", "httpx")
+TRANSPORTS = ("aiohttp", "aiohttp-via-httpx", "hand-written", "httpx")
 
 
 def http_deliverer(settings: Any, transport: str) -> Any:
     """The deliverer ``make_deliverer`` builds, over *transport* (:data:`TRANSPORTS`):
-    ``aiohttp`` (the default adapter) or ``httpx`` (httpx's own default transport,
-    httpcore + h11). (The hand-written HTTP/1.1 transport these were measured against
-    is gone; its figures are in bench/README.md.)"""
+
+    * ``aiohttp``: the default (:class:`receipts.transport.AiohttpTransport`'s
+      sender: no httpx request or response objects per delivery);
+    * ``aiohttp-via-httpx``: the same transport driven through httpx's
+      interface (an ``httpx.Request`` and ``httpx.Response`` per delivery),
+      as the deliverer drove it before the seam was thinned;
+    * ``hand-written``: the former HTTP/1.1 transport (:mod:`bench.handwritten`,
+      kept for this comparison only), under the same httpx interface;
+    * ``httpx``: httpx's own default transport (httpcore + h11).
+    """
     import httpx
 
+    from bench.handwritten import Http11Transport
     from receipts import transport as http
     from receipts.delivery import CONNECT_SECONDS, HttpDeliverer
 
@@ -123,6 +131,22 @@ def http_deliverer(settings: Any, transport: str) -> Any:
     chosen: httpx.AsyncBaseTransport
     if transport == "aiohttp":
         chosen = http.AiohttpTransport(max_connections=slots, connect_timeout_seconds=connect)
+    elif transport == "aiohttp-via-httpx":
+        inner = http.AiohttpTransport(max_connections=slots, connect_timeout_seconds=connect)
+
+        class ViaHttpx(httpx.AsyncBaseTransport):
+            """Forwards to the adapter; not an AiohttpTransport itself, so the
+            deliverer drives it through ``handle_async_request``."""
+
+            async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
+                return await inner.handle_async_request(request)
+
+            async def aclose(self) -> None:
+                await inner.aclose()
+
+        chosen = ViaHttpx()
+    elif transport == "hand-written":
+        chosen = Http11Transport(max_connections=slots, connect_timeout_seconds=connect)
     else:
         chosen = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=slots),
                                           trust_env=False)

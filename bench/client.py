@@ -2,8 +2,10 @@
 
 Starts the reference provider (``receipts provider``, ``--latency-ms``), then
 for each round runs one child process per transport (``bench.child``'s
-choices: ``aiohttp``, the deliverer's default; ``httpx``, httpx's own
-transport), alternating the order (A B, B A, …) so drift favours none. Each
+choices: ``aiohttp``, the deliverer's default; ``aiohttp-via-httpx``;
+``hand-written``, the former transport; ``httpx``, httpx's own transport;
+or a client library alone, :data:`RAW_CLIENTS`), alternating the order
+(A B, B A, …) so drift favours none. Each
 child sends ``--requests`` deliveries through :class:`receipts.delivery.HttpDeliverer`
 with ``--concurrency`` at once (fresh order ids: no replays), after a
 warm-up of one request per slot, with the worker's garbage-collector tuning
@@ -11,7 +13,10 @@ warm-up of one request per slot, with the worker's garbage-collector tuning
 installed). It prints the client process's own CPU (user + system,
 ``getrusage``) per request, and at the end each transport's median and its
 ratio to the first. No database: this is what a delivery costs in the HTTP
-client, beside the queue's share that ``bench.cycle`` includes.
+client, beside the queue's share that ``bench.cycle`` includes. A raw client
+(``raw-aiohttp``, ``curl_cffi``, ``pyreqwest``, ``aiosonic``; each but the
+first must be installed by hand, none is a dependency) sends the deliverer's
+request through the library's own API, without the deliverer.
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ import subprocess
 import sys
 import time
 import uuid
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from bench.child import TRANSPORTS
@@ -37,15 +43,99 @@ def _cpu() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+#: Clients sent to without the deliverer (``--transports``): the same request (method,
+#: headers, body) straight through each library's own API, the answer's body not read.
+#: Each but ``raw-aiohttp`` needs its package installed (none is a dependency).
+RAW_CLIENTS = ("raw-aiohttp", "curl_cffi", "pyreqwest", "aiosonic")
+
+
+async def _raw_client(kind: str, url: str, concurrency: int
+                      ) -> tuple[Callable[[Any], Awaitable[bool]], Callable[[], Awaitable[Any]]]:
+    """(send(job) → delivered?, close) for a library of :data:`RAW_CLIENTS`, configured as
+    the deliverer would be: no cookies, no redirects, no environment, no decompression."""
+    from receipts.delivery import HttpDeliverer
+
+    shape = HttpDeliverer(url, timeout_seconds=30)  # builds the body and headers only
+
+    def request(job: Any) -> tuple[bytes, dict[str, str]]:
+        return shape.body(job), dict(shape.headers(job))
+
+    if kind == "raw-aiohttp":
+        import aiohttp
+
+        session = aiohttp.ClientSession(
+            connector=aiohttp.TCPConnector(limit=concurrency, limit_per_host=0,
+                                           keepalive_timeout=4),
+            cookie_jar=aiohttp.DummyCookieJar(), auto_decompress=False, trust_env=False,
+            skip_auto_headers=("Accept-Encoding",),
+            timeout=aiohttp.ClientTimeout(total=None, sock_connect=5))
+
+        async def send_aiohttp(job: Any) -> bool:
+            body, headers = request(job)
+            response = await session.request("POST", url, data=body, headers=headers,
+                                             allow_redirects=False)
+            response.release()
+            return 200 <= response.status < 300
+        return send_aiohttp, session.close
+    if kind == "curl_cffi":
+        from curl_cffi import requests as curl
+
+        curl_session = curl.AsyncSession(max_clients=concurrency, trust_env=False,
+                                         allow_redirects=False, timeout=30)
+
+        async def send_curl(job: Any) -> bool:
+            body, headers = request(job)
+            response = await curl_session.post(url, data=body, headers=headers)
+            return bool(200 <= response.status_code < 300)
+        return send_curl, curl_session.close
+    if kind == "pyreqwest":
+        from pyreqwest.client import ClientBuilder
+
+        client = ClientBuilder().max_connections(concurrency).build()
+        await client.__aenter__()
+
+        async def send_pyreqwest(job: Any) -> bool:
+            body, headers = request(job)
+            response = await client.post(url).headers(headers).body_bytes(body).build().send()
+            return 200 <= int(response.status) < 300
+        return send_pyreqwest, client.close
+    if kind == "aiosonic":
+        import aiosonic
+        from aiosonic.connectors import TCPConnector
+        from aiosonic.pools import PoolConfig
+
+        sonic = aiosonic.HTTPClient(
+            connector=TCPConnector(pool_configs={":default": PoolConfig(size=concurrency)}))
+
+        async def send_sonic(job: Any) -> bool:
+            body, headers = request(job)
+            response = await sonic.post(url, data=body, headers=headers)
+            await response.content()
+            return bool(200 <= response.status_code < 300)
+
+        async def close_sonic() -> None:
+            await sonic.connector.cleanup()
+        return send_sonic, close_sonic
+    raise ValueError(f"unknown client {kind!r}")
+
+
 async def _run(url: str, transport: str, requests: int, concurrency: int) -> dict[str, Any]:
     from bench.child import http_deliverer
-    from receipts.model import Job, Verdict
+    from receipts.model import Job
     from receipts.runtime import worker_gc
     from receipts.settings import load_settings
 
-    settings = load_settings(database_url="postgresql://bench@127.0.0.1:9/none",
-                             provider_url=url, concurrency=concurrency)
-    deliverer = http_deliverer(settings, transport)
+    send: Callable[[Any], Awaitable[bool]]
+    if transport in RAW_CLIENTS:
+        send, close = await _raw_client(transport, url, concurrency)
+    else:
+        settings = load_settings(database_url="postgresql://bench@127.0.0.1:9/none",
+                                 provider_url=url, concurrency=concurrency)
+        deliverer = http_deliverer(settings, transport)
+
+        async def send_delivery(job: Any) -> bool:
+            return (await deliverer.deliver(job)).status in range(200, 300)
+        send, close = send_delivery, deliverer.aclose
     prefix = uuid.uuid4().hex[:8]
     jobs = iter([Job(uuid.uuid4(), f"{prefix}-{i}", uuid.uuid4(), 1)
                  for i in range(requests + concurrency)])
@@ -54,7 +144,7 @@ async def _run(url: str, transport: str, requests: int, concurrency: int) -> dic
     async def slot(count: int | None) -> None:
         nonlocal failed
         for n, job in enumerate(jobs):
-            if (await deliverer.deliver(job)).verdict is not Verdict.DELIVERED:
+            if not await send(job):
                 failed += 1
             if count is not None and n + 1 >= count:
                 return
@@ -64,7 +154,7 @@ async def _run(url: str, transport: str, requests: int, concurrency: int) -> dic
         cpu, wall = _cpu(), time.monotonic()
         await asyncio.gather(*(slot(None) for _ in range(concurrency)))
         cpu, wall = _cpu() - cpu, time.monotonic() - wall
-    await deliverer.aclose()
+    await close()
     return {"transport": transport, "cpu_us_per_request": cpu / requests * 1e6,
             "requests_per_second": requests / wall, "failed": failed}
 
@@ -83,7 +173,7 @@ def child(argv: list[str]) -> None:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.client", description=__doc__.split("\n")[0])
     p.add_argument("--transports", default="aiohttp,httpx",
-                   help=f"comma-separated, of {', '.join(TRANSPORTS)}")
+                   help=f"comma-separated, of {', '.join(TRANSPORTS + RAW_CLIENTS)}")
     p.add_argument("--rounds", type=int, default=4)
     p.add_argument("--requests", type=int, default=10_000)
     p.add_argument("--concurrency", type=int, default=32)

@@ -45,9 +45,13 @@ _FILE = re.compile(r"\((?P<file>[^()]+):\d+\)$")
 AREAS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("database: psycopg, pool, queue statements",
      ("psycopg/", "psycopg_pool/", "receipts/jobqueue.py", "receipts/db.py")),
-    ("HTTP: aiohttp's client, the adapter, delivery, httpx models, JSON",
-     ("receipts/transport.py", "receipts/delivery.py", "httpx/", "json/", "aiohttp/",
-      "multidict/", "yarl/")),
+    ("HTTP client: aiohttp (incl. the socket send), multidict, yarl",
+     ("aiohttp/", "multidict/", "yarl/", "aiohappyeyeballs/", "propcache/")),
+    ("HTTP client: the former hand-written transport (incl. the socket send)",
+     ("bench/handwritten.py",)),
+    ("HTTP: our adapter, deliverer and deadlines, httpx models, JSON",
+     ("receipts/transport.py", "receipts/delivery.py", "receipts/deadlines.py", "httpx/",
+      "json/")),
     ("event loop, sockets, timers: asyncio, selectors", ("asyncio/", "selectors.py")),
     ("worker: loop, completer, flow gate, metrics",
      ("receipts/worker.py", "receipts/completion.py", "receipts/flow.py",
@@ -105,6 +109,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--jobs", type=int, default=20_000)
     p.add_argument("--seconds", type=float, default=6.0, help="sampling time from go")
     p.add_argument("--admission", action="store_true", help="admission control on")
+    p.add_argument("--transport", help="the HTTP client under the deliverer (bench.child "
+                                       "--transport; default: what `receipts worker` builds)")
     p.add_argument("--out", type=Path, help="default bench/results/profile_<scenario>.txt")
     args = p.parse_args(argv)
     out = args.out or RESULTS / f"profile_{args.scenario}.txt"
@@ -115,7 +121,8 @@ def main(argv: list[str] | None = None) -> int:
             raw_path = os.path.join(tmp, "profile.raw")
             result = scenarios.receipts_drain(
                 bench, jobs=args.jobs, processes=1, admission=args.admission,
-                profile=raw_path, profile_seconds=args.seconds, **SCENARIOS[args.scenario])
+                profile=raw_path, profile_seconds=args.seconds, transport=args.transport,
+                **SCENARIOS[args.scenario])
             raw = Path(raw_path).read_text() if os.path.exists(raw_path) else ""
     finally:
         bench.cleanup()
@@ -125,7 +132,8 @@ def main(argv: list[str] | None = None) -> int:
         f"scenario {args.scenario} {SCENARIOS[args.scenario]}, {args.jobs:,} jobs, admission "
         f"control {'on' if args.admission else 'off'}.",
         f"# python -m bench.profile --scenario {args.scenario} --jobs {args.jobs}"
-        f"{' --admission' if args.admission else ''}",
+        f"{' --admission' if args.admission else ''}"
+        f"{f' --transport {args.transport}' if args.transport else ''}",
         f"# {result['jobs_per_second']:,.0f} jobs/s, {result['worker_cpu_us_per_job']:.0f} µs of "
         f"worker CPU per job over the whole drain; load average at start "
         f"{tuple(round(x, 2) for x in load)}",

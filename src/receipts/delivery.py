@@ -1,4 +1,4 @@
-"""Receipt delivery over HTTP (httpx): ``deliver(job) → Outcome``; no database access.
+"""Receipt delivery over HTTP: ``deliver(job) → Outcome``; no database access.
 
 The contract (docs/design.md §3): POST a JSON body naming the order to the provider
 with ``Idempotency-Key: receipt:<order_id>``, the same on every attempt, and an
@@ -21,8 +21,10 @@ connect error, nothing sent        retry      ``connect_error``
 =================================  =========  ==================================
 
 The whole exchange, body included, is bounded by one deadline
-(``delivery_timeout_seconds``), and at most ``MAX_BODY_BYTES`` of the response
-are read, so a slow-drip or 50 MB answer cannot hold a slot or memory.
+(``delivery_timeout_seconds``, kept within ``deadlines.RESOLUTION_SECONDS``
+by :class:`~receipts.deadlines.Deadlines`), and at most ``MAX_BODY_BYTES`` of
+the response are read, so a slow-drip or 50 MB answer cannot hold a slot or
+memory.
 """
 
 from __future__ import annotations
@@ -32,17 +34,18 @@ import base64
 import json
 import ssl
 from collections.abc import Callable
-from typing import Protocol, cast
+from typing import Protocol
 
 import certifi
 import httpx
 
 from receipts import tracing
+from receipts.deadlines import Deadlines
 from receipts.model import Job, Outcome, Reason, Verdict
 from receipts.proxy import ProxyChoice
 from receipts.retry import parse_retry_after
 from receipts.settings import redact_dsn
-from receipts.transport import AiohttpBody, AiohttpTransport
+from receipts.transport import AiohttpTransport, Answer, HeaderLookup, Send, httpx_sender
 
 MAX_BODY_BYTES = 64 * 1024
 #: Most time spent connecting (TCP and TLS), seconds (never more than the deadline).
@@ -67,8 +70,11 @@ class Deliverer(Protocol):
         ...
 
 
-def classify(status: int, headers: httpx.Headers, body: bytes) -> Outcome:
-    """Map an HTTP response to an :class:`Outcome` (the table in this module)."""
+def classify(status: int, headers: HeaderLookup, body: bytes) -> Outcome:
+    """Map an HTTP response to an :class:`Outcome` (the table in this module).
+
+    *headers*: case-insensitive ``get`` (aiohttp's or httpx's headers).
+    """
     retry_after = parse_retry_after(headers.get("retry-after"), date_header=headers.get("date"))
     retry = Verdict.RETRY
     if 200 <= status < 300:
@@ -135,21 +141,26 @@ class TLSFileError(ValueError):
 
 
 class HttpDeliverer:
-    """Deliver receipts over HTTP: httpx requests and responses over aiohttp's client.
+    """Deliver receipts over HTTP: aiohttp's client, httpx's exceptions.
 
-    Each delivery builds one ``httpx.Request`` and hands it to the transport
-    (by default :class:`~receipts.transport.AiohttpTransport`, whose module
-    doc says how it fails and when it sends a request again); the answer is
-    an ``httpx.Response`` and failures are httpx's exceptions, classified by
-    the table of this module. ``httpx.AsyncClient`` is not used: its
-    per-request machinery (auth flow, redirects, cookies, event hooks) costs
-    CPU and does nothing this contract wants (redirects are never followed,
-    cookies never kept; the proxy is chosen once, at start).
+    Each delivery sends one request through a :data:`~receipts.transport.Send`
+    of the transport (by default :class:`~receipts.transport.AiohttpTransport`,
+    whose module doc says how it fails and when it sends a request again):
+    method, header pairs and body in, an :class:`~receipts.transport.Answer`
+    out, failures as httpx's exceptions, classified by the table of this
+    module. No ``httpx.Request`` or ``httpx.Response`` is built per delivery
+    on the default transport (they cost measurable CPU, bench/README.md); any
+    other ``httpx.AsyncBaseTransport`` is driven through its
+    ``handle_async_request`` (:func:`~receipts.transport.httpx_sender`).
+    ``httpx.AsyncClient`` is not used: its per-request machinery (auth flow,
+    redirects, cookies, event hooks) costs CPU and does nothing this contract
+    wants (redirects are never followed, cookies never kept; the proxy is
+    chosen once, at start).
 
     The request: ``POST`` to *url* with ``Host``, ``User-Agent``, ``Accept:
     */*``, ``Content-Type: application/json``, ``Authorization`` (``Bearer``
     *token*; without a token, ``Basic`` from the URL's userinfo, as httpx
-    did), ``Idempotency-Key`` (UTF-8 bytes), ``X-Receipts-Attempt`` and
+    did), ``Idempotency-Key`` (UTF-8), ``X-Receipts-Attempt`` and
     ``Content-Length``; no ``Accept-Encoding``, so answers arrive
     uncompressed and a failure's reason is readable.
 
@@ -160,8 +171,9 @@ class HttpDeliverer:
         max_connections: most exchanges (and connections) at once (normally the slot count).
         tls: the TLS context for an ``https`` provider (see :func:`tls_context`;
             default: the public CAs).
-        transport: any ``httpx.AsyncBaseTransport`` instead of the default
-            (tests and the benchmark pass ``httpx.AsyncHTTPTransport`` to compare).
+        transport: an :class:`~receipts.transport.AiohttpTransport` of the
+            caller's, or any ``httpx.AsyncBaseTransport`` (tests and the
+            benchmark pass ``httpx.AsyncHTTPTransport`` to compare).
         proxy: the egress proxy (:func:`receipts.proxy.choose_proxy`, or its URL);
             None: a direct connection. Only the default transport uses it.
     """
@@ -183,57 +195,58 @@ class HttpDeliverer:
         given = httpx.URL(url)
         # Credentials in the URL become the Authorization header below; the URL
         # the client sees carries none (nor a fragment, never sent).
-        self._url = given.copy_with(userinfo=b"", fragment=None)
+        target = given.copy_with(userinfo=b"", fragment=None)
         connect = min(CONNECT_SECONDS, timeout_seconds)
         if transport is None:
-            if tls is None and self._url.scheme == "https":
+            if tls is None and target.scheme == "https":
                 tls = tls_context()  # loads the CA bundle (costs CPU): only when needed
             transport = AiohttpTransport(tls=tls, max_connections=max(1, max_connections),
                                          connect_timeout_seconds=connect, proxy=self.proxy.url)
         self._transport = transport
         # The outer deadline bounds every phase; connect and pool keep their own.
-        self._extensions = {"timeout": {"connect": connect, "read": None, "write": None,
-                                        "pool": timeout_seconds}}
+        timeouts = {"connect": connect, "read": None, "write": None, "pool": timeout_seconds}
+        self._send: Send = (
+            transport.sender(str(target), timeouts) if isinstance(transport, AiohttpTransport)
+            else httpx_sender(transport, str(target), timeouts))
+        # Host is the client's to write (from the URL; the origin's behind a proxy).
         headers = [
-            (b"Host", self._url.netloc),
-            (b"User-Agent", USER_AGENT.encode("ascii")),
-            (b"Accept", b"*/*"),
-            (b"Content-Type", b"application/json"),
+            ("User-Agent", USER_AGENT),
+            ("Accept", "*/*"),
+            ("Content-Type", "application/json"),
         ]
         if token:
-            headers.append((b"Authorization", b"Bearer " + token.encode("utf-8")))
+            headers.append(("Authorization", "Bearer " + token))
         elif given.userinfo:
             userpass = f"{given.username}:{given.password}".encode()
-            headers.append((b"Authorization", b"Basic " + base64.b64encode(userpass)))
+            headers.append(("Authorization", "Basic " + base64.b64encode(userpass).decode()))
         self._headers = headers
         self._secrets = self.proxy.secrets()
+        # One timer for every delivery's deadline (asyncio.timeout arms one per call).
+        self._deadlines = Deadlines()
         if _TRACING:  # decided once: no extra coroutine per delivery without it
             self.deliver = self._traced_deliver  # type: ignore[method-assign]
 
     async def aclose(self) -> None:
         """Close the transport's connections."""
+        self._deadlines.close()
         await self._transport.aclose()
 
-    def request(self, job: Job) -> httpx.Request:
-        """The ``httpx.Request`` that delivers *job* (the same bytes on every attempt
-        but ``X-Receipts-Attempt``)."""
-        key = job.idempotency_key
+    def body(self, job: Job) -> bytes:
+        """The request body for *job*: compact JSON, byte-identical on every attempt."""
         # The bytes json.dumps({...}, separators=(",", ":")) gives, without its
         # per-call machinery: every string through the same C escaper.
-        body = b'{"order_id":%s,"job_id":"%s","idempotency_key":%s}' % (
+        return b'{"order_id":%s,"job_id":"%s","idempotency_key":%s}' % (
             _quote(job.order_id).encode("ascii"), str(job.id).encode("ascii"),
-            _quote(key).encode("ascii"))
-        # Idempotency-Key as UTF-8 bytes: an order id such as "ørder-1" is valid.
-        headers = [
-            *self._headers,
-            (b"Idempotency-Key", key.encode("utf-8")),
-            (b"X-Receipts-Attempt", b"%d" % job.attempt),
-            (b"Content-Length", b"%d" % len(body)),
-        ]
+            _quote(job.idempotency_key).encode("ascii"))
+
+    def headers(self, job: Job) -> list[tuple[str, str]]:
+        """The request headers for *job* (the same on every attempt but
+        ``X-Receipts-Attempt``; the client adds ``Content-Length``)."""
+        headers = [*self._headers, ("Idempotency-Key", job.idempotency_key),
+                   ("X-Receipts-Attempt", str(job.attempt))]
         if _TRACING and (traceparent := tracing.current_traceparent()):
-            headers.append((b"traceparent", traceparent.encode("ascii")))
-        return httpx.Request("POST", self._url, headers=headers, stream=httpx.ByteStream(body),
-                             extensions=self._extensions)
+            headers.append(("traceparent", traceparent))
+        return headers
 
     async def reach(self) -> int:
         """Send one ``OPTIONS`` request to the provider URL through the delivery transport
@@ -244,12 +257,10 @@ class HttpDeliverer:
         answer comes within the delivery timeout, and httpx's transport errors
         (``httpx.ConnectError``, ``httpx.TransportError``, ...) when none can.
         """
-        request = httpx.Request("OPTIONS", self._url, extensions=self._extensions,
-                                headers=[*self._headers, (b"Content-Length", b"0")])
         async with asyncio.timeout(self.timeout_seconds):
-            response = await self._transport.handle_async_request(request)
-            await response.aclose()
-        return response.status_code
+            answer = await self._send("OPTIONS", self._headers, b"")
+            await answer.release()
+        return answer.status
 
     def _detail(self, exc: BaseException) -> str:
         return _short(exc, self._secrets)
@@ -264,50 +275,46 @@ class HttpDeliverer:
         span linked to the enqueuing trace, and the provider gets its
         ``traceparent`` (:mod:`receipts.tracing`).
         """
-        request = self.request(job)
+        body = self.body(job)
+        headers = self.headers(job)
         loop = asyncio.get_running_loop()
         deadline = loop.time() + self.timeout_seconds
-        response: httpx.Response | None = None
+        answer: Answer | None = None
         data = bytearray()
         try:
             # One deadline for the whole exchange; reading a 2xx body gets at most
             # SUCCESS_BODY_SECONDS of it (the answer is known from the status line).
-            async with asyncio.timeout_at(deadline) as scope:
-                response = await self._transport.handle_async_request(request)
-                stream = response.stream
-                if response.is_success:
-                    if isinstance(stream, AiohttpBody) and stream.skip_buffered():
+            with self._deadlines.at(deadline) as scope:
+                answer = await self._send("POST", headers, body)
+                if 200 <= answer.status < 300:
+                    if answer.complete():
                         # The usual small 2xx: its body came with the head.
-                        return Outcome(Verdict.DELIVERED, Reason.DELIVERED, response.status_code)
+                        return Outcome(Verdict.DELIVERED, Reason.DELIVERED, answer.status)
                     scope.reschedule(min(deadline, loop.time() + SUCCESS_BODY_SECONDS))
                 # Read a bounded prefix: a 2xx body only so its connection is
-                # reused, a failure's for its reason. The raw stream, not
-                # aiter_raw(): no decoding to do, and its bookkeeping costs CPU.
-                async for chunk in cast(httpx.AsyncByteStream, stream):
-                    data += chunk
-                    if len(data) >= MAX_BODY_BYTES:
-                        break
+                # reused, a failure's for its reason.
+                await answer.read_into(data, MAX_BODY_BYTES)
         except TimeoutError:
-            if response is None:
+            if answer is None:
                 return Outcome(Verdict.RETRY, Reason.TIMEOUT, None, None,
                                f"no answer within {self.timeout_seconds:g}s")
         except NOTHING_SENT as exc:
             return Outcome(Verdict.RETRY, Reason.CONNECT_ERROR, None, None, self._detail(exc))
         except httpx.TimeoutException as exc:
-            if response is None:
+            if answer is None:
                 return Outcome(Verdict.RETRY, Reason.TIMEOUT, None, None, self._detail(exc))
         except (httpx.TransportError, httpx.DecodingError) as exc:
-            if response is None:
+            if answer is None:
                 return Outcome(Verdict.RETRY, Reason.CONNECTION_LOST, None, None, self._detail(exc))
         except httpx.InvalidURL as exc:
             return Outcome(Verdict.RETRY, Reason.CONNECT_ERROR, None, None, self._detail(exc))
         finally:
-            if response is not None:
-                await response.aclose()
-        assert response is not None
-        if response.is_success:
-            return Outcome(Verdict.DELIVERED, Reason.DELIVERED, response.status_code)
-        return classify(response.status_code, response.headers, bytes(data))
+            if answer is not None:
+                await answer.release()
+        assert answer is not None
+        if 200 <= answer.status < 300:
+            return Outcome(Verdict.DELIVERED, Reason.DELIVERED, answer.status)
+        return classify(answer.status, answer.headers, bytes(data))
 
 
 #: Failures that happen before any byte of the request reached the provider

@@ -1,8 +1,12 @@
-"""httpx's transport interface over aiohttp's client: the deliverer's wire.
+"""aiohttp's client as the deliverer's wire, with httpx's exceptions and interface.
 
-:class:`AiohttpTransport` is an ``httpx.AsyncBaseTransport``: the delivery
-code builds ``httpx.Request`` objects, gets ``httpx.Response`` objects back
-and catches httpx's exceptions; aiohttp (a maintained client with llhttp, a
+:class:`AiohttpTransport` offers two doors onto one exchange. The deliverer's
+is :meth:`AiohttpTransport.sender`: method, header pairs and body in, an
+:class:`Answer` out, no per-request objects of ours beyond it (the seam is
+thin because each layer costs CPU per delivery, bench/README.md). The other
+is httpx's: it is an ``httpx.AsyncBaseTransport`` (``httpx.Request`` in,
+``httpx.Response`` out), for tests and for anything written against httpx.
+Both raise httpx's exceptions. aiohttp (a maintained client with llhttp, a
 C parser) does the protocol: framing, keep-alive pooling, TLS (the caller's
 ``ssl.SSLContext``: private CA, client certificate, SNI and host name
 checks), proxies (``CONNECT`` for ``https``), response-head limits and read
@@ -36,18 +40,20 @@ a scheme other than http/https                         ``httpx.UnsupportedProtoc
 =====================================================  ==============================
 
 Timeouts come from the request's ``timeout`` extension (``connect``,
-``read``, ``pool``; seconds, None for none); callers that need one deadline
-for the whole exchange wrap the call and the body read in ``asyncio.timeout``
-(cancellation at any point closes the connection).
+``read``, ``pool``; seconds, None for none), or the sender's, converted once;
+callers that need one deadline for the whole exchange wrap the call and the
+body read in a deadline (``asyncio.timeout``, :mod:`receipts.deadlines`):
+cancellation at any point closes the connection.
 """
 
 from __future__ import annotations
 
 import contextvars
+import functools
 import re
 import ssl
-from collections.abc import AsyncIterator
-from typing import Any
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 import aiohttp
 import httpx
@@ -160,6 +166,132 @@ class AiohttpBody(httpx.AsyncByteStream):
         self._response.release()
 
 
+#: Request headers for :data:`Send`: (name, value) pairs, in order.
+Headers = Sequence[tuple[str, str]]
+
+
+class HeaderLookup(Protocol):
+    """Case-insensitive access to an answer's headers (aiohttp's and httpx's both are)."""
+
+    def get(self, name: str, /) -> str | None:
+        """The first value of the header *name*, or None."""
+        ...
+
+
+class Answer(Protocol):
+    """A provider's answer as the deliverer reads it: the head has arrived, the body may not.
+
+    Attributes:
+        status: the HTTP status code.
+        headers: the answer's headers (:class:`HeaderLookup`).
+    """
+
+    status: int
+    headers: HeaderLookup
+
+    def complete(self) -> bool:
+        """True when the whole body has already arrived (nothing to read or wait for)."""
+        ...
+
+    async def read_into(self, buffer: bytearray, limit: int) -> None:
+        """Append the body to *buffer* until it ends or *buffer* holds *limit* bytes.
+
+        Raises the httpx exceptions of the module doc (a body cut short: a
+        ``RemoteProtocolError``); what arrived before stays in *buffer*.
+        """
+        ...
+
+    async def release(self) -> None:
+        """Give the connection back (body complete, reusable) or close it."""
+        ...
+
+
+#: Sends one request (method, headers, body) to a fixed URL; returns its :class:`Answer`.
+Send = Callable[[str, Headers, bytes], Awaitable[Answer]]
+
+
+class AiohttpAnswer:
+    """An :class:`Answer` over aiohttp's response (its headers: a case-insensitive multidict)."""
+
+    __slots__ = ("_response", "headers", "status")
+
+    def __init__(self, response: aiohttp.ClientResponse) -> None:
+        self._response = response
+        self.status: int = response.status
+        self.headers: HeaderLookup = response.headers
+
+    def complete(self) -> bool:
+        """True when the whole body has arrived (aiohttp then gives the connection back
+        to its pool by itself; :meth:`release` only marks the answer done)."""
+        return self._response.content.is_eof()
+
+    async def read_into(self, buffer: bytearray, limit: int) -> None:
+        """Append the body to *buffer* until its end or *limit* bytes."""
+        content = self._response.content
+        try:
+            while len(buffer) < limit:
+                chunk = await content.readany()
+                if not chunk:
+                    return
+                buffer += chunk
+        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
+            raise _translate(exc) from exc
+
+    async def release(self) -> None:
+        """Give the connection back (body complete, reusable) or close it."""
+        self._response.release()
+
+
+class HttpxAnswer:
+    """An :class:`Answer` over an ``httpx.Response`` from any httpx transport."""
+
+    __slots__ = ("_response", "headers", "status")
+
+    def __init__(self, response: httpx.Response) -> None:
+        self._response = response
+        self.status: int = response.status_code
+        self.headers: HeaderLookup = response.headers
+
+    def complete(self) -> bool:
+        """True when the transport's stream says its body has wholly arrived
+        (a stream with a ``skip_buffered()`` method, such as :class:`AiohttpBody`)."""
+        skip = getattr(self._response.stream, "skip_buffered", None)
+        return bool(skip is not None and skip())
+
+    async def read_into(self, buffer: bytearray, limit: int) -> None:
+        """Append the raw body (no decoding) to *buffer* until its end or *limit* bytes."""
+        stream = self._response.stream
+        assert isinstance(stream, httpx.AsyncByteStream)
+        async for chunk in stream:
+            buffer += chunk
+            if len(buffer) >= limit:
+                return
+
+    async def release(self) -> None:
+        """Close the response (the transport decides whether its connection is kept)."""
+        await self._response.aclose()
+
+
+def httpx_sender(transport: httpx.AsyncBaseTransport, url: str,
+                 timeouts: Mapping[str, float | None] | None = None) -> Send:
+    """A :data:`Send` for *url* over any httpx transport (httpx's own, for comparisons):
+    each call builds an ``httpx.Request`` (``Host`` from *url* first, values as UTF-8
+    bytes, ``Content-Length`` from the body) with *timeouts* as its ``timeout``
+    extension."""
+    target = httpx.URL(url)
+    host = (b"Host", target.netloc)
+    extensions = {"timeout": dict(timeouts)} if timeouts is not None else {}
+
+    async def send(method: str, headers: Headers, body: bytes) -> Answer:
+        raw = [host, *((name.encode("ascii"), value.encode("utf-8", "surrogateescape"))
+                       for name, value in headers)]
+        raw.append((b"Content-Length", b"%d" % len(body)))
+        request = httpx.Request(method, target, headers=raw, stream=httpx.ByteStream(body),
+                                extensions=extensions)
+        return HttpxAnswer(await transport.handle_async_request(request))
+    return send
+
+
 class AiohttpTransport(httpx.AsyncBaseTransport):
     """httpx's transport interface over aiohttp's client (module doc: what it raises).
 
@@ -210,21 +342,33 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             proxy=self._proxy, max_line_size=MAX_HEADER_LINE_BYTES,
             max_field_size=MAX_HEADER_LINE_BYTES, max_headers=MAX_RESPONSE_HEADERS)
 
+    def sender(self, url: str, timeouts: Mapping[str, float | None] | None = None) -> Send:
+        """A :data:`Send` for *url* (``http``/``https``, percent-encoded as httpx gives it):
+        the deliverer's path, without httpx's request and response objects.
+
+        *timeouts* as httpx's ``timeout`` extension (``connect``, ``read``,
+        ``pool``; seconds, None for none), converted once. Each call sends one
+        request and returns its :class:`Answer` once the head has arrived;
+        header names must be valid tokens (the caller's constants: not checked
+        per request), values are checked by aiohttp. Raises the httpx
+        exceptions of the module doc.
+        """
+        # A partial, not a closure: no extra coroutine frame per request.
+        return functools.partial(self._send, URL(url, encoded=True),
+                                 _client_timeout(timeouts, self._default_timeout))
+
     async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
         """Send *request*; return its response once the head has arrived.
 
         The body streams from ``response.stream`` (an :class:`AiohttpBody`);
         closing the response gives the connection back. Raises the httpx
-        exceptions of the module doc.
+        exceptions of the module doc (``LocalProtocolError`` for a header name
+        that is no token).
         """
-        session = self._session
-        if session is None:
-            session = self._session = self._new_session(fresh=False)
         raw_url = str(request.url)
         if raw_url != self._url_key:
             self._url = URL(raw_url, encoded=True)
             self._url_key = raw_url
-        url = self._url
         headers = []
         for name, value in request.headers.raw:
             if name in _FRAMING:
@@ -235,16 +379,31 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
         body = request.read() if isinstance(request.stream, httpx.ByteStream) else (
             await request.aread())
         timeouts = request.extensions.get("timeout")
-        if timeouts is not self._timeouts_key:  # the deliverer passes one dict every time
+        if timeouts is not self._timeouts_key:  # callers pass one dict every time
             self._timeouts_key = timeouts
             self._timeout = _client_timeout(timeouts, self._default_timeout)
-        timeout = self._timeout
+        response = (await self._send(self._url, self._timeout, request.method, headers,
+                                     body))._response
+        return httpx.Response(
+            response.status, headers=response.raw_headers, stream=AiohttpBody(response),
+            request=request,
+            extensions={"http_version": b"HTTP/1.1",
+                        "reason_phrase": (response.reason or "").encode("latin-1", "replace")},
+        )
+
+    async def _send(self, url: URL, timeout: aiohttp.ClientTimeout, method: str,
+                    headers: Headers, body: bytes) -> AiohttpAnswer:
+        """One request through aiohttp's session, resent once on a fresh connection when a
+        reused one died before its answer (module doc); aiohttp's errors as httpx's."""
+        session = self._session
+        if session is None:
+            session = self._session = self._new_session(fresh=False)
         _REUSED.set(False)
         try:
             try:
-                response = await session.request(request.method, url, data=body,
-                                                 headers=headers, allow_redirects=False,
-                                                 timeout=timeout)
+                return AiohttpAnswer(await session.request(
+                    method, url, data=body, headers=headers, allow_redirects=False,
+                    timeout=timeout))
             except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError,
                     aiohttp.ClientConnectionResetError) as exc:
                 if not (_REUSED.get() and _stale(exc)):
@@ -253,17 +412,11 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
                 fresh = self._fresh
                 if fresh is None:
                     fresh = self._fresh = self._new_session(fresh=True)
-                response = await fresh.request(request.method, url, data=body,
-                                               headers=headers, allow_redirects=False,
-                                               timeout=timeout)
+                return AiohttpAnswer(await fresh.request(
+                    method, url, data=body, headers=headers, allow_redirects=False,
+                    timeout=timeout))
         except (aiohttp.ClientError, OSError, TimeoutError, ValueError) as exc:
             raise _translate(exc) from exc
-        return httpx.Response(
-            response.status, headers=response.raw_headers, stream=AiohttpBody(response),
-            request=request,
-            extensions={"http_version": b"HTTP/1.1",
-                        "reason_phrase": (response.reason or "").encode("latin-1", "replace")},
-        )
 
     async def aclose(self) -> None:
         """Close every connection."""
