@@ -203,7 +203,7 @@ def receipts_pickup(bench: Bench, *, jobs: int, rate: float, listen: bool,
                     psycopg.connect(dsn, **PROBE) as probe:
                 # Measure from a running worker: a warm-up job done (and its LISTEN up).
                 with conn.transaction():
-                    enqueue(conn, "warm-up", notify=listen)
+                    enqueue(conn, "warm-up")
                 wait_until(lambda: remaining_jobs(probe) == 0
                            and (not listen or _sessions(probe, listening=True) > 0),
                            timeout_seconds=30)
@@ -214,7 +214,7 @@ def receipts_pickup(bench: Bench, *, jobs: int, rate: float, listen: bool,
                         time.sleep(delay)
                     order = f"p-{i}"
                     with conn.transaction():
-                        enqueue(conn, order, notify=listen)
+                        enqueue(conn, order)
                     committed[order] = time.time()
             with psycopg.connect(dsn, **PROBE) as probe:
                 wait_until(lambda: remaining_jobs(probe) == 0, timeout_seconds=60)

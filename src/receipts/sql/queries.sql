@@ -3,10 +3,35 @@
 -- Each state transition names the state it expects, so a late writer changes
 -- nothing. Time is always the database's statement_timestamp().
 
+-- name: enqueue_one
+-- One order's job, inside the caller's (order) transaction: the statement
+-- `receipts.enqueue()` sends. A plain single-row insert, so the checkout pays
+-- for the row and its three index entries (primary key, order_id, ready) and
+-- little else: the id is a UUIDv7 made by the client (its clock's
+-- milliseconds, then random bits: time-ordered ids go to the right edge of
+-- the primary key), and an order that already has a job is a no-op (ON
+-- CONFLICT: the unique order_id index is the arbiter; a concurrent enqueue of
+-- the same order waits for the first transaction and then does nothing).
+-- Returns the new id, or no row. No notification (see enqueue below). Cost:
+-- bench/README.md, "Checkout".
+INSERT INTO {schema}.receipt_jobs (id, order_id, run_at)
+VALUES (%(id)s, %(order_id)s, coalesce(%(run_at)s::timestamptz, now()))
+ON CONFLICT (order_id) DO NOTHING
+RETURNING id;
+
+-- name: enqueue_one_traced
+-- enqueue_one, also storing the enqueuing span's W3C traceparent (migration
+-- 0004); used only while a trace is active. Identical otherwise (tests/unit checks).
+INSERT INTO {schema}.receipt_jobs (id, order_id, run_at, traceparent)
+VALUES (%(id)s, %(order_id)s, coalesce(%(run_at)s::timestamptz, now()), %(traceparent)s)
+ON CONFLICT (order_id) DO NOTHING
+RETURNING id;
+
 -- name: enqueue
--- Runs inside the caller's (order) transaction, for one order or many in one
--- statement. The order ids arrive as ONE text, joined by U+001F (chr(31): a
--- control character, which no valid order id contains) and split here; n is
+-- Runs inside the caller's (order) transaction, for many orders in one
+-- statement (`enqueue_many`). The order ids arrive as ONE text, joined by
+-- U+001F (chr(31): a control character, which no valid order id contains) and
+-- split here; n is
 -- each id's 1-based position (the two set-returning functions of the subquery
 -- run in lockstep, and stream: unnest(...) WITH ORDINALITY in FROM would copy
 -- all rows into a tuplestore first). The LIMIT changes no result (count is the
@@ -25,10 +50,10 @@
 -- ids also made enqueue_many of 100,000 jobs ~40 % slower there). The low 62
 -- bits of an id are start + n, so the client places every new id at its
 -- position without the order id coming back (receipts.enqueue._aligned).
--- When at least one job is new and %(notify)s is true, pg_notify runs once;
--- listening workers wake when the transaction commits (identical notifications
--- of one transaction are delivered once). The count over `wake` makes that CTE
--- run: a CTE that nothing reads is never executed.
+-- No notification: a transaction that has called pg_notify takes one lock for
+-- the whole instance at commit and holds it through its WAL flush, which would
+-- serialise every enqueuing checkout (docs/design.md, "The checkout's commit
+-- path"). The fleet's waker wakes the workers (waker_probe).
 -- Cost (python -m bench.enqueue --runs 7: 100,000 new ids, durable embedded
 -- PostgreSQL 18, this 2-core VM at load 0.8–1.5, three sessions interleaved
 -- with the previous statement): median 1.66 s (1.18–1.91) against 1.92 s
@@ -55,12 +80,9 @@ WITH seed AS MATERIALIZED (
         LIMIT %(count)s) AS o
   ON CONFLICT (order_id) DO NOTHING
   RETURNING id
-), wake AS (
-  SELECT pg_notify(%(channel)s, '')
-  WHERE %(notify)s AND EXISTS (SELECT FROM new)
 )
 SELECT array_agg(new.id ORDER BY new.id), (SELECT start FROM seed)
-FROM new, (SELECT count(*) FROM wake) AS woken;
+FROM new;
 
 -- name: enqueue_traced
 -- enqueue, also storing the enqueuing span's W3C traceparent (migration 0004).
@@ -82,12 +104,9 @@ WITH seed AS MATERIALIZED (
         LIMIT %(count)s) AS o
   ON CONFLICT (order_id) DO NOTHING
   RETURNING id
-), wake AS (
-  SELECT pg_notify(%(channel)s, '')
-  WHERE %(notify)s AND EXISTS (SELECT FROM new)
 )
 SELECT array_agg(new.id ORDER BY new.id), (SELECT start FROM seed)
-FROM new, (SELECT count(*) FROM wake) AS woken;
+FROM new;
 
 -- name: claim
 -- {limit} is a literal per batch size: a bind parameter there lets a prepared
