@@ -108,6 +108,68 @@ WITH seed AS MATERIALIZED (
 SELECT array_agg(new.id ORDER BY new.id), (SELECT start FROM seed)
 FROM new;
 
+-- name: waker_lock
+-- Wake-ups (receipts/waker.py): try to become the fleet's waker. A session
+-- advisory lock on %(key)s (one per queue schema), taken on the pod's
+-- dedicated LISTEN session and held until that session ends: a killed pod or
+-- a dropped connection frees it. The winner's session also gets
+-- idle_session_timeout (PostgreSQL 14+): a waker queries every few tens of
+-- milliseconds, so a session idle that long belongs to a waker that stopped
+-- (a frozen process, a partition), and the server ends it.
+SELECT won,
+       CASE WHEN won AND current_setting('server_version_num')::int >= 140000
+            THEN set_config('idle_session_timeout', %(idle_timeout_ms)s, false) END
+FROM (SELECT pg_try_advisory_lock(%(key)s) AS won) AS attempt;
+
+-- name: waker_probe
+-- The elected waker's look at the queue, every few tens of milliseconds: the
+-- newest due, claimable ready job (the tail of the due part of the ready
+-- index, read backwards from now: one index probe however long the queue).
+-- When it differs from the tail the previous probe saw (%(seen_run_at)s,
+-- %(seen_id)s), new due work has appeared (a job committed, or a scheduled or
+-- retried one became due) and this statement notifies %(channel)s
+-- (receipts_ready) from its own short transaction, never an order's: every
+-- listening pod wakes, released 0.2.0 workers included. A tail that stays (a
+-- backlog being worked, a paused fleet) wakes nobody again; a paused fleet
+-- (the claim's pause rule) is not woken at all, its pods sleep until the
+-- pause ends. %(heartbeat)s also notifies the waker channel with the schema
+-- as payload, so the other pods know a waker is alive. Returns the tail
+-- (NULLs when nothing is due) and whether it woke the fleet.
+WITH tail AS (
+  SELECT run_at, id
+  FROM {schema}.receipt_jobs
+  WHERE state = 'ready'
+    AND run_at <= statement_timestamp()
+    AND attempts < %(max_attempts)s
+  ORDER BY run_at DESC, id DESC
+  LIMIT 1
+), decided AS (
+  SELECT t.run_at, t.id,
+         t.id IS NOT NULL
+         AND (t.run_at, t.id) IS DISTINCT FROM (%(seen_run_at)s::timestamptz, %(seen_id)s::uuid)
+         AND NOT EXISTS (
+           SELECT 1 FROM {schema}.receipt_flow
+           WHERE id = 1 AND pause_reason IS NOT NULL
+             AND NOT (pause_reason = 'retry_after' AND paused_until <= statement_timestamp())
+         ) AS wake
+  FROM (SELECT 1) AS one LEFT JOIN tail AS t ON true
+)
+SELECT run_at, id, wake,
+       CASE WHEN wake THEN pg_notify(%(channel)s, '') END,
+       CASE WHEN %(heartbeat)s THEN pg_notify(%(waker_channel)s, %(schema_name)s) END
+FROM decided;
+
+-- name: waker_step_down
+-- A waker that stops cleanly: release the lock (at once) and say so (the
+-- notification is delivered at this statement's commit), so another pod
+-- takes over without waiting for the heartbeat to fall silent.
+SELECT pg_advisory_unlock(%(key)s), pg_notify(%(waker_channel)s, %(payload)s);
+
+-- name: listen_check
+-- A LISTEN session that has heard nothing for a while: one round trip, so a
+-- half-open connection is found.
+SELECT 1;
+
 -- name: claim
 -- {limit} is a literal per batch size: a bind parameter there lets a prepared
 -- generic plan fall to a seq scan + hash join (docs/design.md §10).
