@@ -320,6 +320,8 @@ class Plan:
     python_clients: tuple[int, ...] = (1, 8, 32, 64)
     python_rounds: int = 2
     rowcost_clients: int = 32
+    #: throughput rows to run (None: all of :func:`job_parts`).
+    rows: tuple[str, ...] | None = None
     #: rowcost rows to run (None: all of :func:`rowcost_rows`).
     rowcost_only: tuple[str, ...] | None = None
     #: A fresh database per run (False: one per disk and part, for the smoke's speed).
@@ -394,10 +396,19 @@ def rowcost_rows() -> dict[str, tuple[str, str]]:
     no_conflict = receipts.replace("\nON CONFLICT (order_id) DO NOTHING", "")
     if no_conflict == receipts:
         raise RuntimeError("enqueue_one has no ON CONFLICT clause any more")
+    not_exists = receipts.replace("\nON CONFLICT (order_id) DO NOTHING", "").replace(
+        "VALUES (", "SELECT ").replace(
+        "now()))\nRETURNING", "now())\nWHERE NOT EXISTS (SELECT 1 FROM receipt_jobs"
+        " WHERE order_id = 'o' || :n)\nRETURNING")
+    if "WHERE NOT EXISTS" not in not_exists:
+        raise RuntimeError("enqueue_one changed shape")
+    v020 = v020_statement().rpartition(";\n")[0]  # without its pg_notify
     return {
         "order": ("", ""),
         "receipts": ("", receipts),
+        "0.2.0's one-statement enqueue, no pg_notify": ("", v020),
         "without ON CONFLICT": ("", no_conflict),
+        "NOT EXISTS pre-check instead of ON CONFLICT": ("", not_exists),
         "without receipt_jobs_ready": ("DROP INDEX receipt_jobs_ready", receipts),
         "without the unique order_id index": (
             "ALTER TABLE receipt_jobs DROP CONSTRAINT receipt_jobs_order_id_key", no_conflict),
@@ -645,6 +656,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--disks", help="comma-separated: local,slow")
     p.add_argument("--parts", help="comma-separated: throughput,rates,python,rowcost")
     p.add_argument("--flush-delay-ms", type=float, help="added to every flush on 'slow' (1)")
+    p.add_argument("--clients", help="comma-separated client counts (1,8,32,64)")
+    p.add_argument("--rows", help="comma-separated throughput rows (default: all)")
+    p.add_argument("--rate-rounds", type=int)
     p.add_argument("--out", type=Path, help=f"JSON output (default {DEFAULT_OUT}; --smoke: none)")
     args = p.parse_args(argv)
     plan = Plan.smoke() if args.smoke else Plan()
@@ -658,6 +672,12 @@ def main(argv: list[str] | None = None) -> int:
         plan.parts = tuple(args.parts.split(","))
     if args.flush_delay_ms is not None:
         plan.flush_delay_ms = args.flush_delay_ms
+    if args.clients:
+        plan.clients = plan.python_clients = tuple(int(c) for c in args.clients.split(","))
+    if args.rows:
+        plan.rows = tuple(args.rows.split(","))
+    if args.rate_rounds:
+        plan.rate_rounds = args.rate_rounds
     out = args.out if args.out is not None else (None if args.smoke else DEFAULT_OUT)
     started = datetime.now(UTC)
     info = machine()
@@ -671,7 +691,8 @@ def main(argv: list[str] | None = None) -> int:
             servers[disk] = {**bench.durability(), "shim": str(shim) if shim else None,
                              "flush_delay_ms": plan.flush_delay_ms if shim else 0.0}
             make_template(bench, plan.peers)
-            parts = job_parts(plan.peers)
+            parts = {k: v for k, v in job_parts(plan.peers).items()
+                     if plan.rows is None or k in plan.rows}
             flush[disk] = commit_latency(bench, plan.commit_seconds)
             part_runs: list[dict[str, Any]] = []
             wanted = set(plan.parts) & (set(plan.slow_parts) if disk == "slow" else set(plan.parts))

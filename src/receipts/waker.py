@@ -130,15 +130,18 @@ class Wakeups:
     async def run(self) -> None:
         """Listen (and wake, when elected) until cancelled; reconnects after failures."""
         backoff = OUTAGE_BACKOFF_FIRST_SECONDS
-        while True:
-            try:
-                async with await ListenSession.open(self.settings) as session:
-                    backoff = OUTAGE_BACKOFF_FIRST_SECONDS
-                    await self.serve(session)
-            except QueueError as exc:
-                self._lost(exc)
-            await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
-            backoff = min(backoff * 2, OUTAGE_BACKOFF_MAX_SECONDS)
+        try:
+            while True:
+                try:
+                    async with await ListenSession.open(self.settings) as session:
+                        backoff = OUTAGE_BACKOFF_FIRST_SECONDS
+                        await self.serve(session)
+                except QueueError as exc:
+                    self._lost(exc)
+                await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
+                backoff = min(backoff * 2, OUTAGE_BACKOFF_MAX_SECONDS)
+        finally:
+            self._set_waker(False)  # however it ends, this pod wakes nobody any more
 
     def _lost(self, exc: QueueError) -> None:
         if self.is_waker:
@@ -168,8 +171,6 @@ class Wakeups:
                     async with asyncio.timeout(STEP_DOWN_SECONDS):
                         await self.step_down(session)
             raise
-        finally:
-            self._set_waker(False)
 
     async def _loop(self, session: ListenSession) -> None:
         now = self._clock()

@@ -160,7 +160,7 @@ async def test_a_stopping_waker_hands_over_at_once(pods):
     assert took < 1.0
 
 
-async def test_a_waker_whose_session_is_killed_is_replaced_within_seconds(dsn, pods):
+async def test_a_waker_whose_session_is_killed_is_replaced_within_seconds(dsn, pods, caplog):
     waker = waker_of(pods)
     (pid,) = fetch_rows(dsn, "SELECT l.pid FROM pg_locks AS l JOIN pg_database AS d"
                              " ON d.oid = l.database AND d.datname = current_database()"
@@ -169,6 +169,7 @@ async def test_a_waker_whose_session_is_killed_is_replaced_within_seconds(dsn, p
                         (lock_key("public"),))[0]
     fetch_rows(dsn, "SELECT pg_terminate_backend(%s)", (pid,))
     await until(lambda: not waker.is_waker, "the waker noticed its session is gone", 10)
+    assert any(r.msg == "waker_lost" for r in caplog.records)
     took = await until(lambda: sum(p.is_waker for p in pods) == 1, "a waker again",
                        timeout=3 * SILENT_SECONDS)
     print(f"\n[figures] waker session killed: a waker again after {took:.2f} s")
