@@ -76,7 +76,7 @@ from receipts.enqueue import NOTIFY_CHANNEL, enqueue
 from receipts.statements import statements
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_OUT = HERE / "results" / "checkout-enqueue.json"
+DEFAULT_OUT = HERE / "results" / "enqueue-checkout.json"
 TEMPLATE = "checkout_template"
 
 ORDER_TABLES = """
@@ -403,9 +403,18 @@ def rowcost_rows() -> dict[str, tuple[str, str]]:
     if "WHERE NOT EXISTS" not in not_exists:
         raise RuntimeError("enqueue_one changed shape")
     v020 = v020_statement().rpartition(";\n")[0]  # without its pg_notify
+    function = "SELECT receipts_enqueue('o' || :n)"
+    signature = "receipts_enqueue(text, timestamptz, text)"
     return {
         "order": ("", ""),
+        "plain": ("", job_parts({})["plain"]),
         "receipts": ("", receipts),
+        "receipts_enqueue() (migration 0006)": ("", function),
+        "receipts_enqueue() without its SET search_path": (
+            f"ALTER FUNCTION {signature} RESET search_path", function),
+        "receipts_enqueue() without SET search_path, SECURITY INVOKER": (
+            f"ALTER FUNCTION {signature} RESET search_path;"
+            f" ALTER FUNCTION {signature} SECURITY INVOKER", function),
         "0.2.0's one-statement enqueue, no pg_notify": ("", v020),
         "without ON CONFLICT": ("", no_conflict),
         "NOT EXISTS pre-check instead of ON CONFLICT": ("", not_exists),
