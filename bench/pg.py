@@ -36,8 +36,10 @@ SERVER_SETTINGS = {
 class Bench:
     """The one server of a benchmark run and its databases."""
 
-    def __init__(self, base_dir: str | None = None) -> None:
-        self.server = EmbeddedPostgres(fast=False, settings=SERVER_SETTINGS, base_dir=base_dir)
+    def __init__(self, base_dir: str | None = None, *, env: dict[str, str] | None = None) -> None:
+        """Start the server; *env*: extra environment of its processes (an ``LD_PRELOAD``)."""
+        self.server = EmbeddedPostgres(fast=False, settings=SERVER_SETTINGS, base_dir=base_dir,
+                                       env=env)
         self.server.start()
         self._template_ready = False
         #: The claim-cost template database (1 M done + 100 k ready), once built.

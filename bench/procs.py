@@ -19,15 +19,18 @@ ROOT = Path(__file__).resolve().parent.parent
 START_TIMEOUT_SECONDS = 60.0  # a child imports its queue library before "ready"
 
 
-def _env() -> dict[str, str]:
+def _env(src: Path | None = None) -> dict[str, str]:
     """What the children need besides the supervisor's clean environment.
 
     ``RECEIPTS_ADMISSION_*`` variables of the bench's own environment pass
     through, so an experiment can pin admission control's bounds (the same
-    min and max: a fixed claim rate) without a new option.
+    min and max: a fixed claim rate) without a new option. *src*: a folder
+    holding another ``receipts`` package (an earlier release's ``src``), found
+    before this checkout's.
     """
     path = os.pathsep.join(
-        p for p in (str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")) if p)
+        p for p in (str(src) if src else "", str(ROOT), str(ROOT / "src"),
+                    os.environ.get("PYTHONPATH", "")) if p)
     admission = {k: v for k, v in os.environ.items() if k.startswith("RECEIPTS_ADMISSION_")}
     return {"PYTHONPATH": path, "XDG_RUNTIME_DIR": os.environ.get("XDG_RUNTIME_DIR", "/tmp"),
             **admission}
@@ -39,16 +42,17 @@ class Children:
     Each prints ``ready`` once it has imported and set up what it needs, then
     waits for one line on stdin. *ports*: where each serves ``/metrics`` once
     released (a receipts worker given ``--metrics-port``), for
-    ``procs[i].scrape()``; None when it serves nothing. Raises ``RuntimeError`` (with the child's
-    output) when one exits or stays silent for ``START_TIMEOUT_SECONDS``.
+    ``procs[i].scrape()``; None when it serves nothing. *src*: run another
+    ``receipts`` package (see :func:`_env`). Raises ``RuntimeError`` (with the
+    child's output) when one exits or stays silent for ``START_TIMEOUT_SECONDS``.
     """
 
     def __init__(self, argvs: Sequence[Sequence[str]],
-                 ports: Sequence[int | None] | None = None) -> None:
+                 ports: Sequence[int | None] | None = None, *, src: Path | None = None) -> None:
         self._sup = Supervisor(cwd=ROOT, stop_timeout_seconds=30.0)
         ports = list(ports) if ports is not None else [None] * len(argvs)
         try:
-            self.procs = [self._sup.start(f"child-{i}", argv, _env(), module="bench.child",
+            self.procs = [self._sup.start(f"child-{i}", argv, _env(src), module="bench.child",
                                           stdin=True, port=port)
                           for i, (argv, port) in enumerate(zip(argvs, ports, strict=True))]
             for proc in self.procs:

@@ -116,9 +116,9 @@ def run_round(bench: Bench, plan: Plan, results: dict[str, list[Any]], only: set
     record("admission", scenarios.receipts_drain, bench,
            jobs=max(plan.slow_http_jobs // 4, 200), processes=1, concurrency=400, batch=100,
            provider_latency_ms=200, admission=True)
-    for listen in (True, False):
-        record(f"pickup:receipts:{'listen' if listen else 'poll'}", scenarios.receipts_pickup,
-               bench, jobs=plan.pickup_jobs, rate=plan.pickup_rate, listen=listen)
+    for mode in scenarios.PICKUP_MODES:
+        record(f"pickup:receipts:{mode}", scenarios.receipts_pickup,
+               bench, jobs=plan.pickup_jobs, rate=plan.pickup_rate, mode=mode)
     for peer in peers.PEERS:
         if plan.peers.get(peer):
             record(f"pickup:{peer}", scenarios.peer_pickup, bench, peer,

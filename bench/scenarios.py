@@ -26,7 +26,7 @@ from bench.pg import Bench, execute, fill_ready, remaining_jobs, settle, wait_un
 from bench.procs import Children, ConnectionSampler, Provider
 from receipts.db import make_pool
 from receipts.embedded import free_port
-from receipts.enqueue import enqueue
+from receipts.enqueue import NOTIFY_CHANNEL, enqueue
 from receipts.jobqueue import JobQueue
 from receipts.settings import Settings, load_settings
 
@@ -190,25 +190,48 @@ def _schedule(n: int, rate: float) -> list[float]:
     return [i / rate for i in range(n)]
 
 
-def receipts_pickup(bench: Bench, *, jobs: int, rate: float, listen: bool,
-                    poll_seconds: float = 1.0) -> dict[str, Any]:
-    """Enqueue-commit → delivery-start for *jobs* enqueued one per transaction."""
+#: receipts_pickup modes: how idle workers learn of a new job.
+PICKUP_MODES = ("waker", "notify", "poll")
+
+
+def _waker_elected(probe: psycopg.Connection[Any]) -> bool:
+    """A worker of this database holds the waker's session advisory lock."""
+    row = probe.execute(
+        "SELECT count(*) FROM pg_locks AS l JOIN pg_database AS d ON d.oid = l.database"
+        " AND d.datname = current_database() WHERE l.locktype = 'advisory' AND l.granted"
+    ).fetchone()
+    return bool(row and row[0])
+
+
+def receipts_pickup(bench: Bench, *, jobs: int, rate: float, mode: str = "waker",
+                    poll_seconds: float = 1.0, processes: int = 1) -> dict[str, Any]:
+    """Enqueue-commit → delivery-start for *jobs* enqueued one per transaction at *rate*/s.
+
+    *mode*: ``waker`` (the defaults: the enqueue sends no notification, the
+    fleet's elected waker notices the job); ``notify`` (0.2.0's default: the
+    enqueuing transaction also runs ``pg_notify``, which listening workers
+    receive at its commit); ``poll`` (no LISTEN session at all: polling every
+    *poll_seconds* ± 25 %). *processes* workers (32 slots, claim batch 100).
+    """
+    if mode not in PICKUP_MODES:
+        raise ValueError(f"mode must be one of {PICKUP_MODES}")
+    listen = mode != "poll"
     with bench.database("pick") as dsn, tempfile.TemporaryDirectory() as tmp:
-        record = os.path.join(tmp, "record.json")
-        argv = receipts_argv(dsn, concurrency=32, batch=100, no_listen=not listen,
-                              poll_seconds=poll_seconds, record=record)
-        children = Children([argv])
+        records = [os.path.join(tmp, f"record-{i}.json") for i in range(processes)]
+        argvs = [receipts_argv(dsn, concurrency=DEFAULT_CONCURRENCY, batch=DEFAULT_BATCH,
+                               no_listen=not listen, poll_seconds=poll_seconds, record=record)
+                 for record in records]
+        children = Children(argvs)
         committed: dict[str, float] = {}
         try:
             children.go()
             with psycopg.connect(dsn, application_name="bench-enqueue") as conn, \
                     psycopg.connect(dsn, **PROBE) as probe:
-                # Measure from a running worker: a warm-up job done (and its LISTEN up).
+                # Measure from running workers: a warm-up job done (and a waker elected).
                 with conn.transaction():
-                    enqueue(conn, "warm-up", notify=listen)
+                    enqueue(conn, "warm-up")
                 wait_until(lambda: remaining_jobs(probe) == 0
-                           and (not listen or _sessions(probe, listening=True) > 0),
-                           timeout_seconds=30)
+                           and (not listen or _waker_elected(probe)), timeout_seconds=30)
                 t0 = time.monotonic()
                 for i, at in enumerate(_schedule(jobs, rate)):
                     delay = t0 + at - time.monotonic()
@@ -216,15 +239,21 @@ def receipts_pickup(bench: Bench, *, jobs: int, rate: float, listen: bool,
                         time.sleep(delay)
                     order = f"p-{i}"
                     with conn.transaction():
-                        enqueue(conn, order, notify=listen)
+                        enqueue(conn, order)
+                        if mode == "notify":
+                            conn.execute("SELECT pg_notify(%s, '')", (NOTIFY_CHANNEL,))
                     committed[order] = time.time()
             with psycopg.connect(dsn, **PROBE) as probe:
                 wait_until(lambda: remaining_jobs(probe) == 0, timeout_seconds=60)
         finally:
             children.stop()
-        with open(record) as fh:
-            started = json.load(fh)
-    return _latencies(committed, started, listen=listen)
+        started: dict[str, float] = {}
+        for record in records:
+            with open(record) as fh:
+                for order, at in json.load(fh).items():
+                    started[order] = min(at, started.get(order, at))
+    return {**_latencies(committed, started, listen=listen), "mode": mode, "rate": rate,
+            "processes": processes}
 
 
 def peer_pickup(bench: Bench, peer: str, *, jobs: int, rate: float) -> dict[str, Any]:

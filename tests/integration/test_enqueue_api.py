@@ -1,7 +1,7 @@
 """The orders team's API on a real PostgreSQL: enqueue, enqueue_many and their async twins.
 
 Covers what a job id and a duplicate return, scheduled jobs, order id types,
-one statement for many jobs, one NOTIFY per transaction (counted on a real
+one statement for many jobs, no NOTIFY from any path (counted on a real
 listening connection), autocommit connections, and SQLAlchemy Core connections
 and ORM sessions, sync and async, on the psycopg driver.
 """
@@ -321,46 +321,85 @@ def listener(dsn):
     listening.close()
 
 
-def test_notify_fires_once_per_transaction_not_once_per_job(dsn, listener):
+def test_no_enqueue_path_notifies_from_the_callers_transaction(dsn, listener):
+    # A transaction with a pending notification takes one instance-wide lock at
+    # commit and holds it through the WAL flush: the checkout must never carry one.
     with psycopg.connect(dsn) as conn:
         with conn.transaction():
             for i in range(25):
                 enqueue(conn, f"loop-{i}")
-        assert listener.count() == 1
         with conn.transaction():
             enqueue_many(conn, [f"many-{i}" for i in range(500)])
-            enqueue_many(conn, [f"more-{i}" for i in range(10)])
-        assert listener.count() == 1
         with conn.transaction():
-            enqueue(conn, "t1")
-        with conn.transaction():
-            enqueue(conn, "t2")
-        assert listener.count() == 2
+            enqueue(conn, "scheduled", run_at=datetime.now(UTC) + timedelta(hours=1))
+        enqueue(conn, "implicit-transaction")
+        conn.commit()
+    with psycopg.connect(dsn, autocommit=True) as conn, pytest.warns(AutocommitWarning):
+        enqueue(conn, "autocommit")
+    assert listener.count() == 0
+    assert len(stored(dsn)) == 25 + 500 + 3
 
 
-def test_no_wake_up_for_duplicates_a_rollback_or_notify_false(dsn, listener):
-    with psycopg.connect(dsn) as conn:
-        with conn.transaction():
-            enqueue(conn, "dup")
-        assert listener.count() == 1
-        with conn.transaction():
-            assert enqueue(conn, "dup") is None
-            assert enqueue_many(conn, ["dup", "dup"]) == [None, None]
-        assert listener.count() == 0
-        with pytest.raises(ZeroDivisionError), conn.transaction():
-            enqueue(conn, "rolled-back")
-            raise ZeroDivisionError
-        with conn.transaction():
-            enqueue_many(conn, ["quiet-1", "quiet-2"], notify=False)
-        assert listener.count() == 0
-
-
-async def test_async_enqueue_wakes_once_per_transaction(dsn, listener):
+async def test_no_async_enqueue_path_notifies(dsn, listener):
     async with await psycopg.AsyncConnection.connect(dsn) as conn, conn.transaction():
         for i in range(10):
             await enqueue_async(conn, f"a-{i}")
         await enqueue_many_async(conn, ["b-1", "b-2"])
-    assert listener.count() == 1
+    assert listener.count() == 0
+    assert len(stored(dsn)) == 12
+
+
+@pytest.mark.parametrize("notify", [True, False])
+def test_the_old_notify_argument_warns_that_it_is_ignored_and_sends_nothing(
+        dsn, listener, notify):
+    with psycopg.connect(dsn) as conn, conn.transaction():
+        with pytest.warns(DeprecationWarning, match="notify=.*ignored") as record:
+            assert enqueue(conn, "old-caller", notify=notify) is not None
+        assert record[0].filename == __file__  # points at the caller's line
+        with pytest.warns(DeprecationWarning):
+            assert enqueue_many(conn, ["old-many"], notify=notify) != [None]
+    assert listener.count() == 0
+    assert set(stored(dsn)) == {"old-caller", "old-many"}
+
+
+async def test_the_async_twins_warn_about_notify_too(dsn, listener):
+    async with await psycopg.AsyncConnection.connect(dsn) as conn, conn.transaction():
+        with pytest.warns(DeprecationWarning):
+            await enqueue_async(conn, "old-async", notify=True)
+        with pytest.warns(DeprecationWarning):
+            await enqueue_many_async(conn, ["old-async-many"], notify=True)
+    assert listener.count() == 0
+
+
+def test_concurrent_enqueues_of_one_order_make_one_job_and_never_fail_the_checkout(dsn):
+    """Per-order deduplication under contention: many transactions enqueue the same
+    orders at once; each order gets exactly one job, and no caller gets an error."""
+    import threading
+
+    orders = [f"race-{i}" for i in range(20)]
+    barrier = threading.Barrier(8)
+    results: list[list[uuid.UUID | None]] = []
+    errors: list[BaseException] = []
+
+    def checkout() -> None:
+        try:
+            with psycopg.connect(dsn) as conn, conn.transaction():
+                barrier.wait(timeout=10)
+                results.append([enqueue(conn, order) for order in orders])
+        except BaseException as exc:
+            errors.append(exc)
+
+    threads = [threading.Thread(target=checkout) for _ in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(30)
+    assert errors == []
+    rows = stored(dsn)
+    assert set(rows) == set(orders)
+    for i, order in enumerate(orders):
+        winners = [r[i] for r in results if r[i] is not None]
+        assert winners == [rows[order]], order
 
 
 # ------------------------------------------------------------ SQLAlchemy
@@ -391,7 +430,7 @@ def orders(dsn: str) -> set[str]:
     return {str(r[0]) for r in fetch_rows(dsn, "SELECT id FROM orders")}
 
 
-def test_sqlalchemy_core_connection_commits_and_rolls_back_with_the_order(dsn, engine):
+def test_sqlalchemy_core_connection_commits_and_rolls_back_with_the_order(dsn, engine, listener):
     from sqlalchemy import text
 
     insert = text("INSERT INTO orders (id) VALUES (:id)")
@@ -414,9 +453,10 @@ def test_sqlalchemy_core_connection_commits_and_rolls_back_with_the_order(dsn, e
         enqueue(conn, "o-4")  # closed without commit: rolled back
     assert orders(dsn) == {"o-1"}
     assert set(stored(dsn)) == {"o-1", "o-1b", "o-3"}
+    assert listener.count() == 0
 
 
-def test_sqlalchemy_orm_session_commits_and_rolls_back_with_the_order(dsn, engine):
+def test_sqlalchemy_orm_session_commits_and_rolls_back_with_the_order(dsn, engine, listener):
     from sqlalchemy import String
     from sqlalchemy.orm import DeclarativeBase, Session, mapped_column
 
@@ -441,6 +481,7 @@ def test_sqlalchemy_orm_session_commits_and_rolls_back_with_the_order(dsn, engin
         session.commit()
     assert orders(dsn) == {"s-1", "s-3"}
     assert set(stored(dsn)) == {"s-1", "s-3"}
+    assert listener.count() == 0
 
 
 def test_sqlalchemy_scoped_session_works_like_a_session(dsn, engine):
@@ -483,7 +524,7 @@ def test_sqlalchemy_async_objects_need_the_async_twins(dsn, async_engine):
         enqueue(AsyncSession(async_engine), "x")
 
 
-async def test_sqlalchemy_async_connection_and_session(dsn, async_engine):
+async def test_sqlalchemy_async_connection_and_session(dsn, async_engine, listener):
     from sqlalchemy import text
     from sqlalchemy.ext.asyncio import AsyncSession, async_scoped_session, async_sessionmaker
 
@@ -510,3 +551,4 @@ async def test_sqlalchemy_async_connection_and_session(dsn, async_engine):
     await scoped.remove()
     assert orders(dsn) == {"ac-1", "as-1"}
     assert set(stored(dsn)) == {"ac-1", "as-1", "as-3"}
+    assert listener.count() == 0

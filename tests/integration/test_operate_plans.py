@@ -159,3 +159,29 @@ def test_claims_walk_the_ready_index_with_or_without_the_rate_limit(
     assert "receipt_jobs_ready" in _indexes(nodes)
     assert top["Plan"]["Actual Rows"] == 100
     print(f"[bench] {name} of 100 ({plan_mode}): {top['Execution Time']:.2f} ms")
+
+
+@pytest.mark.parametrize("plan_mode", ["force_custom_plan", "force_generic_plan"])
+def test_the_wakers_probe_reads_a_few_pages_of_the_ready_index(
+        big_dsn: str, plan_mode: str) -> None:
+    """The elected waker runs it every 50 ms: it must stay a probe at any queue length."""
+    probe = statements()["waker_probe"]
+    for key, n in (("max_attempts", 1), ("seen_run_at", 2), ("seen_id", 3), ("channel", 4),
+                   ("heartbeat", 5), ("waker_channel", 6), ("schema_name", 7)):
+        probe = probe.replace(f"%({key})s", f"${n}")
+    with psycopg.connect(big_dsn, autocommit=True, cursor_factory=psycopg.ClientCursor) as conn:
+        conn.execute(f"SET plan_cache_mode = {plan_mode}")
+        conn.execute("BEGIN")
+        try:
+            conn.execute("PREPARE probe_stmt(int, timestamptz, uuid, text, bool, text, text)"
+                         f" AS {probe}")
+            args = "5, NULL, NULL, 'bench_unheard', false, 'bench_unheard', 'public'"
+            _explain(conn, f"EXECUTE probe_stmt({args})")  # warm; measure the second
+            top, nodes = _explain(conn, f"EXECUTE probe_stmt({args})")
+        finally:
+            conn.execute("ROLLBACK")
+    assert _seq_scans(nodes) == []
+    assert "receipt_jobs_ready" in _indexes(nodes)
+    pages = top["Plan"].get("Shared Hit Blocks", 0) + top["Plan"].get("Shared Read Blocks", 0)
+    print(f"[bench] waker_probe ({plan_mode}): {top['Execution Time']:.3f} ms, {pages} buffers")
+    assert pages <= 20

@@ -71,9 +71,9 @@ async def test_pruning_deletes_only_old_finished_rows_in_bounded_batches(
     # Inside the window the row still deduplicates enqueue; a pruned order's does not
     # (the trade-off: retention must outlast any re-submission of an order).
     with psycopg.connect(dsn) as conn:
-        assert enqueue(conn, "new-done-1", notify=False) is None
-        assert enqueue(conn, "new-failed-2", notify=False) is None
-        assert enqueue(conn, "old-done-1", notify=False) is not None
+        assert enqueue(conn, "new-done-1") is None
+        assert enqueue(conn, "new-failed-2") is None
+        assert enqueue(conn, "old-done-1") is not None
     (state,), = fetch_rows(dsn, "SELECT state FROM receipt_jobs WHERE order_id = 'new-done-1'")
     assert state == "done"
 

@@ -166,6 +166,9 @@ async def test_workers_deliver_every_job_through_pgbouncer_transaction_pooling(
             assert worker.log_path is not None
             assert not read_events(worker.log_path,
                                    {"listen_failed", "claim_failed", "write_failed"})
+            # No waker behind a transaction pooler (no session to hold its lock), and it says so.
+            polling = read_events(worker.log_path, {"wakeups_polling"})
+            assert [e["reason"] for e in polling] == ["pgbouncer"]
         # A recovery sweep through the pooler works too.
         result = await asyncio.to_thread(
             run_command, ["recover"], {"RECEIPTS_DATABASE_URL": pooled,

@@ -40,7 +40,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from receipts import grants
 from receipts.embedded import free_port
-from receipts.enqueue import enqueue
+from receipts.enqueue import enqueue, enqueue_many
 from receipts.errors import QueueError
 from receipts.heartbeat import new_tag
 from receipts.jobqueue import JobQueue, ReviewFilter
@@ -57,6 +57,7 @@ from receipts.model import (
     Verdict,
 )
 from receipts.operations import Operations
+from receipts.statements import query
 from receipts.supervisor import Supervisor, child_env, run_command
 from tests.conftest import RunningProvider, Server, fetch_rows
 
@@ -498,7 +499,15 @@ async def _sql_function(dsn: str) -> None:
         await conn.rollback()
 
 
-def _python_enqueue(dsn: str, traced: bool) -> None:
+def _python_enqueue(dsn: str, traced: bool, many: bool = False) -> None:
+    """One order through the Python API (``enqueue_one``, or ``enqueue``'s batch form for
+    *many*), rolled back."""
+    def call(conn: psycopg.Connection[Any]) -> None:
+        if many:
+            enqueue_many(conn, [f"stmt-{uuid.uuid4()}"], schema=SCHEMA)
+        else:
+            enqueue(conn, f"stmt-{uuid.uuid4()}", schema=SCHEMA)
+
     with psycopg.connect(dsn) as conn:
         if traced:
             from opentelemetry import trace
@@ -506,10 +515,17 @@ def _python_enqueue(dsn: str, traced: bool) -> None:
             span = trace.NonRecordingSpan(trace.SpanContext(
                 trace_id=1, span_id=1, is_remote=False, trace_flags=trace.TraceFlags(1)))
             with trace.use_span(span):
-                enqueue(conn, f"stmt-{uuid.uuid4()}", schema=SCHEMA)
+                call(conn)
         else:
-            enqueue(conn, f"stmt-{uuid.uuid4()}", schema=SCHEMA)
+            call(conn)
         conn.rollback()
+
+
+async def _on_listen_session(dsn: str, name: str, params: dict[str, Any]) -> None:
+    """Run the waker's statement *name* on a session of its own, as the LISTEN session
+    does (its advisory lock, if taken, ends with the session)."""
+    async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+        await conn.execute(query(name, SCHEMA), params)
 
 
 def _unowned_action() -> dict[str, Any]:
@@ -529,8 +545,10 @@ def exercises(role: Role) -> dict[str, Callable[[], Awaitable[Any]]]:
     record = AttemptRecord(job_id=uuid.uuid4(), attempt=1, reason=Reason.PROVIDER_5XX,
                            status=503, error="", duration_seconds=0.1, worker="t")
     return {
-        "enqueue": lambda: asyncio.to_thread(_python_enqueue, role.dsn, False),
-        "enqueue_traced": lambda: asyncio.to_thread(_python_enqueue, role.dsn, True),
+        "enqueue": lambda: asyncio.to_thread(_python_enqueue, role.dsn, False, True),
+        "enqueue_traced": lambda: asyncio.to_thread(_python_enqueue, role.dsn, True, True),
+        "enqueue_one": lambda: asyncio.to_thread(_python_enqueue, role.dsn, False),
+        "enqueue_one_traced": lambda: asyncio.to_thread(_python_enqueue, role.dsn, True),
         "receipts_enqueue": lambda: _sql_function(role.dsn),
         "schema_status": lambda: _schema_status(role.dsn),
         "claim": lambda: q.claim(1),
@@ -545,6 +563,15 @@ def exercises(role: Role) -> dict[str, Callable[[], Awaitable[Any]]]:
         "record_attempts": lambda: q.record_attempts([record]),
         "commit_probe": lambda: q.commit_probe(),
         "wal_position": lambda: q.wal_position(),
+        "waker_lock": lambda: _on_listen_session(role.dsn, "waker_lock", {
+            "key": 4242, "idle_timeout_ms": "5000"}),
+        "waker_probe": lambda: _on_listen_session(role.dsn, "waker_probe", {
+            "max_attempts": 5, "seen_run_at": None, "seen_id": None,
+            "channel": "receipts_ready", "heartbeat": True, "waker_channel": "receipts_waker",
+            "schema_name": SCHEMA}),
+        "waker_step_down": lambda: _on_listen_session(role.dsn, "waker_step_down", {
+            "key": 4242, "waker_channel": "receipts_waker", "payload": f"{SCHEMA} left"}),
+        "listen_check": lambda: _on_listen_session(role.dsn, "listen_check", {}),
         "queue_stats": lambda: q.queue_stats(),
         "recover_expired": lambda: q.recover_expired(batch=1, delay_seconds=1.0),
         "fail_exhausted": lambda: q.fail_exhausted(batch=1),

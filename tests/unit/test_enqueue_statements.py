@@ -1,5 +1,6 @@
-"""The enqueue statements (the traced variant differs only by the traceparent column),
-the batch check of order ids and the alignment of the statement's answer."""
+"""The enqueue statements (the traced variants differ only by the traceparent column; none
+notifies), the client-made UUIDv7 ids, the batch check of order ids and the alignment of
+the statement's answer."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import uuid
 
 import pytest
 
-from receipts.enqueue import _SEPARATOR, _aligned, _joined_order_ids, order_id_text
+from receipts.enqueue import _SEPARATOR, _aligned, _joined_order_ids, new_job_id, order_id_text
 from receipts.errors import InvalidOrderId
 from receipts.statements import statements
 
@@ -17,21 +18,37 @@ def normalised(sql: str) -> str:
     return re.sub(r"\s+", " ", sql).strip()
 
 
-def test_enqueue_traced_is_enqueue_plus_the_traceparent_column():
-    plain, traced = statements()["enqueue"], statements()["enqueue_traced"]
+@pytest.mark.parametrize("name", ["enqueue", "enqueue_one"])
+def test_the_traced_variant_is_the_statement_plus_the_traceparent_column(name):
+    plain, traced = statements()[name], statements()[f"{name}_traced"]
     assert "traceparent" not in plain
     without = (normalised(traced).replace(", traceparent)", ")")
                .replace(", %(traceparent)s", ""))
     assert without == normalised(plain)
 
 
-def test_enqueue_sends_the_order_ids_as_one_text_and_notifies_at_most_once():
+def test_no_enqueue_statement_notifies_and_each_is_a_no_op_for_a_queued_order():
     assert ord(_SEPARATOR) == 31  # the server splits on chr(31)
+    for name in ("enqueue", "enqueue_traced", "enqueue_one", "enqueue_one_traced"):
+        sql = normalised(statements()[name]).lower()
+        assert "notify" not in sql
+        assert "on conflict (order_id) do nothing" in sql
     for name in ("enqueue", "enqueue_traced"):
         sql = normalised(statements()[name])
         assert sql.count("unnest(string_to_array(%(order_ids)s::text, chr(31)))") == 1
-        assert sql.count("pg_notify(") == 1
-        assert "ON CONFLICT (order_id) DO NOTHING" in sql
+
+
+def test_new_job_ids_are_uuidv7_of_this_millisecond_and_distinct():
+    import time
+
+    before = time.time_ns() // 1_000_000
+    ids = [new_job_id() for _ in range(2000)]
+    after = time.time_ns() // 1_000_000
+    assert all(i.version == 7 and i.variant == uuid.RFC_4122 for i in ids)
+    assert len(set(ids)) == len(ids)
+    assert all(before <= int(i.hex[:12], 16) <= after for i in ids)
+    millis = [int(i.hex[:12], 16) for i in sorted(ids)]
+    assert millis == sorted(millis)  # an id's order is its time's first
 
 
 # ------------------------------------------------------------ the batch check

@@ -3,10 +3,35 @@
 -- Each state transition names the state it expects, so a late writer changes
 -- nothing. Time is always the database's statement_timestamp().
 
+-- name: enqueue_one
+-- One order's job, inside the caller's (order) transaction: the statement
+-- `receipts.enqueue()` sends. A plain single-row insert, so the checkout pays
+-- for the row and its three index entries (primary key, order_id, ready) and
+-- little else: the id is a UUIDv7 made by the client (its clock's
+-- milliseconds, then random bits: time-ordered ids go to the right edge of
+-- the primary key), and an order that already has a job is a no-op (ON
+-- CONFLICT: the unique order_id index is the arbiter; a concurrent enqueue of
+-- the same order waits for the first transaction and then does nothing).
+-- Returns the new id, or no row. No notification (see enqueue below). Cost:
+-- bench/README.md, "Checkout".
+INSERT INTO {schema}.receipt_jobs (id, order_id, run_at)
+VALUES (%(id)s, %(order_id)s, coalesce(%(run_at)s::timestamptz, now()))
+ON CONFLICT (order_id) DO NOTHING
+RETURNING id;
+
+-- name: enqueue_one_traced
+-- enqueue_one, also storing the enqueuing span's W3C traceparent (migration
+-- 0004); used only while a trace is active. Identical otherwise (tests/unit checks).
+INSERT INTO {schema}.receipt_jobs (id, order_id, run_at, traceparent)
+VALUES (%(id)s, %(order_id)s, coalesce(%(run_at)s::timestamptz, now()), %(traceparent)s)
+ON CONFLICT (order_id) DO NOTHING
+RETURNING id;
+
 -- name: enqueue
--- Runs inside the caller's (order) transaction, for one order or many in one
--- statement. The order ids arrive as ONE text, joined by U+001F (chr(31): a
--- control character, which no valid order id contains) and split here; n is
+-- Runs inside the caller's (order) transaction, for many orders in one
+-- statement (`enqueue_many`). The order ids arrive as ONE text, joined by
+-- U+001F (chr(31): a control character, which no valid order id contains) and
+-- split here; n is
 -- each id's 1-based position (the two set-returning functions of the subquery
 -- run in lockstep, and stream: unnest(...) WITH ORDINALITY in FROM would copy
 -- all rows into a tuplestore first). The LIMIT changes no result (count is the
@@ -24,10 +49,10 @@
 -- v4 ids also slowed enqueue_many: bench/README.md). The low 62
 -- bits of an id are start + n, so the client places every new id at its
 -- position without the order id coming back (receipts.enqueue._aligned).
--- When at least one job is new and %(notify)s is true, pg_notify runs once;
--- listening workers wake when the transaction commits (identical notifications
--- of one transaction are delivered once). The count over `wake` makes that CTE
--- run: a CTE that nothing reads is never executed.
+-- No notification: a transaction that has called pg_notify takes one lock for
+-- the whole instance at commit and holds it through its WAL flush, which would
+-- serialise every enqueuing checkout (docs/design.md, "The checkout's commit
+-- path"). The fleet's waker wakes the workers (waker_probe).
 -- Cost: python -m bench.enqueue (bench/README.md). Nearly all of it is the
 -- insert itself: heap and WAL, the primary key, order_id and ready indexes,
 -- and ON CONFLICT's speculative insertion (an arbiter probe, a lock and a
@@ -48,12 +73,9 @@ WITH seed AS MATERIALIZED (
         LIMIT %(count)s) AS o
   ON CONFLICT (order_id) DO NOTHING
   RETURNING id
-), wake AS (
-  SELECT pg_notify(%(channel)s, '')
-  WHERE %(notify)s AND EXISTS (SELECT FROM new)
 )
 SELECT array_agg(new.id ORDER BY new.id), (SELECT start FROM seed)
-FROM new, (SELECT count(*) FROM wake) AS woken;
+FROM new;
 
 -- name: enqueue_traced
 -- enqueue, also storing the enqueuing span's W3C traceparent (migration 0004).
@@ -75,12 +97,71 @@ WITH seed AS MATERIALIZED (
         LIMIT %(count)s) AS o
   ON CONFLICT (order_id) DO NOTHING
   RETURNING id
-), wake AS (
-  SELECT pg_notify(%(channel)s, '')
-  WHERE %(notify)s AND EXISTS (SELECT FROM new)
 )
 SELECT array_agg(new.id ORDER BY new.id), (SELECT start FROM seed)
-FROM new, (SELECT count(*) FROM wake) AS woken;
+FROM new;
+
+-- name: waker_lock
+-- Wake-ups (receipts/waker.py): try to become the fleet's waker. A session
+-- advisory lock on %(key)s (one per queue schema), taken on the pod's
+-- dedicated LISTEN session and held until that session ends: a killed pod or
+-- a dropped connection frees it. The winner's session also gets
+-- idle_session_timeout (PostgreSQL 14+): a waker queries every few tens of
+-- milliseconds, so a session idle that long belongs to a waker that stopped
+-- (a frozen process, a partition), and the server ends it.
+SELECT won,
+       CASE WHEN won AND current_setting('server_version_num')::int >= 140000
+            THEN set_config('idle_session_timeout', %(idle_timeout_ms)s, false) END
+FROM (SELECT pg_try_advisory_lock(%(key)s) AS won) AS attempt;
+
+-- name: waker_probe
+-- The elected waker's look at the queue, every few tens of milliseconds: the
+-- newest due, claimable ready job (the tail of the due part of the ready
+-- index, read backwards from now: one index probe however long the queue).
+-- When it differs from the tail the previous probe saw (%(seen_run_at)s,
+-- %(seen_id)s), new due work has appeared (a job committed, or a scheduled or
+-- retried one became due) and this statement notifies %(channel)s
+-- (receipts_ready) from its own short transaction, never an order's: every
+-- listening pod wakes, released 0.2.0 workers included. A tail that stays (a
+-- backlog being worked, a paused fleet) wakes nobody again; a paused fleet
+-- (the claim's pause rule) is not woken at all, its pods sleep until the
+-- pause ends. %(heartbeat)s also notifies the waker channel with the schema
+-- as payload, so the other pods know a waker is alive. Returns the tail
+-- (NULLs when nothing is due) and whether it woke the fleet.
+WITH tail AS (
+  SELECT run_at, id
+  FROM {schema}.receipt_jobs
+  WHERE state = 'ready'
+    AND run_at <= statement_timestamp()
+    AND attempts < %(max_attempts)s
+  ORDER BY run_at DESC, id DESC
+  LIMIT 1
+), decided AS (
+  SELECT t.run_at, t.id,
+         t.id IS NOT NULL
+         AND (t.run_at, t.id) IS DISTINCT FROM (%(seen_run_at)s::timestamptz, %(seen_id)s::uuid)
+         AND NOT EXISTS (
+           SELECT 1 FROM {schema}.receipt_flow
+           WHERE id = 1 AND pause_reason IS NOT NULL
+             AND NOT (pause_reason = 'retry_after' AND paused_until <= statement_timestamp())
+         ) AS wake
+  FROM (SELECT 1) AS one LEFT JOIN tail AS t ON true
+)
+SELECT run_at, id, wake,
+       CASE WHEN wake THEN pg_notify(%(channel)s, '') END,
+       CASE WHEN %(heartbeat)s THEN pg_notify(%(waker_channel)s, %(schema_name)s) END
+FROM decided;
+
+-- name: waker_step_down
+-- A waker that stops cleanly: release the lock (at once) and say so (the
+-- notification is delivered at this statement's commit), so another pod
+-- takes over without waiting for the heartbeat to fall silent.
+SELECT pg_advisory_unlock(%(key)s), pg_notify(%(waker_channel)s, %(payload)s);
+
+-- name: listen_check
+-- A LISTEN session that has heard nothing for a while: one round trip, so a
+-- half-open connection is found.
+SELECT 1;
 
 -- name: claim
 -- {limit} is a literal per batch size: a bind parameter there lets a prepared

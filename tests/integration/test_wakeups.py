@@ -1,0 +1,205 @@
+"""The fleet's wake-ups on a real PostgreSQL: one waker elected among several LISTEN
+sessions, woken on new due work only, replaced when its session goes.
+
+Each `Wakeups` here is what one worker pod runs (its LISTEN session and its part in
+the election), in this test's event loop; `tests/acceptance/test_waker_fleet.py` does
+the same with real worker processes and kill -9.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+from datetime import UTC, datetime, timedelta
+
+import psycopg
+import pytest
+
+from receipts.enqueue import NOTIFY_CHANNEL, enqueue
+from receipts.metrics import Metrics
+from receipts.waker import SILENT_SECONDS, WAKER_CHANNEL, Wakeups, lock_key
+from tests.conftest import fetch_rows, make_settings
+from tests.integration.test_enqueue_api import Listener
+
+
+class Pod:
+    """One pod's wake-ups: counts the times its claim loop would have been woken."""
+
+    def __init__(self, dsn: str, **settings: object) -> None:
+        self.metrics = Metrics()
+        self.woken = 0
+        self.wakeups = Wakeups(make_settings(dsn, **settings), self.metrics, self._wake)
+        self.task: asyncio.Task[None] | None = None
+
+    def _wake(self) -> None:
+        self.woken += 1
+
+    def start(self) -> Pod:
+        self.task = asyncio.create_task(self.wakeups.run())
+        return self
+
+    async def stop(self) -> None:
+        assert self.task is not None
+        self.task.cancel()
+        await asyncio.gather(self.task, return_exceptions=True)
+
+    @property
+    def is_waker(self) -> bool:
+        return self.wakeups.is_waker
+
+    def probes(self) -> float:
+        return self.metrics.registry.get_sample_value(
+            "receipts_db_statement_duration_seconds_count", {"statement": "waker_probe"}) or 0.0
+
+    def wakes(self) -> float:
+        return self.metrics.registry.get_sample_value("receipts_waker_wakes_total") or 0.0
+
+
+async def until(predicate: Callable[[], bool], what: str, timeout: float = 15.0) -> float:
+    """Wait for *predicate*; the seconds it took."""
+    start = time.monotonic()
+    while not predicate():
+        assert time.monotonic() - start < timeout, f"timed out: {what}"
+        await asyncio.sleep(0.01)
+    return time.monotonic() - start
+
+
+@pytest.fixture
+async def pods(dsn) -> AsyncIterator[list[Pod]]:
+    started = [Pod(dsn).start() for _ in range(3)]
+    await until(lambda: sum(p.is_waker for p in started) == 1, "a waker elected")
+    await until(lambda: all(p.wakeups.waker_alive() for p in started), "every pod hears it")
+    yield started
+    for pod in started:
+        await pod.stop()
+
+
+def waker_of(pods: list[Pod]) -> Pod:
+    (waker,) = [p for p in pods if p.is_waker]
+    return waker
+
+
+async def enqueue_one(dsn: str, order: str, **kwargs: object) -> None:
+    async with await psycopg.AsyncConnection.connect(dsn) as conn, conn.transaction():
+        from receipts.enqueue import enqueue_async
+
+        await enqueue_async(conn, order, **kwargs)  # type: ignore[arg-type]
+
+
+async def probes_pass(waker: Pod, n: int) -> None:
+    """Wait until the waker has probed *n* more times (the probe is the signal)."""
+    target = waker.probes() + n
+    await until(lambda: waker.probes() >= target, f"{n} more probes")
+
+
+async def test_exactly_one_of_several_pods_is_elected_and_the_others_hear_it(pods):
+    waker = waker_of(pods)
+    assert waker.metrics.registry.get_sample_value("receipts_waker_elected") == 1
+    others = [p for p in pods if p is not waker]
+    assert all(p.metrics.registry.get_sample_value("receipts_waker_elected") == 0
+               for p in others)
+    await probes_pass(waker, 40)  # two seconds of probing: still the one waker
+    assert [p.is_waker for p in pods].count(True) == 1
+    assert all(p.wakeups.waker_alive() for p in others)
+
+
+async def test_a_committed_job_wakes_every_pod_once_from_the_wakers_own_transaction(
+        dsn, pods):
+    waker = waker_of(pods)
+    await probes_pass(waker, 2)
+    before = [p.woken for p in pods]
+    listener = Listener(dsn)  # a plain LISTEN session, as a released worker has
+    try:
+        await enqueue_one(dsn, "order-1")
+        await until(lambda: all(p.woken > b for p, b in zip(pods, before, strict=True)),
+                    "every pod woken")
+        await probes_pass(waker, 10)  # the same due job: nobody is woken again
+        assert waker.wakes() == 1
+        assert await asyncio.to_thread(listener.count) == 1
+    finally:
+        listener.close()
+
+
+async def test_a_job_scheduled_later_wakes_the_fleet_when_it_becomes_due(dsn, pods):
+    waker = waker_of(pods)
+    await probes_pass(waker, 2)
+    due = datetime.now(UTC) + timedelta(seconds=1)
+    await enqueue_one(dsn, "later", run_at=due)
+    await probes_pass(waker, 5)
+    assert waker.wakes() == 0  # committed, not yet due
+    await until(lambda: waker.wakes() == 1, "a wake when it falls due")
+    assert datetime.now(UTC) >= due
+
+
+async def test_a_paused_fleet_and_a_standing_backlog_are_not_woken_again(dsn, pods):
+    waker = waker_of(pods)
+    with psycopg.connect(dsn) as conn:
+        for i in range(5):
+            enqueue(conn, f"backlog-{i}")
+    await until(lambda: waker.wakes() == 1, "a wake for the backlog")
+    await probes_pass(waker, 20)  # nobody claims it: the same tail, no second wake
+    assert waker.wakes() == 1
+    fetch_rows(dsn, "UPDATE receipt_flow SET pause_reason = 'outage', "
+                    "paused_until = now() + interval '1 hour' WHERE id = 1 RETURNING 1")
+    await enqueue_one(dsn, "during-the-pause")
+    await probes_pass(waker, 20)
+    assert waker.wakes() == 1
+    fetch_rows(dsn, "UPDATE receipt_flow SET pause_reason = NULL, paused_until = NULL "
+                    "WHERE id = 1 RETURNING 1")
+    await enqueue_one(dsn, "after-the-pause")
+    await until(lambda: waker.wakes() == 2, "a wake for new work after the pause")
+
+
+async def test_a_stopping_waker_hands_over_at_once(pods):
+    waker = waker_of(pods)
+    await waker.stop()
+    others = [p for p in pods if p is not waker]
+    took = await until(lambda: sum(p.is_waker for p in others) == 1, "a new waker",
+                       timeout=SILENT_SECONDS)
+    assert took < 1.0
+
+
+async def test_a_waker_whose_session_is_killed_is_replaced_within_seconds(dsn, pods, caplog):
+    waker = waker_of(pods)
+    (pid,) = fetch_rows(dsn, "SELECT l.pid FROM pg_locks AS l JOIN pg_database AS d"
+                             " ON d.oid = l.database AND d.datname = current_database()"
+                             " WHERE l.locktype = 'advisory' AND l.granted"
+                             " AND ((l.classid::int8 << 32) | l.objid::int8) = %s",
+                        (lock_key("public"),))[0]
+    fetch_rows(dsn, "SELECT pg_terminate_backend(%s)", (pid,))
+    await until(lambda: not waker.is_waker, "the waker noticed its session is gone", 10)
+    assert any(r.msg == "waker_lost" for r in caplog.records)
+    took = await until(lambda: sum(p.is_waker for p in pods) == 1, "a waker again",
+                       timeout=3 * SILENT_SECONDS)
+    print(f"\n[figures] waker session killed: a waker again after {took:.2f} s")
+    await probes_pass(waker_of(pods), 2)
+    await enqueue_one(dsn, "after-the-change")
+    await until(lambda: waker_of(pods).wakes() >= 1, "the waker wakes the fleet")
+
+
+async def test_each_queue_schema_has_its_own_waker(dsn):
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("CREATE SCHEMA shop")
+    from receipts.migrate import apply_migrations
+
+    apply_migrations(dsn, schema="shop", beside_existing=True)
+    public, shop = Pod(dsn).start(), Pod(dsn, database_schema="shop").start()
+    try:
+        await until(lambda: public.is_waker and shop.is_waker, "a waker per queue")
+        assert lock_key("public") != lock_key("shop")
+    finally:
+        await public.stop()
+        await shop.stop()
+
+
+async def test_a_waker_heartbeat_names_its_queue(dsn, pods):
+    listener = psycopg.connect(dsn, autocommit=True)
+    try:
+        listener.execute(f"LISTEN {WAKER_CHANNEL}")
+        notes = await asyncio.to_thread(lambda: list(listener.notifies(timeout=3, stop_after=2)))
+        payloads = {n.payload for n in notes}
+        assert payloads == {"public"}
+    finally:
+        listener.close()
+    assert NOTIFY_CHANNEL == "receipts_ready"  # the channel released workers listen on
