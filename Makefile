@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test docs lint tools bench chaos clean lock
+.PHONY: demo test docs lint tools bench soak chaos clean lock
 
 $(STAMP): pyproject.toml
 	$(PYTHON) -m venv $(VENV)
@@ -34,6 +34,11 @@ docs: $(STAMP)
 ## The side-by-side benchmark (bench/README.md); ~38 min on 2 cores.
 bench:
 	bash bench/run.sh $(BENCH_ARGS)
+
+## The soak (bench/README.md): hours of steady churn, plotted and judged; e.g.
+## make soak SOAK_ARGS="--hours 2" (the default), SOAK_ARGS="--smoke" for 5 minutes.
+soak:
+	bash bench/run.sh --only soak $(SOAK_ARGS)
 
 ## A bigger chaos run by hand (docs/chaos.md), e.g. make chaos CHAOS_ARGS="--jobs 50000",
 ## then PostgreSQL killed mid-drain with asynchronous and durable worker commits, interleaved.

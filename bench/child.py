@@ -72,17 +72,30 @@ def _write(path: str | None, record: dict[str, float]) -> None:
 
 
 class NoopDeliverer:
-    """Delivers instantly; optionally records when each delivery started."""
+    """Delivers instantly, or after *delay_seconds* × U(0.5, 1.5) without any I/O
+    (a provider's latency without its CPU); answers *fail_share* of the
+    attempts with a 503 (retried later); optionally records when each delivery
+    started."""
 
-    def __init__(self, record: dict[str, float] | None) -> None:
+    def __init__(self, record: dict[str, float] | None, delay_seconds: float = 0.0,
+                 fail_share: float = 0.0) -> None:
         from receipts.model import Outcome, Reason, Verdict
 
         self._outcome = Outcome(Verdict.DELIVERED, Reason.DELIVERED, 200)
+        self._failure = Outcome(Verdict.RETRY, Reason.PROVIDER_5XX, 503, detail="injected 503")
         self._record = record
+        self._delay = delay_seconds
+        self._fail_share = fail_share
 
     async def deliver(self, job: Any) -> Any:
+        import random
+
         if self._record is not None:
             self._record.setdefault(job.order_id, time.time())
+        if self._delay:
+            await asyncio.sleep(self._delay * random.uniform(0.5, 1.5))
+        if self._fail_share and random.random() < self._fail_share:
+            return self._failure
         return self._outcome
 
     async def aclose(self) -> None:
@@ -154,6 +167,27 @@ def http_deliverer(settings: Any, transport: str) -> Any:
                          max_connections=slots, transport=chosen)
 
 
+def _log_claims(path: str) -> None:
+    """Time every claim statement of this worker: one line per claim appended to
+    *path*: Unix time (s), duration (ms), jobs claimed (the soak reads it).
+
+    Wraps ``JobQueue.claim`` in this process only: the worker runs unchanged.
+    """
+    from receipts.jobqueue import JobQueue
+
+    original = JobQueue.claim
+    out = open(path, "a", buffering=1)  # noqa: SIM115 - open for the process's lifetime
+
+    async def claim(self: Any, limit: int, *, probe: bool = False) -> Any:
+        start = time.perf_counter()
+        result = await original(self, limit, probe=probe)
+        out.write(f"{time.time():.3f} {(time.perf_counter() - start) * 1000:.3f} "
+                  f"{len(result.attempts)}\n")
+        return result
+
+    JobQueue.claim = claim  # type: ignore[method-assign]
+
+
 def run_receipts(args: argparse.Namespace) -> None:
     from receipts.logs import configure_logging
     from receipts.runtime import run_on_loop, run_worker
@@ -172,12 +206,18 @@ def run_receipts(args: argparse.Namespace) -> None:
         pool_max_size=args.pool,
         application_name=args.app_name,
         shutdown_grace_seconds=10.0,
-        admission_control=not args.no_admission,
         provider_rate_limit_per_second=args.rate_limit,
         provider_burst=args.burst,
         event_loop=args.event_loop,
         synchronous_commit=args.synchronous_commit,
+        **({"queue_stats_interval_seconds": args.queue_stats_seconds}
+           if args.queue_stats_seconds is not None else {}),
+        **({"retry_base_seconds": args.retry_base_seconds}
+           if args.retry_base_seconds is not None else {}),
+        **({"admission_control": args.admission == "on"} if args.admission else {}),
     )
+    if args.claim_log:
+        _log_claims(args.claim_log)
     record: dict[str, float] | None = {} if args.record else None
     deliverer: Any
     if args.provider_url:
@@ -189,7 +229,7 @@ def run_receipts(args: argparse.Namespace) -> None:
         if record is not None:
             deliverer = RecordingHttp(deliverer or make_deliverer(settings), record)
     else:
-        deliverer = NoopDeliverer(record)
+        deliverer = NoopDeliverer(record, args.delay_ms / 1000.0, args.fail_percent / 100.0)
     _wait_for_go()
     _start_profiler(args.profile, args.profile_seconds)
     # The loop `receipts worker` runs on (RECEIPTS_EVENT_LOOP; --event-loop here).
@@ -286,8 +326,10 @@ def main(argv: list[str] | None = None) -> None:
     p.add_argument("--drain", action="store_true")
     p.add_argument("--delete-jobs", action="store_true")
     p.add_argument("--app-name", default="receipts")
-    p.add_argument("--no-admission", action="store_true",
-                   help="receipts: admission control off (capacity drains)")
+    p.add_argument("--admission", choices=["on", "off"], default=None,
+                   help="receipts: admission control (default: the setting's default)")
+    p.add_argument("--no-admission", dest="admission", action="store_const", const="off",
+                   help="receipts: the same as --admission off")
     p.add_argument("--event-loop", choices=["auto", "asyncio", "uvloop"], default="auto",
                    help="receipts: RECEIPTS_EVENT_LOOP (default auto, as `receipts worker`)")
     p.add_argument("--metrics-port", type=int, default=0,
@@ -301,6 +343,15 @@ def main(argv: list[str] | None = None) -> None:
                         "what `receipts worker` builds)")
     p.add_argument("--synchronous-commit", choices=["on", "off", "local"], default="off",
                    help="receipts: RECEIPTS_SYNCHRONOUS_COMMIT (default off, as the service)")
+    p.add_argument("--delay-ms", type=float, default=0.0,
+                   help="receipts: the no-op deliverer answers after this × U(0.5, 1.5) ms")
+    p.add_argument("--fail-percent", type=float, default=0.0,
+                   help="receipts: the no-op deliverer answers this share (%%) with a 503")
+    p.add_argument("--queue-stats-seconds", type=float, default=None,
+                   help="receipts: RECEIPTS_QUEUE_STATS_INTERVAL_SECONDS (default: the setting's)")
+    p.add_argument("--retry-base-seconds", type=float, default=None,
+                   help="receipts: RECEIPTS_RETRY_BASE_SECONDS (default: the setting's)")
+    p.add_argument("--claim-log", help="receipts: append 'unix time, ms, jobs' per claim here")
     p.add_argument("--profile", help="receipts: py-spy raw profile to this file")
     p.add_argument("--profile-seconds", type=float, default=6.0)
     args = p.parse_args(argv)

@@ -25,21 +25,29 @@ _names = itertools.count()
 
 #: Server settings: durability stays at the defaults (fsync, synchronous_commit,
 #: full_page_writes on). Only room for the peers' connections and for
-#: 1.1 M-row fills without a forced checkpoint mid-run is added.
+#: 1.1 M-row fills without a forced checkpoint mid-run is added, and
+#: pg_stat_statements, which the database's bill (``bench.bill``) reads: it
+#: costs every statement about the same small amount, the raw limit's as much
+#: as the worker's.
 SERVER_SETTINGS = {
     "max_connections": "300",
     "max_wal_size": "4GB",
     "checkpoint_timeout": "30min",
+    "shared_preload_libraries": "'pg_stat_statements'",
+    "pg_stat_statements.track_utility": "on",
+    "pg_stat_statements.track_planning": "on",
 }
 
 
 class Bench:
     """The one server of a benchmark run and its databases."""
 
-    def __init__(self, base_dir: str | None = None, *, env: dict[str, str] | None = None) -> None:
-        """Start the server; *env*: extra environment of its processes (an ``LD_PRELOAD``)."""
-        self.server = EmbeddedPostgres(fast=False, settings=SERVER_SETTINGS, base_dir=base_dir,
-                                       env=env)
+    def __init__(self, base_dir: str | None = None, *, env: dict[str, str] | None = None,
+                 settings: dict[str, str] | None = None) -> None:
+        """Start the server; *env*: extra environment of its processes (an ``LD_PRELOAD``);
+        *settings*: instead of :data:`SERVER_SETTINGS`."""
+        self.server = EmbeddedPostgres(fast=False, settings=SERVER_SETTINGS if settings is None
+                                       else settings, base_dir=base_dir, env=env)
         self.server.start()
         self._template_ready = False
         #: The claim-cost template database (1 M done + 100 k ready), once built.
@@ -71,6 +79,8 @@ class Bench:
         dsn = self.server.dsn_for(TEMPLATE)
         apply_migrations(dsn)
         with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+            conn.execute("CREATE EXTENSION IF NOT EXISTS pg_walinspect")
             conn.execute(
                 "CREATE TABLE bench_orders (id text PRIMARY KEY, total_cents integer NOT NULL,"
                 " created_at timestamptz NOT NULL DEFAULT now())"
@@ -103,6 +113,42 @@ class Bench:
     def cleanup(self) -> None:
         self.server.cleanup()
 
+    def server_pid(self) -> int | None:
+        """The postmaster's pid (None when it cannot be read)."""
+        try:
+            return int((self.server.data / "postmaster.pid").read_text().split()[0])
+        except (OSError, ValueError, IndexError):
+            return None
+
+    def server_processes(self) -> dict[int, tuple[str, float]]:
+        """The server's live child processes: pid → (kind, CPU seconds so far).
+
+        *kind* is the process title's first word after ``postgres:`` for
+        auxiliary processes (``walwriter``, ``checkpointer``, ``autovacuum``,
+        ``io``, ``background``…) and ``backend`` for client backends.
+        Linux ``/proc`` only; empty elsewhere.
+        """
+        pid = self.server_pid()
+        out: dict[int, tuple[str, float]] = {}
+        if pid is None:
+            return out
+        tick = os.sysconf("SC_CLK_TCK")
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat") as fh:
+                    fields = fh.read().rsplit(")", 1)[1].split()
+                if int(fields[1]) != pid:
+                    continue
+                with open(f"/proc/{entry.name}/cmdline", "rb") as fh:
+                    title = fh.read().replace(b"\0", b" ").decode(errors="replace").strip()
+            except (OSError, ValueError, IndexError):
+                continue
+            out[int(entry.name)] = (_process_kind(title),
+                                    (int(fields[11]) + int(fields[12])) / tick)
+        return out
+
     def server_cpu_seconds(self) -> float:
         """CPU seconds (user + system) the whole server has used so far.
 
@@ -113,25 +159,27 @@ class Bench:
         backends lived through the interval or not. Linux ``/proc`` only;
         0.0 elsewhere.
         """
-        try:
-            pid = int((self.server.data / "postmaster.pid").read_text().split()[0])
-        except (OSError, ValueError, IndexError):
+        pid = self.server_pid()
+        if pid is None:
             return 0.0
-        ticks = 0
-        for entry in os.scandir("/proc"):
-            if not entry.name.isdigit():
-                continue
-            try:
-                with open(f"/proc/{entry.name}/stat") as fh:
-                    fields = fh.read().rsplit(")", 1)[1].split()
-            except OSError:
-                continue
-            # after the command: state ppid … utime(12) stime(13) cutime(14) cstime(15)
-            if int(entry.name) == pid:
-                ticks += sum(int(f) for f in fields[11:15])
-            elif int(fields[1]) == pid:
-                ticks += int(fields[11]) + int(fields[12])
-        return ticks / os.sysconf("SC_CLK_TCK")
+        try:
+            with open(f"/proc/{pid}/stat") as fh:
+                fields = fh.read().rsplit(")", 1)[1].split()
+        except OSError:
+            return 0.0
+        # after the command: state ppid … utime(12) stime(13) cutime(14) cstime(15)
+        own = sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")
+        return own + sum(cpu for _, cpu in self.server_processes().values())
+
+
+def _process_kind(title: str) -> str:
+    """``backend`` or the auxiliary process's name, from its title (see ``server_processes``)."""
+    words = title.split()
+    if len(words) < 2 or words[0] != "postgres:":
+        return "other"
+    aux = {"walwriter", "checkpointer", "background", "autovacuum", "logical", "io",
+           "walsummarizer", "walreceiver", "walsender", "archiver", "startup"}
+    return words[1] if words[1] in aux else "backend"
 
 
 def execute(dsn: str, sql: str, params: Any = None) -> list[tuple[Any, ...]]:

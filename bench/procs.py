@@ -22,15 +22,21 @@ START_TIMEOUT_SECONDS = 60.0  # a child imports its queue library before "ready"
 def _env(src: Path | None = None) -> dict[str, str]:
     """What the children need besides the supervisor's clean environment.
 
+    ``BENCH_RECEIPTS_SRC``, when set, is the folder whose ``receipts`` package the
+    children import (an older checkout's ``src``, for an A/B in one server).
+
     ``RECEIPTS_ADMISSION_*`` variables of the bench's own environment pass
     through, so an experiment can pin admission control's bounds (the same
     min and max: a fixed claim rate) without a new option. *src*: a folder
     holding another ``receipts`` package (an earlier release's ``src``), found
     before this checkout's.
     """
+    # BENCH_RECEIPTS_SRC: the receipts package the children import instead of this
+    # checkout's (an A/B of two versions of the worker in one benchmark server).
+    # An explicit *src* wins over it.
+    chosen = str(src) if src else os.environ.get("BENCH_RECEIPTS_SRC", "")
     path = os.pathsep.join(
-        p for p in (str(src) if src else "", str(ROOT), str(ROOT / "src"),
-                    os.environ.get("PYTHONPATH", "")) if p)
+        p for p in (chosen, str(ROOT), str(ROOT / "src"), os.environ.get("PYTHONPATH", "")) if p)
     admission = {k: v for k, v in os.environ.items() if k.startswith("RECEIPTS_ADMISSION_")}
     return {"PYTHONPATH": path, "XDG_RUNTIME_DIR": os.environ.get("XDG_RUNTIME_DIR", "/tmp"),
             **admission}
@@ -124,6 +130,10 @@ class Provider:
         """
         return [(float(t), int(s)) for t, s in
                 self._sup["provider"].get_json("/answers", timeout_seconds=30.0)]
+
+    def stats(self) -> dict[str, Any]:
+        """``GET /stats``: counters; ``receipts`` = distinct idempotency keys recorded."""
+        return dict(self._sup["provider"].get_json("/stats", timeout_seconds=30.0))
 
     def stop(self) -> None:
         """SIGTERM, wait ≤ 10 s, then SIGKILL."""

@@ -141,6 +141,27 @@ def _wait_for_sessions_to_end(dsn: str, timeout_seconds: float = 10.0) -> None:
             time.sleep(0.01)
 
 
+def pgbench_argv(bench: Bench, dsn: str, script_path: str, *, clients: int,
+                 seconds: float | None = None, transactions: int | None = None) -> list[str]:
+    """The pgbench command line: *script_path* on *dsn*'s database, *clients*
+    sessions, prepared statements, for *seconds* (``-T``) or *transactions*
+    per client (``-t``)."""
+    dbname = str(psycopg.conninfo.conninfo_to_dict(dsn)["dbname"])
+    length = ["-t", str(transactions)] if transactions is not None else [
+        "-T", str(int(seconds or 1))]
+    return [
+        str(Path(bench.bin_dir) / "pgbench"), "-n", "-M", "prepared",
+        "-h", "127.0.0.1", "-p", str(bench.port), "-U", "postgres",
+        "-c", str(clients), "-j", str(min(clients, 2)), *length,
+        "-f", script_path, dbname,
+    ]
+
+
+def pgbench_env() -> dict[str, str]:
+    """pgbench's environment: its sessions commit as the worker's do (``PGOPTIONS``)."""
+    return {**os.environ, "PGOPTIONS": f"-c synchronous_commit={WORKER_SYNCHRONOUS_COMMIT}"}
+
+
 def run_pgbench(bench: Bench, *, batch: int, clients: int, seconds: float,
                 fill: int, script: dict[str, Any] | None = None,
                 flow_stats: bool = False) -> dict[str, Any]:
@@ -158,15 +179,9 @@ def run_pgbench(bench: Bench, *, batch: int, clients: int, seconds: float,
         with tempfile.NamedTemporaryFile("w", suffix=".sql", delete=False) as fh:
             fh.write(pgbench_script(batch, **(script or {})))
             script_path = fh.name
-        info = psycopg.conninfo.conninfo_to_dict(dsn)
-        cmd = [
-            str(Path(bench.bin_dir) / "pgbench"), "-n", "-M", "prepared",
-            "-h", "127.0.0.1", "-p", str(bench.port), "-U", "postgres",
-            "-c", str(clients), "-j", str(min(clients, 2)), "-T", str(int(seconds)),
-            "-f", script_path, str(info["dbname"]),
-        ]
+        cmd = pgbench_argv(bench, dsn, script_path, clients=clients, seconds=seconds)
         start = time.monotonic()
-        env = {**os.environ, "PGOPTIONS": f"-c synchronous_commit={WORKER_SYNCHRONOUS_COMMIT}"}
+        env = pgbench_env()
         db_before = bench.server_cpu_seconds()
         client_before = _children_cpu_seconds()
         result = subprocess.run(cmd, capture_output=True, text=True, timeout=seconds + 120,

@@ -19,6 +19,7 @@ CHECKOUT_P99_GOAL = 1.5  # checkout p99 under a drain / idle
 ADMISSION_RATE_GOAL = 0.5  # drain rate with admission control on / off (default settings)
 RATE_LIMIT_TOLERANCE = 0.10  # requests/s per window within ±10 % of the fleet limit
 FLOW_CHECK_GOAL = 0.95  # claim with the pause check / without it (jobs/s)
+BILL_GOAL = 1.2  # the worker's DB CPU and WAL per job / the raw limit's (bench.bill)
 
 
 def stat(values: Sequence[float]) -> dict[str, float]:
@@ -140,6 +141,11 @@ def build(results: dict[str, list[Any]], *, plan: dict[str, Any], machine: dict[
                         for n in runs[0]["limited"]},
             "flow_row": runs[-1]["flow_row"],
         }
+    bill_runs = {k.removeprefix("bill:"): v for k, v in results.items() if k.startswith("bill:")}
+    if bill_runs:
+        from bench.bill import summarise
+
+        s["bill"] = summarise(bill_runs)
     return {
         "started": started.isoformat(timespec="seconds"),
         "finished": finished.isoformat(timespec="seconds"),
@@ -319,6 +325,20 @@ def targets(s: dict[str, Any]) -> list[dict[str, Any]]:
                     f">= {ADMISSION_RATE_GOAL:g}", ratio >= ADMISSION_RATE_GOAL,
                     f"{r_on:,.0f} vs {r_off:,.0f} jobs/s; drains lasted the window: "
                     f"{on['still_running'] and offp['still_running']}"))
+    bill = s.get("bill", {})
+    ref = bill.get("raw:1")
+    for n in (1, 16):
+        row = bill.get(f"receipts:{n}")
+        if not (ref and row):
+            continue
+        same = bill.get(f"raw:{n}")
+        for what, key, unit in (("DB CPU", "db_cpu_us", "µs"), ("WAL", "wal_bytes", "B")):
+            ratio = row[key] / max(ref[key], 1e-9)
+            detail = f"{row[key]:,.1f} vs {ref[key]:,.1f} {unit} per job (raw: 1 client)"
+            if same and n != 1:
+                detail += f"; raw with {n} clients {same[key]:,.1f}"
+            out.append(_check(f"{what} per job, {n} process(es) / raw limit", ratio,
+                              f"<= {BILL_GOAL:g}", ratio <= BILL_GOAL, detail))
     outage = s.get("outage")
     if outage:
         failed = outage["failed"]["max"]
@@ -436,6 +456,11 @@ def table(doc: dict[str, Any]) -> str:
     width = max((len(a) for a, _ in rows), default=10)
     lines = [f"{'figure (median (min–max) over rounds)':<{width}}  value", "-" * (width + 50)]
     lines += [f"{a:<{width}}  {b}" for a, b in rows]
+    if "bill" in s:
+        from bench.bill import headline
+
+        lines += ["", "the database's bill (python -m bench.bill; medians over rounds)",
+                  headline(s["bill"])]
     lines += ["", f"{'target':<52} {'value':>10}  {'goal':<10} met   detail", "-" * 110]
     for t in doc["targets"]:
         value = "" if t["value"] is None else f"{t['value']:.2f}"

@@ -23,7 +23,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from bench import peers, raw, report, scenarios
+from bench import bill, peers, raw, report, scenarios, soak
 from bench.pg import Bench
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "latest.json"
@@ -58,6 +58,14 @@ class Plan:
     rate_limit_per_second: float = 200.0
     rate_limit_seconds: float = 20.0
     rate_limit_window_seconds: float = 5.0
+    bill_jobs: int = 100_000
+    bill_latency_jobs: int = 20_000
+    bill_idle_seconds: float = 20.0
+    bill_steady_seconds: float = 15.0
+    bill_processes: tuple[int, ...] = (1, 4, 16)
+    #: The bill's rows beyond raw and the plain drains (200 ms, failures,
+    #: admission, maintenance); the smoke run leaves them out.
+    bill_every_row: bool = True
     peers: dict[str, str | None] = field(default_factory=peers.available)
 
     @classmethod
@@ -69,7 +77,9 @@ class Plan:
                    checkout_seconds=1.0, checkout_rate=50.0, vacuum_wait_seconds=1.0,
                    checkout_admission_seconds=2.0, checkout_admission_jobs=20_000,
                    outage_jobs=1_000, outage_seconds=5.0, rate_limit_seconds=4.0,
-                   rate_limit_window_seconds=1.0)
+                   rate_limit_window_seconds=1.0, bill_jobs=4_000, bill_latency_jobs=1_000,
+                   bill_idle_seconds=0.0, bill_steady_seconds=0.0, bill_processes=(1,),
+                   bill_every_row=False)
 
 
 def _fill_for(batch: int, seconds: int) -> int:
@@ -156,6 +166,15 @@ def run_round(bench: Bench, plan: Plan, results: dict[str, list[Any]], only: set
                seconds=plan.rate_limit_seconds, window_seconds=plan.rate_limit_window_seconds)
     record("ratelimit:overhead", scenarios.rate_limit_overhead, bench,
            seconds=plan.pgbench_seconds, batch=100, clients=8, contention_clients=(1, 8))
+    # The database's bill per job (bench.bill): raw vs 1/4/16 processes, idle, steady.
+    every = plan.bill_every_row
+    for key, fn in bill.rows(jobs=plan.bill_jobs, processes=plan.bill_processes,
+                             delay_jobs=plan.bill_latency_jobs,
+                             idle_seconds=plan.bill_idle_seconds,
+                             steady_seconds=plan.bill_steady_seconds,
+                             admission_on=every, delay_ms=200.0 if every else 0.0,
+                             fail_percent=3.0 if every else 0.0, maintenance=every):
+        record(f"bill:{key}", fn, bench)
 
 
 def machine() -> dict[str, Any]:
@@ -190,10 +209,19 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny sizes, one round (CI)")
     p.add_argument("--only", default="", help="comma-separated scenario keys (raw, receipts, "
                    "pgqueuer, procrastinate, connections, admission, pickup, claim, checkout, "
-                   "outage, ratelimit)")
+                   "outage, ratelimit, bill, soak)")
     p.add_argument("--out", type=Path, default=None,
                    help="JSON output (default bench/results/latest.json; --smoke: none)")
+    p.add_argument("--hours", type=float, default=2.0,
+                   help="--only soak: how long the soak runs (default 2; --smoke: 5 min)")
     args = p.parse_args(argv)
+    only_keys = {s for s in args.only.split(",") if s}
+    if "soak" in only_keys:
+        # The soak (bench/soak.py) is a run of its own: hours, its own server and folder.
+        rc = soak.main(["--smoke"] if args.smoke else ["--hours", str(args.hours)])
+        if only_keys == {"soak"}:
+            return rc
+        args.only = ",".join(sorted(only_keys - {"soak"}))
     plan = Plan.smoke() if args.smoke else Plan()
     if args.rounds:
         plan.rounds = args.rounds

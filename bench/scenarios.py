@@ -146,7 +146,7 @@ def receipts_drain(bench: Bench, *, jobs: int, processes: int = 1, concurrency: 
             settle(dsn, "receipt_jobs")
             argv = receipts_argv(dsn, concurrency=concurrency, batch=batch,
                                  provider_url=provider.url if provider else None,
-                                 no_listen=not listen, no_admission=not admission,
+                                 no_listen=not listen, admission="on" if admission else "off",
                                  event_loop=event_loop, transport=transport)
             argvs = [argv] * processes
             port = free_port() if scrape else None
@@ -563,7 +563,7 @@ def checkout_impact(bench: Bench, *, drain_jobs: int, seconds: float, rate: floa
             settle(dsn, "receipt_jobs", "bench_orders")
             ports = [free_port() if phase.trace else None for _ in range(processes)]
             argvs = [receipts_argv(dsn, concurrency=phase.concurrency, batch=phase.batch,
-                                    no_admission=not phase.admission, metrics_port=port,
+                                    admission="on" if phase.admission else "off", metrics_port=port,
                                     synchronous_commit=phase.synchronous_commit)
                      for port in ports]
             children = Children(argvs, ports=ports)

@@ -14,6 +14,11 @@ statement's CPU (the round trip, the pool, the result) does not grow with its
 size (bench/README.md, "This round", counts the statements) — while a lease is a
 minute long. A batched ack is several times faster than one ack per job
 (docs/design.md §10).
+When the worker is not busy, an outcome is written at once unless the
+previous statement began less than ``linger_seconds`` ago: a steady trickle
+then shares one statement per linger instead of one per outcome
+(bench/README.md, "The database's bill", measures it), and a lone outcome
+waits for nothing.
 
 The flusher owns a write once it is handed in: nothing the delivery task
 does later (stop, abandon) affects it, and :meth:`Completer.close` flushes
@@ -153,6 +158,7 @@ class Completer:
         #: Outcomes handed in and not yet settled (pending and in flight).
         self.backlog = 0
         self._busy = True
+        self._last_write = -1e9  # time.monotonic() when the last statements began
         self._acked = 0  # acks accounted since receipts_acks_total was last increased
         self._watch: CommitWatch[tuple[_Lane[Any, Any], _Pending[Any], Any]] | None = (
             CommitWatch() if watch_durability else None)
@@ -166,9 +172,12 @@ class Completer:
     def busy(self) -> bool:
         """Whether the flusher lingers: True while the queue keeps the worker busy.
 
-        Set by the worker after every claim (a full claim: busy). A trickle of
-        outcomes is written at once, and so is the last of a backlog: turning
-        it off ends a linger in progress.
+        Set by the worker after every claim (a full claim: busy). When not
+        busy, an outcome is written at once unless the previous statement began
+        less than ``linger_seconds`` ago (then it waits for the rest of that
+        time, with whatever else arrives): at most one statement per kind per
+        linger at a trickle. The last of a backlog is written at once:
+        turning busy off ends a linger in progress.
         """
         return self._busy
 
@@ -268,13 +277,14 @@ class Completer:
                 self._wake.clear()
                 await self._wake.wait()
                 continue
-            if (self.linger_seconds > 0 and self._busy and not self._closing
-                    and self._waiting() < self.max_batch):
+            linger = self._linger()
+            if linger > 0:
                 # Let more outcomes arrive (one statement for dozens of them),
                 # but not past a full batch or a close.
                 self._full.clear()
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._full.wait(), self.linger_seconds)
+                    await asyncio.wait_for(self._full.wait(), linger)
+            self._last_write = time.monotonic()
             for lane in self._lanes:
                 if lane.pending:
                     await self._flush(lane, self._take(lane))
@@ -300,6 +310,21 @@ class Completer:
                 rest.append(p)
         lane.pending = rest
         return batch
+
+    def _linger(self) -> float:
+        """How long to wait for more outcomes before the next statement, seconds.
+
+        Busy (claims come back full): ``linger_seconds``. A trickle: whatever is
+        left of ``linger_seconds`` since the previous statement began, so an
+        outcome after a quiet spell is written at once while a steady trickle
+        (more than one outcome per linger) shares one statement per linger
+        instead of one per outcome. Never past a full batch or a close.
+        """
+        if self.linger_seconds <= 0 or self._closing or self._waiting() >= self.max_batch:
+            return 0.0
+        if self._busy:
+            return self.linger_seconds
+        return self._last_write + self.linger_seconds - time.monotonic()
 
     async def _write_records(self) -> None:
         """Write the queued attempt records in one statement; best effort.

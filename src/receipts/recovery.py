@@ -10,7 +10,8 @@
 3. done/failed rows past retention, in bounded batches (skipped when
    retention is 0).
 
-Safe to run concurrently with itself and with workers. Returns what it did
+Safe to run concurrently with itself and with workers (two prunes at once
+wait on each other's rows for a batch). Returns what it did
 as a :class:`RecoveryReport`; optionally pushes the counts to a Pushgateway.
 """
 

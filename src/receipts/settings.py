@@ -273,8 +273,10 @@ class Settings(BaseSettings):
                     "on the first attempt (the job row says it all), 'all' records every one.",
     )
     admission_control: bool = Field(
-        default=True,
-        description="Adapt the claim rate to the database's commit latency (AIMD).",
+        default=False,
+        description="Adapt the claim rate to the database's commit latency (AIMD); off by "
+                    "default: it slows drains without a steady gain in checkout's p99 "
+                    "(docs/design.md §11).",
     )
     synchronous_commit: Literal["on", "off", "local"] = Field(
         default="off",

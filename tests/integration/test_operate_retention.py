@@ -84,3 +84,32 @@ async def test_retention_zero_turns_pruning_off(dsn: str, queue: JobQueue) -> No
     report = await recovery.run_once(queue, settings)
     assert report.pruned == 0
     assert len(_orders(dsn)) == 5
+
+
+async def test_a_failed_job_retried_while_a_prune_waits_on_it_is_kept(
+    dsn: str, queue: JobQueue
+) -> None:
+    import asyncio
+    import time
+
+    _seed(dsn, "old-failed-", "failed", 3, 10 * DAY)
+    retrying = psycopg.connect(dsn)  # an operator's retry, not yet committed
+    try:
+        retrying.execute("UPDATE receipt_jobs SET state = 'ready', attempts = 0,"
+                         " run_at = statement_timestamp(), finished_at = NULL"
+                         " WHERE order_id = 'old-failed-2'")
+        prune = asyncio.create_task(queue.prune(retention_seconds=DAY, batch=10))
+        with psycopg.connect(dsn, autocommit=True) as probe:
+            deadline = time.monotonic() + 10
+            while probe.execute(  # the prune's delete waits on the retried row's lock
+                    "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                    " AND query LIKE '%%DELETE FROM%%'").fetchone() != (1,):
+                assert time.monotonic() < deadline, "the prune never waited on the row"
+                await asyncio.sleep(0.01)
+        retrying.commit()
+        assert await asyncio.wait_for(prune, 10) == 2
+    finally:
+        retrying.close()
+    assert _orders(dsn) == {"old-failed-2"}
+    (state,), = fetch_rows(dsn, "SELECT state FROM receipt_jobs")
+    assert state == "ready"

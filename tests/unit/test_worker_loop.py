@@ -145,6 +145,46 @@ async def test_a_stop_or_an_empty_queue_ends_the_linger_at_once(ending):
     assert queue.count(JobState.DONE) == 1 and queue.ack_statements == 1
 
 
+async def test_a_trickle_of_outcomes_shares_one_statement_per_linger():
+    queue = FakeQueue()
+    attempts = []
+    for _ in range(30):
+        queue.add(1)
+        attempts += (await queue.claim(1)).attempts
+    completer = Completer(queue, Metrics(), lease_seconds=30, linger_seconds=0.2)
+    completer.busy = False  # claims come back short: a trickle, not a backlog
+    completer.start()
+    try:
+        started = time.monotonic()
+        for attempt in attempts:  # 30 outcomes over ~0.3 s: one every 10 ms
+            completer.ack(attempt)
+            await asyncio.sleep(0.01)
+        await until(lambda: queue.count(JobState.DONE) == 30)
+        elapsed = time.monotonic() - started
+    finally:
+        await completer.close(timeout_seconds=5)
+    # One statement per outcome would be 30; one per 0.2 s linger is a handful.
+    assert queue.ack_statements <= elapsed / 0.2 + 2
+
+
+async def test_an_outcome_after_a_quiet_spell_is_written_at_once():
+    queue = FakeQueue()
+    queue.add(2)
+    first, second = (await queue.claim(2)).attempts
+    completer = Completer(queue, Metrics(), lease_seconds=30, linger_seconds=30.0)
+    completer.busy = False
+    completer.start()
+    try:
+        completer.ack(first)  # nothing written for ages: no wait
+        await until(lambda: queue.count(JobState.DONE) == 1, timeout=2)
+        completer._last_write -= 30.0  # as if 30 s (a whole linger) had passed since
+        completer.ack(second)
+        await until(lambda: queue.count(JobState.DONE) == 2, timeout=2)
+    finally:
+        await completer.close(timeout_seconds=5)
+    assert queue.ack_statements == 2
+
+
 async def test_a_busy_queue_claims_for_a_tenth_of_the_slots_not_for_each_one(monkeypatch):
     import receipts.worker
 
@@ -308,10 +348,18 @@ async def test_attempt_history_records_retries_and_skips_a_first_try_delivery():
     assert all(r.worker and r.duration_seconds is not None for r in queue.records)
 
 
+async def test_admission_control_is_off_unless_asked_for():
+    queue, deliverer = FakeQueue(), ScriptedDeliverer()
+    queue.add(20)
+    async with Loop(queue, deliverer) as loop:
+        await until(lambda: queue.count(JobState.DONE) == 20)
+    assert loop.worker.admission is None and queue.probes == 0
+
+
 async def test_admission_control_samples_commit_probes_while_the_worker_drains():
     queue, deliverer = FakeQueue(), ScriptedDeliverer()
     queue.add(200)
-    async with Loop(queue, deliverer, concurrency=8) as loop:
+    async with Loop(queue, deliverer, concurrency=8, admission_control=True) as loop:
         await until(lambda: queue.probes >= 2)
         await until(lambda: queue.count(JobState.DONE) == 200)
     assert loop.worker.admission is not None
@@ -326,7 +374,7 @@ async def test_a_commit_probe_the_database_refuses_turns_admission_control_off(c
     queue, deliverer = FakeQueue(), ScriptedDeliverer()
     queue.probe_seconds = [QueueError("InsufficientPrivilege: permission denied")]
     queue.add(20)
-    async with Loop(queue, deliverer) as loop:
+    async with Loop(queue, deliverer, admission_control=True) as loop:
         await until(lambda: loop.worker.admission is None, timeout=10)
         await until(lambda: queue.count(JobState.DONE) == 20)
         queue.add(20)  # claims go on without the limiter

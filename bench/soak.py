@@ -1,0 +1,710 @@
+"""The soak: hours of steady churn against one PostgreSQL, sampled, plotted and judged.
+
+``python -m bench.soak --hours H`` (also ``bench/run.sh --only soak --hours H``
+and ``make soak SOAK_ARGS="--hours H"``); ``--smoke`` is the 5-minute version
+the test suite runs. One durable embedded PostgreSQL 18 with the server's
+defaults (checkpoints every 5 min, autovacuum at its defaults; the tables carry
+the shipped migrations' own settings), and for the whole run:
+
+* **orders**: a Poisson stream at ``--rate`` per second, each one checkout
+  transaction (insert the order, ``receipts.enqueue.enqueue`` its receipt,
+  commit) through the public API; its latency is the checkout figure;
+* **workers**: ``--workers`` worker processes (``run_worker``: the default
+  settings, and a fleet-wide rate limit of 10 × the order rate, which never
+  binds but makes every claim update ``receipt_flow``'s bucket row: the hot
+  row at its busiest; ``--rate-limit 0`` for none) delivering over HTTP to the reference
+  provider (``--provider-latency-ms`` × U(0.5, 1.5)), which answers a few
+  percent 503 (``--error-rate``) and drops a few connections after recording
+  (``--reset-rate``): retries, attempt history, unknown outcomes;
+* **recovery**: ``receipts recover`` once a minute, as the chart's CronJob runs
+  it, with retention shortened to ``--retention-seconds`` (30 days ship; 30 min
+  here, so that a 2-hour run prunes as much as it enqueues for its last
+  90 minutes);
+* **a reporting query** holding a REPEATABLE READ snapshot for 10 minutes once
+  an hour, the first at 40 minutes (once retention prunes as fast as orders
+  arrive, so every hold meets the same churn).
+
+Every ``--sample-seconds`` (10 s) it records claim p50/p99 (every claim of
+every worker, timed in the worker process), checkout p50/p99, table and index
+sizes, dead tuples, ``receipt_flow``'s row versions (``pageinspect``), the
+oldest snapshot's xmin age, WAL and database CPU rates, and the queue's depth.
+At the end it stops the orders, waits until nothing is ready or running, and
+checks that every order was delivered (the provider's distinct receipts plus
+the jobs that failed for good equal the orders), then judges
+(:func:`verdict`), plots (matplotlib, the ``bench`` extra) and writes
+``soak.json`` and three PNGs into ``--out``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import math
+import os
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import psycopg
+
+from bench.pg import Bench
+from bench.procs import ROOT, Children, Provider
+from bench.scenarios import percentile, receipts_argv
+from receipts.embedded import free_port
+from receipts.enqueue import enqueue
+from receipts.migrate import apply_migrations
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "soak"
+#: The soak's server: the defaults (checkpoint_timeout 5 min, max_wal_size 1 GB,
+#: autovacuum on), plus pg_stat_statements for the statement totals.
+SERVER_SETTINGS = {"shared_preload_libraries": "'pg_stat_statements'"}
+TABLES = ("receipt_jobs", "receipt_attempts", "receipt_flow")
+
+
+@dataclass
+class SoakPlan:
+    """One soak's shape (seconds, per second, shares)."""
+
+    hours: float = 2.0
+    rate: float = 50.0
+    workers: int = 2
+    slots: int = 32
+    provider_latency_ms: float = 50.0
+    error_rate: float = 0.03
+    reset_rate: float = 0.005
+    retention_seconds: float = 1800.0
+    recover_every_seconds: float = 60.0
+    #: The first held snapshot once retention prunes as much as is enqueued (after
+    #: retention_seconds), so that every hold meets the same churn and the hours'
+    #: peaks compare like with like.
+    hold_first_seconds: float = 2400.0
+    hold_every_seconds: float = 3600.0
+    hold_seconds: float = 600.0
+    sample_seconds: float = 10.0
+    #: Samples this long after a held snapshot ends are still the hold's (vacuum
+    #: catches up): the latency comparison leaves them out.
+    hold_recovery_seconds: float = 120.0
+    retry_base_seconds: float | None = None  # None: the worker's default (10 s)
+    #: The fleet-wide provider rate limit, jobs/s (None: 10 × the order rate, which
+    #: never binds but makes every claim update receipt_flow's bucket row; 0: none).
+    rate_limit: float | None = None
+    drain_timeout_seconds: float = 900.0
+    seed: int = 1
+
+    @property
+    def seconds(self) -> float:
+        """The orders' duration, seconds."""
+        return self.hours * 3600.0
+
+    @classmethod
+    def smoke(cls) -> SoakPlan:
+        """Five minutes, every phase shrunk (the test suite's run): a hold of 40 s
+        at 90 s and 240 s, retention 60 s, recovery every 20 s, retries from 1 s."""
+        return cls(hours=5 / 60, rate=20.0, retention_seconds=60.0, recover_every_seconds=20.0,
+                   hold_first_seconds=90.0, hold_every_seconds=150.0, hold_seconds=40.0,
+                   sample_seconds=5.0, hold_recovery_seconds=10.0, retry_base_seconds=1.0,
+                   drain_timeout_seconds=240.0)
+
+    def holds(self) -> list[tuple[float, float]]:
+        """(start, end) of each held snapshot, seconds from the start."""
+        out = []
+        t = self.hold_first_seconds
+        while t + self.hold_seconds <= self.seconds:
+            out.append((t, t + self.hold_seconds))
+            t += self.hold_every_seconds
+        return out
+
+
+# ----------------------------------------------------------------- load parts
+
+
+@dataclass
+class Orders:
+    """The Poisson stream of checkout transactions (a thread)."""
+
+    dsn: str
+    rate: float
+    seconds: float
+    seed: int
+    stop: threading.Event
+    latencies: list[tuple[float, float]] = field(default_factory=list)  # (unix time, ms)
+    enqueued: int = 0
+    errors: int = 0
+    max_behind_seconds: float = 0.0
+
+    def run(self) -> None:
+        rng = random.Random(self.seed)
+        with psycopg.connect(self.dsn, application_name="bench-checkout") as conn:
+            t0 = time.monotonic()
+            at = 0.0
+            while not self.stop.is_set():
+                at += rng.expovariate(self.rate)
+                if at >= self.seconds:
+                    return
+                delay = t0 + at - time.monotonic()
+                if delay > 0:
+                    self.stop.wait(delay)
+                else:
+                    self.max_behind_seconds = max(self.max_behind_seconds, -delay)
+                order = f"soak-{self.enqueued}"
+                start = time.perf_counter()
+                try:
+                    with conn.transaction():
+                        conn.execute("INSERT INTO bench_orders (id, total_cents) VALUES (%s, %s)",
+                                     (order, 1999))
+                        enqueue(conn, order)
+                except psycopg.Error:
+                    self.errors += 1
+                    continue
+                self.latencies.append((time.time(), (time.perf_counter() - start) * 1000))
+                self.enqueued += 1
+
+
+@dataclass
+class Recovery:
+    """``receipts recover --json`` every *every* seconds (the chart's CronJob), a thread."""
+
+    dsn: str
+    retention_seconds: float
+    every: float
+    stop: threading.Event
+    sweeps: list[dict[str, Any]] = field(default_factory=list)
+    failures: int = 0
+
+    def run(self) -> None:
+        env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "RECEIPTS_DATABASE_URL": self.dsn,
+               "RECEIPTS_RETENTION_DAYS": repr(self.retention_seconds / 86_400.0),
+               "RECEIPTS_LOG_LEVEL": "WARNING"}
+        while not self.stop.wait(self.every):
+            result = subprocess.run([sys.executable, "-m", "receipts", "recover", "--json"],
+                                    capture_output=True, text=True, env=env, timeout=300)
+            if result.returncode != 0:
+                self.failures += 1
+                continue
+            lines = result.stdout.strip().splitlines()
+            if lines:
+                self.sweeps.append({"at": time.time(), **json.loads(lines[-1])})
+
+
+@dataclass
+class Holds:
+    """The reporting query: a REPEATABLE READ snapshot held for each (start, end)."""
+
+    dsn: str
+    windows: list[tuple[float, float]]
+    t0: float  # time.monotonic() of the start
+    stop: threading.Event
+    held: list[tuple[float, float]] = field(default_factory=list)  # unix times
+
+    def run(self) -> None:
+        for start, end in self.windows:
+            if self.stop.wait(max(0.0, self.t0 + start - time.monotonic())):
+                return
+            with psycopg.connect(self.dsn, application_name="bench-report") as conn:
+                conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+                conn.execute("SELECT count(*), max(created_at) FROM receipt_jobs")
+                began = time.time()
+                self.stop.wait(max(0.0, self.t0 + end - time.monotonic()))
+                conn.execute("COMMIT")
+                self.held.append((began, time.time()))
+
+
+class ClaimLogs:
+    """Reads the workers' claim logs (``bench.child --claim-log``) as they grow."""
+
+    def __init__(self, paths: Sequence[Path]) -> None:
+        self.paths = list(paths)
+        self._offsets = [0] * len(self.paths)
+        #: Every claim so far: (unix time, ms, jobs).
+        self.claims: list[tuple[float, float, int]] = []
+
+    def read(self) -> list[tuple[float, float, int]]:
+        """The claims logged since the last call (also kept in :attr:`claims`)."""
+        new: list[tuple[float, float, int]] = []
+        for i, path in enumerate(self.paths):
+            try:
+                with open(path) as fh:
+                    fh.seek(self._offsets[i])
+                    data = fh.read()
+            except OSError:
+                continue
+            complete, _, _ = data.rpartition("\n")
+            if not complete:
+                continue
+            self._offsets[i] += len(complete) + 1
+            for line in complete.splitlines():
+                t, ms, n = line.split()
+                new.append((float(t), float(ms), int(n)))
+        self.claims += new
+        return new
+
+
+# ------------------------------------------------------------------- samples
+
+
+def _one(conn: psycopg.Connection[Any], sql: str) -> tuple[Any, ...]:
+    row = conn.execute(sql).fetchone()
+    return tuple(row) if row else ()
+
+
+def sample_database(conn: psycopg.Connection[Any]) -> dict[str, Any]:
+    """One reading of the database: sizes, dead tuples, flow row versions, xmin, WAL, queue."""
+    out: dict[str, Any] = {}
+    for name, heap, idx, live, dead, vacuums in conn.execute(
+            "SELECT c.relname, pg_relation_size(c.oid), pg_indexes_size(c.oid), s.n_live_tup,"
+            " s.n_dead_tup, s.autovacuum_count FROM pg_class AS c JOIN pg_stat_user_tables AS s"
+            " ON s.relid = c.oid WHERE c.relname = ANY(%s)", (list(TABLES),)).fetchall():
+        out[f"{name}_heap_bytes"] = int(heap)
+        out[f"{name}_index_bytes"] = int(idx)
+        out[f"{name}_live"] = int(live)
+        out[f"{name}_dead"] = int(dead)
+        out[f"{name}_autovacuums"] = int(vacuums)
+    for name, size in conn.execute(
+            "SELECT indexrelid::regclass::text, pg_relation_size(indexrelid) FROM pg_index"
+            " WHERE indrelid = 'receipt_jobs'::regclass").fetchall():
+        out[f"index:{name}"] = int(size)
+    versions, dead_versions = _one(conn, (
+        "SELECT count(*) FILTER (WHERE lp_flags = 1),"
+        " count(*) FILTER (WHERE lp_flags = 1 AND t_xmax <> '0'::xid)"
+        " FROM generate_series(0, (pg_relation_size('receipt_flow') / 8192)::int - 1) AS b,"
+        " heap_page_items(get_raw_page('receipt_flow', b))"))
+    out["flow_row_versions"] = int(versions)
+    out["flow_row_versions_updated"] = int(dead_versions)
+    xmin_age, xact_age = _one(conn, (
+        "SELECT coalesce(max(age(backend_xmin)), 0),"
+        " coalesce(max(extract(epoch FROM now() - xact_start)), 0)::float8"
+        " FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"))
+    out["xmin_age"] = int(xmin_age)
+    out["oldest_xact_seconds"] = float(xact_age)
+    out["wal_lsn"] = int(_one(conn, "SELECT pg_current_wal_lsn() - '0/0'")[0])
+    due, ready, lag = _one(conn, (
+        "SELECT count(*) FILTER (WHERE run_at <= now()), count(*),"
+        " coalesce(extract(epoch FROM now() - min(run_at) FILTER (WHERE run_at <= now())), 0)"
+        "::float8 FROM receipt_jobs WHERE state = 'ready'"))
+    running, expired = _one(conn, (
+        "SELECT count(*), count(*) FILTER (WHERE lease_until <= now()) FROM receipt_jobs"
+        " WHERE state = 'running'"))
+    failed = _one(conn, "SELECT count(*) FROM receipt_jobs WHERE state = 'failed'")[0]
+    out.update(ready_due=int(due), ready=int(ready), lag_seconds=float(lag),
+               running=int(running), expired=int(expired), failed=int(failed))
+    return out
+
+
+def _p(values: Sequence[float], q: float) -> float | None:
+    return round(percentile(values, q), 3) if values else None
+
+
+# -------------------------------------------------------------------- verdict
+
+
+def _in(samples: Sequence[dict[str, Any]], start: float, end: float) -> list[dict[str, Any]]:
+    return [s for s in samples if start <= s["t"] < end]
+
+
+def _near_hold(t: float, holds: Sequence[tuple[float, float]], after: float) -> bool:
+    return any(a <= t < b + after for a, b in holds)
+
+
+def steady(samples: Sequence[dict[str, Any]], key: str, *, period: float, end: float,
+           tolerance: float, slack: float = 0.0) -> dict[str, Any]:
+    """Whether *key* stopped growing: its peak over the last *period* (seconds
+    before *end*) against its peak over the period before that.
+
+    The peaks, not a fitted line: a held snapshot bloats a table in steps that
+    vacuum cannot undo (the space is reused, not returned), so the question is
+    whether the last period went above the one before, by more than
+    *tolerance* (a share) plus *slack* (the key's unit). Also returns the
+    least-squares slope over the last period (unit per hour), for the record.
+    """
+    last = [s[key] for s in _in(samples, end - period, end) if s.get(key) is not None]
+    prev = [s[key] for s in _in(samples, end - 2 * period, end - period) if s.get(key) is not None]
+    if not last or not prev:
+        return {"key": key, "ok": None, "reason": "not enough samples"}
+    last_peak, prev_peak = max(last), max(prev)
+    ok = last_peak <= prev_peak * (1 + tolerance) + slack
+    return {"key": key, "ok": ok, "previous_peak": prev_peak, "last_peak": last_peak,
+            "ratio": round(last_peak / prev_peak, 3) if prev_peak else None,
+            "slope_per_hour": slope(_in(samples, end - period, end), key)}
+
+
+def slope(samples: Sequence[dict[str, Any]], key: str) -> float | None:
+    """Least-squares slope of *key* over *samples*' ``t``, per hour (None: < 3 points)."""
+    pts = [(s["t"], s[key]) for s in samples if s.get(key) is not None]
+    if len(pts) < 3:
+        return None
+    mt = statistics.fmean(t for t, _ in pts)
+    mv = statistics.fmean(v for _, v in pts)
+    den = sum((t - mt) ** 2 for t, _ in pts)
+    return round(sum((t - mt) * (v - mv) for t, v in pts) / den * 3600, 3) if den else 0.0
+
+
+def latency_steady(samples: Sequence[dict[str, Any]], key: str, *, period: float, end: float,
+                   holds: Sequence[tuple[float, float]], tolerance: float,
+                   after_hold: float = 0.0) -> dict[str, Any]:
+    """Whether a latency (*key*, per sample) trends up: the median of its samples over
+    the last *period* against the period before, both outside held snapshots (and
+    *after_hold* seconds after each)."""
+    def values(a: float, b: float) -> list[float]:
+        return [s[key] for s in _in(samples, a, b)
+                if s.get(key) is not None and not _near_hold(s["t"], holds, after_hold)]
+
+    last, prev = values(end - period, end), values(end - 2 * period, end - period)
+    if not last or not prev:
+        return {"key": key, "ok": None, "reason": "not enough samples"}
+    a, b = statistics.median(prev), statistics.median(last)
+    return {"key": key, "ok": b <= a * (1 + tolerance), "previous_median": a,
+            "last_median": b, "ratio": round(b / a, 3) if a else None}
+
+
+def hold_effect(claims: Sequence[tuple[float, float]], hold: tuple[float, float],
+                limit: float = 3.0) -> dict[str, Any]:
+    """Claim p99 while a snapshot was held against the same length of time before it.
+
+    *claims*: (seconds from the start, ms); *hold*: (start, end), seconds.
+    """
+    start, end = hold
+    during = [ms for t, ms in claims if start <= t < end]
+    before = [ms for t, ms in claims if start - (end - start) <= t < start]
+    if not during or not before:
+        return {"hold": hold, "ok": None, "reason": "no claims"}
+    p_during, p_before = percentile(during, 99), percentile(before, 99)
+    ratio = p_during / p_before if p_before else math.inf
+    return {"hold": hold, "ok": ratio <= limit, "p99_before_ms": round(p_before, 3),
+            "p99_during_ms": round(p_during, 3), "ratio": round(ratio, 2),
+            "claims_before": len(before), "claims_during": len(during)}
+
+
+def verdict(doc: dict[str, Any]) -> dict[str, Any]:
+    """The soak's targets, each ``ok`` True/False (None: could not be judged).
+
+    * sizes reach a steady state: each table's and the indexes' peak over the
+      last period (``hold_every_seconds``, an hour) ≤ 1.1 × the period before;
+    * claim p99 does not trend up: the last period's median (outside held
+      snapshots) ≤ 1.25 × the period before's;
+    * claim p99 during each held snapshot ≤ 3 × before it;
+    * nothing lost or stuck: orders = distinct receipts delivered + jobs failed
+      for good, nothing ready or running at the end, and no lease left expired
+      for two samples in a row.
+    """
+    plan = doc["plan"]
+    samples = doc["samples"]
+    end = plan["hours"] * 3600.0
+    period = plan["hold_every_seconds"]
+    holds = [tuple(h) for h in doc.get("holds", [])]
+    out: dict[str, Any] = {"sizes": [], "latency": [], "holds": []}
+    for key, slack in (("receipt_jobs_heap_bytes", 256 * 1024),
+                       ("receipt_jobs_index_bytes", 256 * 1024),
+                       ("receipt_attempts_heap_bytes", 256 * 1024),
+                       ("receipt_attempts_index_bytes", 256 * 1024),
+                       ("receipt_flow_heap_bytes", 64 * 1024)):
+        out["sizes"].append(steady(samples, key, period=period, end=end, tolerance=0.10,
+                                   slack=slack))
+    after = plan.get("hold_recovery_seconds", 0.0)
+    for key in ("claim_p99_ms", "checkout_p99_ms"):
+        out["latency"].append(latency_steady(samples, key, period=period, end=end, holds=holds,
+                                             tolerance=0.25, after_hold=after))
+    claims = [(t, ms) for t, ms in doc.get("claim_latencies", [])]
+    out["holds"] = [hold_effect(claims, h) for h in holds]
+    end_state = doc.get("end", {})
+    stuck_expired = any(a.get("expired", 0) and b.get("expired", 0)
+                        for a, b in itertools.pairwise(samples))
+    lost = end_state.get("lost")
+    out["nothing_lost"] = {"ok": lost == 0 and not end_state.get("left") and not stuck_expired,
+                           "lost": lost, "left_at_end": end_state.get("left"),
+                           "expired_leases_seen_twice": stuck_expired}
+    judged = [c["ok"] for group in ("sizes", "latency", "holds") for c in out[group]]
+    judged.append(out["nothing_lost"]["ok"])
+    out["ok"] = all(v is True for v in judged)
+    return out
+
+
+# --------------------------------------------------------------------- plots
+
+
+def plot(doc: dict[str, Any], out_dir: Path) -> list[Path]:
+    """Three small PNGs of the samples (latency, storage, health); held snapshots shaded.
+
+    matplotlib comes with the ``bench`` extra (and ``dev``, for the smoke test);
+    returns the files written.
+    """
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    samples = doc["samples"]
+    if not samples:
+        return []
+    minutes = [s["t"] / 60 for s in samples]
+
+    def series(key: str, scale: float = 1.0) -> list[float]:
+        return [float("nan") if s.get(key) is None else s[key] * scale for s in samples]
+
+    def shade(ax: Any) -> None:
+        for a, b in doc.get("holds", []):
+            ax.axvspan(a / 60, b / 60, color="0.85", zorder=0)
+
+    mb = 1 / (1024 * 1024)
+    figures = {
+        "latency": [
+            ("claim (ms, every claim of every worker)", [("p50", "claim_p50_ms", 1.0),
+                                                          ("p99", "claim_p99_ms", 1.0)], True),
+            ("checkout txn: insert order + enqueue (ms)", [("p50", "checkout_p50_ms", 1.0),
+                                                           ("p99", "checkout_p99_ms", 1.0)], True),
+        ],
+        "storage": [
+            ("receipt_jobs (MB)", [("heap", "receipt_jobs_heap_bytes", mb),
+                                   ("indexes", "receipt_jobs_index_bytes", mb)], False),
+            ("receipt_attempts (MB)", [("heap", "receipt_attempts_heap_bytes", mb),
+                                       ("indexes", "receipt_attempts_index_bytes", mb)], False),
+            ("dead tuples", [("receipt_jobs", "receipt_jobs_dead", 1.0),
+                             ("receipt_attempts", "receipt_attempts_dead", 1.0)], False),
+            ("receipt_flow row versions", [("on its pages", "flow_row_versions", 1.0)], False),
+        ],
+        "health": [
+            ("oldest snapshot's xmin age (xids)", [("xmin age", "xmin_age", 1.0)], False),
+            ("WAL (MB/s) and DB CPU (cores)", [("WAL MB/s", "wal_mb_per_second", 1.0),
+                                               ("DB CPU", "db_cpu_cores", 1.0)], False),
+            ("queue", [("ready", "ready", 1.0), ("running", "running", 1.0)], False),
+            ("jobs/s delivered vs orders/s", [("delivered", "delivered_per_second", 1.0),
+                                              ("orders", "orders_per_second", 1.0)], False),
+        ],
+    }
+    written = []
+    for name, panels in figures.items():
+        fig, axes = plt.subplots(len(panels), 1, figsize=(8, 1.9 * len(panels) + 0.6),
+                                 sharex=True, dpi=72)
+        for ax, (title, lines, log) in zip(axes, panels, strict=True):
+            shade(ax)
+            for label, key, scale in lines:
+                ax.plot(minutes, series(key, scale), label=label, linewidth=0.9)
+            if log:
+                ax.set_yscale("log")
+            ax.set_title(title, fontsize=9, loc="left")
+            ax.tick_params(labelsize=8)
+            ax.legend(fontsize=7, loc="upper left")
+            ax.grid(alpha=0.3)
+        axes[-1].set_xlabel("minutes (grey: reporting query holding a snapshot)", fontsize=8)
+        fig.tight_layout()
+        path = out_dir / f"soak-{name}.png"
+        fig.savefig(path)
+        plt.close(fig)
+        written.append(path)
+    return written
+
+
+# ----------------------------------------------------------------------- run
+
+
+def _scrape_total(children: Children, name: str) -> float:
+    total = 0.0
+    for proc in children.procs:
+        try:
+            total += proc.scrape().total(name)
+        except Exception:  # a worker's metrics unreachable: counted as 0, noted in the JSON
+            return math.nan
+    return total
+
+
+def run(plan: SoakPlan, out_dir: Path, *, log: Any = print) -> dict[str, Any]:
+    """One soak (see the module doc); returns the document also written as ``soak.json``."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    bench = Bench(settings=SERVER_SETTINGS)
+    stop = threading.Event()
+    started = datetime.now(UTC)
+    provider = None
+    children = None
+    threads: list[threading.Thread] = []
+    try:
+        dsn = bench.server.create_database("soak")
+        apply_migrations(dsn)
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("CREATE EXTENSION IF NOT EXISTS pageinspect")
+            conn.execute("CREATE EXTENSION IF NOT EXISTS pg_stat_statements")
+            conn.execute("CREATE TABLE bench_orders (id text PRIMARY KEY, total_cents integer"
+                         " NOT NULL, created_at timestamptz NOT NULL DEFAULT now())")
+        provider = Provider(plan.provider_latency_ms)
+        provider.set_faults(error_rate=plan.error_rate, reset_rate=plan.reset_rate,
+                            latency_jitter_seconds=plan.provider_latency_ms / 1000.0)
+        logs = [out_dir / f"claims-{i}.log" for i in range(plan.workers)]
+        for path in logs:
+            path.unlink(missing_ok=True)
+        ports = [free_port() for _ in range(plan.workers)]
+        limit = 10 * plan.rate if plan.rate_limit is None else plan.rate_limit
+        argvs = [receipts_argv(dsn, concurrency=plan.slots, batch=100, provider_url=provider.url,
+                               claim_log=str(path), metrics_port=port,
+                               retry_base_seconds=plan.retry_base_seconds,
+                               rate_limit=limit or None)
+                 for path, port in zip(logs, ports, strict=True)]
+        children = Children(argvs, ports=ports)
+        claim_logs = ClaimLogs(logs)
+        children.go()
+        t0 = time.monotonic()
+        wall0 = time.time()
+        orders = Orders(dsn, plan.rate, plan.seconds, plan.seed, stop)
+        recovery = Recovery(dsn, plan.retention_seconds, plan.recover_every_seconds, stop)
+        holds = Holds(dsn, plan.holds(), t0, stop)
+        for target in (orders.run, recovery.run, holds.run):
+            threads.append(threading.Thread(target=target, daemon=True))
+            threads[-1].start()
+        samples: list[dict[str, Any]] = []
+        with psycopg.connect(dsn, autocommit=True, application_name="bench-sampler") as conn:
+            prev: dict[str, Any] | None = None
+            seen_orders = 0
+            next_at = t0
+            draining = False
+            while True:
+                next_at += plan.sample_seconds
+                stop.wait(max(0.0, next_at - time.monotonic()))
+                now = time.monotonic()
+                row = sample_database(conn)
+                row["t"] = round(now - t0, 1)
+                row["cpu_seconds"] = bench.server_cpu_seconds()
+                row["delivered"] = int(provider.stats()["receipts"])
+                new_claims = claim_logs.read()
+                ms = [c[1] for c in new_claims]
+                row.update(claims=len(ms), claim_p50_ms=_p(ms, 50), claim_p99_ms=_p(ms, 99),
+                           claim_jobs=sum(c[2] for c in new_claims))
+                chk = [lat for _, lat in orders.latencies[seen_orders:]]
+                seen_orders = len(orders.latencies)
+                row.update(orders=len(chk), checkout_p50_ms=_p(chk, 50),
+                           checkout_p99_ms=_p(chk, 99))
+                if prev is not None:
+                    dt = max(row["t"] - prev["t"], 1e-6)
+                    row["wal_mb_per_second"] = round(
+                        (row["wal_lsn"] - prev["wal_lsn"]) / dt / 1e6, 4)
+                    row["db_cpu_cores"] = round((row["cpu_seconds"] - prev["cpu_seconds"]) / dt, 4)
+                    row["delivered_per_second"] = round(
+                        (row["delivered"] - prev["delivered"]) / dt, 2)
+                    row["orders_per_second"] = round(len(chk) / dt, 2)
+                samples.append(row)
+                prev = row
+                if not draining and row["t"] >= plan.seconds:
+                    draining = True
+                    drain_started = now
+                    threads[0].join(30)  # the orders stop by themselves at plan.seconds
+                if draining and (row["ready"] + row["running"] == 0
+                                 or now - drain_started > plan.drain_timeout_seconds):
+                    break
+                if int(row["t"]) % 300 < plan.sample_seconds:
+                    log(f"soak t={row['t']:.0f}s delivered={row['delivered']} "
+                        f"ready={row['ready']} running={row['running']} "
+                        f"claim p99={row['claim_p99_ms']} ms load={os.getloadavg()[0]:.2f}")
+            left = samples[-1]["ready"] + samples[-1]["running"]
+            statements = conn.execute(
+                "SELECT calls, total_exec_time, rows, wal_bytes, left(query, 80)"
+                " FROM pg_stat_statements WHERE dbid = (SELECT oid FROM pg_database WHERE"
+                " datname = current_database()) ORDER BY total_exec_time DESC LIMIT 15"
+            ).fetchall()
+        failures = _scrape_total(children, "receipts_failures_total")
+        stale = _scrape_total(children, "receipts_stale_acks_total")
+        stats = provider.stats()
+        delivered = int(stats["receipts"])
+        lost = orders.enqueued - delivered - (0 if math.isnan(failures) else int(failures))
+        cpu = samples[-1]["cpu_seconds"] - samples[0]["cpu_seconds"] if samples else 0.0
+        wal = samples[-1]["wal_lsn"] - samples[0]["wal_lsn"] if samples else 0
+        doc: dict[str, Any] = {
+            "started": started.isoformat(timespec="seconds"),
+            "finished": datetime.now(UTC).isoformat(timespec="seconds"),
+            "plan": asdict(plan),
+            "machine": {"cpus": os.cpu_count(), "load_average_at_end": os.getloadavg(),
+                        "postgres": bench.durability()},
+            "holds": [[round(a - wall0, 1), round(b - wall0, 1)] for a, b in holds.held],
+            "samples": samples,
+            "claim_latencies": [[round(t - wall0, 3), ms] for t, ms, _ in claim_logs.claims],
+            "end": {
+                "orders": orders.enqueued, "order_errors": orders.errors,
+                "orders_max_behind_seconds": round(orders.max_behind_seconds, 3),
+                "delivered": delivered, "provider": stats, "failed_for_good": failures,
+                "stale_acks": stale, "lost": lost, "left": left,
+                "recovery_sweeps": len(recovery.sweeps),
+                "recovery_failures": recovery.failures,
+                "pruned": sum(int(s.get("pruned", 0)) for s in recovery.sweeps),
+                "db_cpu_us_per_job": round(cpu / max(delivered, 1) * 1e6, 1),
+                "wal_bytes_per_job": round(wal / max(delivered, 1), 1),
+            },
+            "statements": [{"calls": int(c), "exec_ms": float(e), "rows": int(r),
+                            "wal_bytes": int(w), "query": str(q)}
+                           for c, e, r, w, q in statements],
+        }
+    finally:
+        stop.set()
+        for thread in threads:
+            thread.join(10)
+        if children is not None:
+            children.stop()
+        if provider is not None:
+            provider.stop()
+        bench.cleanup()
+    doc["verdict"] = verdict(doc)
+    claims_file = out_dir / "claims.json"
+    claims_file.write_text(json.dumps(doc.pop("claim_latencies")))
+    (out_dir / "soak.json").write_text(json.dumps(doc, indent=1, default=str) + "\n")
+    doc["plots"] = [str(p) for p in plot(doc, out_dir)]
+    for path in logs:
+        path.unlink(missing_ok=True)
+    return doc
+
+
+def summary(doc: dict[str, Any]) -> str:
+    """The verdict as a few lines of text."""
+    v = doc["verdict"]
+    e = doc["end"]
+    lines = [f"soak {doc['plan']['hours']:g} h at {doc['plan']['rate']:g} orders/s: "
+             f"{'PASS' if v['ok'] else 'FAIL'}",
+             f"  orders {e['orders']:,}, delivered {e['delivered']:,}, failed for good "
+             f"{e['failed_for_good']}, lost {e['lost']}, left at end {e['left']}, pruned "
+             f"{e['pruned']:,}; DB CPU {e['db_cpu_us_per_job']} µs and WAL "
+             f"{e['wal_bytes_per_job']} B per job"]
+    for c in v["sizes"]:
+        lines.append(f"  size {c['key']}: peak {c.get('previous_peak')} -> "
+                     f"{c.get('last_peak')} ({c.get('ratio')}) ok={c['ok']}")
+    for c in v["latency"]:
+        lines.append(f"  {c['key']} median outside holds: {c.get('previous_median')} -> "
+                     f"{c.get('last_median')} ({c.get('ratio')}) ok={c['ok']}")
+    for c in v["holds"]:
+        lines.append(f"  held snapshot {c['hold']}: claim p99 {c.get('p99_before_ms')} -> "
+                     f"{c.get('p99_during_ms')} ms ({c.get('ratio')}×) ok={c['ok']}")
+    lines.append(f"  nothing lost or stuck: {v['nothing_lost']}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python -m bench.soak",
+                                description=(__doc__ or "").splitlines()[0])
+    p.add_argument("--hours", type=float, help="how long orders arrive (default 2)")
+    p.add_argument("--smoke", action="store_true", help="the 5-minute version (CI)")
+    p.add_argument("--rate", type=float, help="orders per second (default 50)")
+    p.add_argument("--workers", type=int, help="worker processes (default 2)")
+    p.add_argument("--retention-seconds", type=float, help="retention (default 1800)")
+    p.add_argument("--rate-limit", type=float,
+                   help="fleet-wide rate limit, jobs/s (default 10 × --rate; 0: none)")
+    p.add_argument("--out", type=Path, default=DEFAULT_OUT,
+                   help=f"folder for soak.json and the PNGs (default {DEFAULT_OUT})")
+    args = p.parse_args(argv)
+    plan = SoakPlan.smoke() if args.smoke else SoakPlan()
+    for name in ("hours", "rate", "workers", "retention_seconds", "rate_limit"):
+        value = getattr(args, name)
+        if value is not None:
+            setattr(plan, name, value)
+    if plan.hours <= 0 or plan.rate <= 0 or plan.workers < 1:
+        print("python -m bench.soak: --hours, --rate and --workers must be positive",
+              file=sys.stderr)
+        return 2
+    doc = run(plan, args.out, log=lambda m: print(m, file=sys.stderr, flush=True))
+    print(summary(doc))
+    print(f"wrote {args.out / 'soak.json'} and {len(doc['plots'])} PNGs", file=sys.stderr)
+    return 0 if doc["verdict"]["ok"] else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
