@@ -20,4 +20,4 @@ __all__ = [
     "enqueue_many", "enqueue_many_async",
 ]
 #: The package version (the distribution ``receipts-queue`` reads it from here).
-__version__ = "0.2.0"
+__version__ = "0.3.0"

@@ -540,7 +540,7 @@ class _BulkProgress:
 
 
 async def _fleet_flow(settings: Settings, queue: Any) -> Any:
-    """The fleet's flow state (``fleet_flow``), or None before migration 0009."""
+    """The fleet's flow state (``fleet_flow``), or None before migration 0007."""
     from receipts.errors import SchemaMissing
     from receipts.operations import Operations
 

@@ -10,7 +10,7 @@ pg_stat_activity".
 Cost: one upsert of one small row (a HOT update) per process every
 ``HEARTBEAT_SECONDS`` × U(0.8, 1.2), never per claim: 16 idle pods write
 < 1 row a second, against the 16 claims a second their polling already
-costs. A heartbeat that fails (the database is down, migration 0009 is not
+costs. A heartbeat that fails (the database is down, migration 0007 is not
 applied yet) is logged at debug level and tried again next time; it never
 stops the worker.
 """

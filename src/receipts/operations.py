@@ -2,7 +2,7 @@
 
 The fleet-wide pause an operator sets and lifts, worker heartbeats, bulk
 actions run in bounded batches, and signed-out review-page sessions
-(migration 0009). Like :class:`receipts.jobqueue.JobQueue`, every method is one
+(migration 0007). Like :class:`receipts.jobqueue.JobQueue`, every method is one
 short autocommit statement on a borrowed pool connection
 (:func:`receipts.db.borrow`, which translates driver errors); none runs on a
 claim's or an ack's path. The rules that decide what to run (durations, who
@@ -12,7 +12,7 @@ and :mod:`receipts.bulk`.
 Every method raises :class:`~receipts.errors.DatabaseUnavailable` when the
 database cannot be reached, :class:`~receipts.errors.StatementTimeout` when a
 statement was stopped for running too long, :class:`~receipts.errors.SchemaMissing`
-before migration 0009, :class:`~receipts.errors.QueueError` otherwise.
+before migration 0007, :class:`~receipts.errors.QueueError` otherwise.
 """
 
 from __future__ import annotations

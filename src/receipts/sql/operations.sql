@@ -1,4 +1,4 @@
--- The operator's statements (migration 0009): the fleet-wide pause an operator
+-- The operator's statements (migration 0007): the fleet-wide pause an operator
 -- sets and lifts, worker heartbeats, bulk actions in bounded batches, and
 -- signed-out review-page sessions. operations.py loads this file with
 -- queries.sql (receipts.statements); a method there carries the name of the
