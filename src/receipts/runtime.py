@@ -13,8 +13,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import gc
+import logging
 import os
 import signal
+import threading
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -26,14 +28,14 @@ from psycopg_pool import AsyncConnectionPool
 from receipts.db import check_encoding, connect, make_pool, statement_deadline, translate
 from receipts.delivery import Deliverer, HttpDeliverer, TLSFileError, tls_context
 from receipts.errors import DatabaseUnavailable
-from receipts.heartbeat import Heartbeat, new_tag
+from receipts.heartbeat import LAST_BEAT_SECONDS, Heartbeat, new_tag
 from receipts.jobqueue import JobQueue
-from receipts.logs import get_logger
+from receipts.logs import LOGGER_NAME, get_logger
 from receipts.metrics import Metrics, make_app, start_server
 from receipts.migrate import SchemaMismatch, schema_status_async
 from receipts.operations import Operations
 from receipts.settings import Settings, SettingsError
-from receipts.worker import Worker
+from receipts.worker import STOP_CLAIM_SECONDS, Worker
 
 log = get_logger("runtime")
 T = TypeVar("T")
@@ -43,6 +45,11 @@ POOL_CLOSE_SECONDS = 5.0
 #: a worker has no configuration to reload (settings are read once at start), so
 #: a hang-up from a closed terminal or a supervisor means "stop", done cleanly.
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
+#: Seconds past the stop budget's phases (``Settings.stop_budget_seconds``, the
+#: claim's ``STOP_CLAIM_SECONDS`` and the last heartbeat's ``LAST_BEAT_SECONDS``)
+#: after which a stopping worker process ends itself (:class:`StopDeadline`).
+#: Within the 5 s the chart adds to the budget for the pod's grace period.
+STOP_DEADLINE_MARGIN_SECONDS = 1.0
 #: The cyclic garbage collector's youngest-generation threshold in a running
 #: worker (CPython's default is 700). Nearly everything a delivery allocates is
 #: freed by reference counting, but one claim's burst of tasks, futures and
@@ -224,6 +231,59 @@ def worker_gc() -> Iterator[None]:
         gc.unfreeze()
 
 
+def stop_deadline_seconds(settings: Settings) -> float:
+    """How long after its stop signal a worker process may take at most, seconds.
+
+    The drain's phases (``Settings.stop_budget_seconds``), the claim still in
+    the database (``STOP_CLAIM_SECONDS``), the last heartbeat
+    (``LAST_BEAT_SECONDS``) and :data:`STOP_DEADLINE_MARGIN_SECONDS`.
+    """
+    return (settings.stop_budget_seconds + STOP_CLAIM_SECONDS + LAST_BEAT_SECONDS
+            + STOP_DEADLINE_MARGIN_SECONDS)
+
+
+class StopDeadline:
+    """Ends the process when a stop outlasts its deadline, whatever is still running.
+
+    Every phase of a stop is bounded, but a library can still hold the exit:
+    a connection attempt or a cancelled query on a half-open connection that
+    does not give up when cancelled, a thread that never returns. A watchdog
+    thread (the event loop may be what is stuck) is armed by the first stop
+    signal; if the process is still alive *seconds* later it logs
+    ``stop_deadline_exceeded`` and calls ``os._exit``: status 0 when the drain
+    had finished (every outcome written or given up, so nothing is lost by not
+    waiting), 1 otherwise (leases of unfinished jobs expire and recovery
+    redelivers them: at-least-once). Kubernetes would kill the pod a few
+    seconds later anyway; this keeps the stop within the budget the chart
+    plans for.
+
+    Args:
+        seconds: the deadline after :meth:`arm`, seconds (> 0).
+        drained: returns True once the worker's drain has finished.
+    """
+
+    def __init__(self, seconds: float, drained: Callable[[], bool]) -> None:
+        self.seconds = seconds
+        self._drained = drained
+        self._timer: threading.Timer | None = None
+
+    def arm(self) -> None:
+        """Start the countdown (idempotent: later stop signals do not extend it)."""
+        if self._timer is None:
+            self._timer = threading.Timer(self.seconds, self._expire)
+            self._timer.daemon = True
+            self._timer.start()
+
+    def _expire(self) -> None:
+        drained = self._drained()
+        log.warning("stop_deadline_exceeded", extra={
+            "deadline_seconds": self.seconds, "drained": drained})
+        for handler in logging.getLogger().handlers + logging.getLogger(LOGGER_NAME).handlers:
+            with contextlib.suppress(Exception):
+                handler.flush()
+        os._exit(0 if drained else 1)
+
+
 async def run_worker(settings: Settings, deliverer: Deliverer | None = None) -> None:
     """Run a worker process until SIGTERM, SIGINT or SIGHUP, then drain and return.
 
@@ -239,8 +299,14 @@ async def run_worker(settings: Settings, deliverer: Deliverer | None = None) -> 
     await check_database(settings)
     async with worker_runtime(settings, deliverer=deliverer) as runtime:
         loop = asyncio.get_running_loop()
+        deadline = StopDeadline(stop_deadline_seconds(settings), lambda: runtime.worker.drained)
+
+        def stop() -> None:
+            deadline.arm()
+            runtime.worker.stop()
+
         for sig in STOP_SIGNALS:
-            loop.add_signal_handler(sig, runtime.worker.stop)
+            loop.add_signal_handler(sig, stop)
         log.info("worker_started", extra={
             "concurrency": settings.concurrency, "lease_seconds": settings.lease_seconds,
             "database": settings.safe_dsn, "provider": settings.safe_provider_url,

@@ -165,6 +165,9 @@ class Worker:
         self.last_claim_at: float | None = None
         #: Rejections the gate holds: job id → (attempt, outcome, its deadline timer).
         self._held: dict[uuid.UUID, tuple[Attempt, Outcome, asyncio.TimerHandle]] = {}
+        #: True once a stop's drain has finished: deliveries ended or abandoned
+        #: and every outcome written or given up (the last ``stopped`` event).
+        self.drained = False
         #: Who made an attempt, in its history: the pod (host) name.
         self.name = socket.gethostname()[:100]
         #: Record first-attempt deliveries too (the row itself tells them otherwise).
@@ -620,6 +623,7 @@ class Worker:
         if self._held:  # stopping is no evidence: give the held rejections back
             self._settle_held(final=True)
         await self.completer.close(timeout_seconds=ack_flush_seconds(self.settings))
+        self.drained = True
         log.info("stopped")
 
 
