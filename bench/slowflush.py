@@ -2,7 +2,7 @@
 
 ``python -m bench.slowflush [--flush-us 1000] [--processes 4] [--synchronous-commit on]``.
 The benchmark's durable server started with an ``LD_PRELOAD`` shim
-(``bench/fsync_delay.c``, built here with ``cc``) that sleeps ``--flush-us``
+(``bench/slowsync.c``, built with ``cc`` as ``bench.checkout`` builds it) that sleeps ``--flush-us``
 before every ``fsync``/``fdatasync``: a cloud volume's flush on a local disk.
 Then the checkout phases of ``bench.scenarios.checkout_impact`` — insert an
 order and enqueue its receipt in one transaction at ``--rate`` per second —
@@ -23,49 +23,26 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import psycopg
 
+from bench.checkout import start_server
 from bench.pg import Bench
 from bench.report import per_second
 from bench.scenarios import CheckoutPhase, checkout_impact
 
-SHIM = Path(__file__).resolve().parent / "fsync_delay.c"
 
+def slow_bench(flush_us: int) -> Bench:
+    """The benchmark server with every WAL flush *flush_us* µs slower (``bench/slowsync.c``).
 
-def build_shim(folder: Path) -> Path:
-    """Compile the fsync shim into *folder* (readable by the server's user); its path.
-
-    Raises ``subprocess.CalledProcessError`` when ``cc`` fails.
+    Raises ``RuntimeError`` without a C compiler or when the server did not load the shim.
     """
-    out = folder / "fsync_delay.so"
-    subprocess.run(["cc", "-shared", "-fPIC", "-O2", "-o", str(out), str(SHIM), "-ldl"],
-                   check=True, capture_output=True)
-    os.chmod(folder, 0o755)
-    os.chmod(out, 0o755)
-    return out
-
-
-def slow_bench(flush_us: int, folder: Path) -> Bench:
-    """The benchmark server with every WAL flush *flush_us* µs slower."""
-    shim = build_shim(folder)
-    saved = {k: os.environ.get(k) for k in ("LD_PRELOAD", "FSYNC_DELAY_US")}
-    os.environ["LD_PRELOAD"] = str(shim)
-    os.environ["FSYNC_DELAY_US"] = str(flush_us)
-    try:
-        return Bench()
-    finally:  # only the server (started above) keeps the shim
-        for key, value in saved.items():
-            if value is None:
-                os.environ.pop(key, None)
-            else:
-                os.environ[key] = value
+    bench, _ = start_server("slow", flush_us / 1000)
+    return bench
 
 
 def commit_latency_ms(dsn: str, n: int = 50) -> float:
@@ -102,31 +79,30 @@ def main(argv: list[str] | None = None) -> int:
     ]
     runs: dict[str, list[dict[str, Any]]] = {}
     load = [os.getloadavg()[0]]
-    with tempfile.TemporaryDirectory(prefix="slowflush-") as tmp:
-        bench = slow_bench(args.flush_us, Path(tmp))
-        try:
-            for n in range(args.rounds):
-                order = phases if n % 2 == 0 else list(reversed(phases))
-                for phase in order:
-                    with bench.database("probe") as dsn:
-                        commit_ms = commit_latency_ms(dsn)
-                    result = checkout_impact(bench, drain_jobs=args.jobs, seconds=args.seconds,
-                                             rate=args.rate, processes=args.processes,
-                                             phases=[phase])[phase.name]
-                    result["idle_commit_ms"] = commit_ms
-                    runs.setdefault(phase.name, []).append(result)
-                    rate = result.get("drain_jobs_per_second")
-                    print(f"round {n + 1} {phase.name}: checkout p50 {result['p50_ms']:.2f} p99 "
-                          f"{result['p99_ms']:.2f} ms"
-                          + (f", drain {rate:,.0f} jobs/s" if rate else "")
-                          + f", durable commit {commit_ms:.2f} ms, load "
-                          f"{os.getloadavg()[0]:.2f}", file=sys.stderr, flush=True)
-                    if result.get("limit_trace"):
-                        print("  first worker's claim-rate limit, jobs/s per second: "
-                              + " ".join(f"{v:,.0f}" for _, v in per_second(
-                                  result["limit_trace"])), file=sys.stderr, flush=True)
-        finally:
-            bench.cleanup()
+    bench = slow_bench(args.flush_us)
+    try:
+        for n in range(args.rounds):
+            order = phases if n % 2 == 0 else list(reversed(phases))
+            for phase in order:
+                with bench.database("probe") as dsn:
+                    commit_ms = commit_latency_ms(dsn)
+                result = checkout_impact(bench, drain_jobs=args.jobs, seconds=args.seconds,
+                                         rate=args.rate, processes=args.processes,
+                                         phases=[phase])[phase.name]
+                result["idle_commit_ms"] = commit_ms
+                runs.setdefault(phase.name, []).append(result)
+                rate = result.get("drain_jobs_per_second")
+                print(f"round {n + 1} {phase.name}: checkout p50 {result['p50_ms']:.2f} p99 "
+                      f"{result['p99_ms']:.2f} ms"
+                      + (f", drain {rate:,.0f} jobs/s" if rate else "")
+                      + f", durable commit {commit_ms:.2f} ms, load "
+                      f"{os.getloadavg()[0]:.2f}", file=sys.stderr, flush=True)
+                if result.get("limit_trace"):
+                    print("  first worker's claim-rate limit, jobs/s per second: "
+                          + " ".join(f"{v:,.0f}" for _, v in per_second(
+                              result["limit_trace"])), file=sys.stderr, flush=True)
+    finally:
+        bench.cleanup()
     load.append(os.getloadavg()[0])
 
     def med(name: str, key: str) -> float:
