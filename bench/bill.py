@@ -47,7 +47,6 @@ Per-job figures divide by the jobs delivered in the run.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import statistics
@@ -67,6 +66,7 @@ import psycopg
 from bench import raw
 from bench.pg import Bench, fill_ready, settle
 from bench.procs import Children
+from bench.report import write_json
 from bench.scenarios import receipts_argv
 from receipts.enqueue import enqueue
 
@@ -747,9 +747,7 @@ def main(argv: list[str] | None = None) -> int:
     print(table(summary))
     print(f"\nload average at start / end: {load[0][0]:.2f} / {load[1][0]:.2f}")
     if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(json.dumps({"summary": summary, "runs": runs,
-                                        "load_average": load}, indent=2) + "\n")
+        write_json({"summary": summary, "runs": runs, "load_average": load}, args.out)
     return 0
 
 

@@ -48,7 +48,6 @@ Prints the tables and writes every run to ``--out`` (JSON).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import re
 import shutil
@@ -70,6 +69,7 @@ import psycopg
 
 from bench import peers
 from bench.pg import Bench
+from bench.report import write_json
 from bench.run import machine
 from bench.scenarios import percentile
 from receipts.enqueue import NOTIFY_CHANNEL, enqueue
@@ -728,9 +728,7 @@ def main(argv: list[str] | None = None) -> int:
     doc["targets"] = targets(summary, plan)
     print(table(doc))
     if out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(doc, indent=2, default=str) + "\n")
-        print(f"\nwrote {out}", file=sys.stderr)
+        write_json(doc, out)
     return 0
 
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import statistics
+import sys
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from operator import itemgetter
+from pathlib import Path
 from typing import Any
 
 LITTLE_BOUND = 400 / 0.2  # 400 slots / 200 ms: deliveries/s by Little's law
@@ -20,6 +23,17 @@ ADMISSION_RATE_GOAL = 0.5  # drain rate with admission control on / off (default
 RATE_LIMIT_TOLERANCE = 0.10  # requests/s per window within ±10 % of the fleet limit
 FLOW_CHECK_GOAL = 0.95  # claim with the pause check / without it (jobs/s)
 BILL_GOAL = 1.2  # the worker's DB CPU and WAL per job / the raw limit's (bench.bill)
+
+
+def write_json(doc: dict[str, Any], out: Path) -> None:
+    """Write a bench run's document to *out* (JSON, indented; values ``str()``-ed when
+    JSON has no type for them), atomically: a half-written file never replaces a whole
+    one. Creates the folder; says where it wrote on stderr."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = out.with_name(out.name + ".tmp")
+    tmp.write_text(json.dumps(doc, indent=2, default=str) + "\n")
+    tmp.replace(out)
+    print(f"\nwrote {out}", file=sys.stderr)
 
 
 def stat(values: Sequence[float]) -> dict[str, float]:

@@ -12,7 +12,6 @@ works end to end.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import subprocess
@@ -246,11 +245,7 @@ def main(argv: list[str] | None = None) -> int:
                        finished=datetime.now(UTC))
     print(report.table(doc))
     if out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = out.with_suffix(".json.tmp")
-        tmp.write_text(json.dumps(doc, indent=2, default=str) + "\n")
-        tmp.replace(out)
-        print(f"\nwrote {out}", file=sys.stderr)
+        report.write_json(doc, out)
     return 0
 
 

@@ -32,7 +32,7 @@ import psycopg
 
 from bench.checkout import start_server
 from bench.pg import Bench
-from bench.report import per_second
+from bench.report import per_second, write_json
 from bench.scenarios import CheckoutPhase, checkout_impact
 
 
@@ -125,8 +125,7 @@ def main(argv: list[str] | None = None) -> int:
             / max(med("drain_off", "drain_jobs_per_second"), 1e-9), 2)
     print(json.dumps(summary, indent=1))
     if args.out:
-        args.out.write_text(json.dumps({"summary": summary, "runs": runs}, indent=1,
-                                       default=str) + "\n")
+        write_json({"summary": summary, "runs": runs}, args.out)
     return 0
 
 

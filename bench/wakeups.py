@@ -27,7 +27,6 @@ Prints the tables and writes every run to ``--out`` (JSON).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
@@ -41,6 +40,7 @@ import psycopg
 
 from bench.pg import Bench, wait_until
 from bench.procs import Children
+from bench.report import write_json
 from bench.run import machine
 from bench.scenarios import (
     DEFAULT_BATCH,
@@ -184,9 +184,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"  {v['release']:8} {v['pods']:3} pods  {v['transactions_per_second']:7.2f} txn/s"
               f"  {v['db_cpu_percent']:6.2f} %")
     if out:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(doc, indent=2, default=str) + "\n")
-        print(f"\nwrote {out}", file=sys.stderr)
+        write_json(doc, out)
     return 0
 
 
