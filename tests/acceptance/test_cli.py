@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 import socket
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 
 import pytest
 
 from receipts.embedded import free_port
-from receipts.supervisor import Child, Supervisor, run_command
+from receipts.supervisor import Child, run_command
 from tests.conftest import enqueue_many, fetch_rows
 
 SECRET = "s3cr3t-pa55"
@@ -28,19 +28,8 @@ def until(predicate: Callable[[], bool], what: str, timeout_seconds: float = 20)
         time.sleep(0.05)
 
 
-@pytest.fixture
-def sup(tmp_path) -> Iterator[Supervisor]:
-    """The test's child processes, logging to tmp_path/<name>.log; all stopped at the end."""
-    with Supervisor(tmp_path) as supervisor:
-        yield supervisor
 
 
-@pytest.fixture
-def provider_proc(sup) -> Child:
-    """`receipts provider` as a process. Faults via :func:`set_faults`."""
-    port = free_port()
-    return sup.start("provider", ["provider", "--port", str(port)], port=port,
-                     health_path="/stats").wait_healthy()
 
 
 def set_faults(provider: Child, **faults: object) -> None:
@@ -149,18 +138,18 @@ def test_migrate_enqueue_and_stats_from_the_command_line(server):
 
 
 def test_a_worker_killed_mid_delivery_is_recovered_and_redelivered_with_the_same_key(
-        dsn, provider_proc, sup):
-    set_faults(provider_proc, latency_seconds=2.0)
+        dsn, provider, sup):
+    set_faults(provider, latency_seconds=2.0)
     enqueue_many(dsn, ["order-crash"])
-    env = worker_env(dsn, provider_proc)
+    env = worker_env(dsn, provider)
     victim = sup.start("victim", ["worker"], env)
-    until(lambda: provider_proc.get_json("/stats").get("requests", 0) >= 1,
+    until(lambda: provider.get_json("/stats").get("requests", 0) >= 1,
           "the victim's delivery to reach the provider")
     assert victim.kill() == -9
     assert fetch_rows(dsn, "SELECT state, attempts FROM receipt_jobs") == [("running", 1)]
 
-    set_faults(provider_proc, latency_seconds=0.0)
-    rescuer = sup.start("rescuer", ["worker"], worker_env(dsn, provider_proc))
+    set_faults(provider, latency_seconds=0.0)
+    rescuer = sup.start("rescuer", ["worker"], worker_env(dsn, provider))
 
     def recovered_and_done() -> bool:
         assert receipts("recover", env=env).returncode == 0
@@ -170,7 +159,7 @@ def test_a_worker_killed_mid_delivery_is_recovered_and_redelivered_with_the_same
     assert rescuer.stop() == 0
     assert fetch_rows(dsn, "SELECT attempts, last_error FROM receipt_jobs") == [
         (2, "lease expired")]
-    receipts_seen = provider_proc.get_json("/receipts")
+    receipts_seen = provider.get_json("/receipts")
     assert list(receipts_seen) == ["receipt:order-crash"]
     # The killed worker's request finished at the provider: the second attempt
     # with the same key was a replay, not a second receipt.
@@ -179,10 +168,10 @@ def test_a_worker_killed_mid_delivery_is_recovered_and_redelivered_with_the_same
 
 @pytest.mark.parametrize("event_loop", ["uvloop", "asyncio"])
 def test_sigterm_finishes_inflight_deliveries_acks_them_claims_nothing_more_exits_0(
-        dsn, provider_proc, sup, event_loop):
-    set_faults(provider_proc, latency_seconds=1.5)
+        dsn, provider, sup, event_loop):
+    set_faults(provider, latency_seconds=1.5)
     enqueue_many(dsn, [f"order-{i}" for i in range(20)])
-    env = worker_env(dsn, provider_proc, RECEIPTS_CONCURRENCY="4",
+    env = worker_env(dsn, provider, RECEIPTS_CONCURRENCY="4",
                      RECEIPTS_LEASE_SECONDS="20", RECEIPTS_LEASE_MARGIN_SECONDS="5",
                      RECEIPTS_DELIVERY_TIMEOUT_SECONDS="10",
                      RECEIPTS_SHUTDOWN_GRACE_SECONDS="10", RECEIPTS_EVENT_LOOP=event_loop)

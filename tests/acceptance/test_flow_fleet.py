@@ -44,16 +44,8 @@ def dsn(pg18) -> Iterator[str]:
     pg18.drop_database(database)
 
 
-@pytest.fixture
-def sup(tmp_path) -> Iterator[Supervisor]:
-    with Supervisor(tmp_path) as supervisor:
-        yield supervisor
 
 
-@pytest.fixture
-def provider(sup) -> Child:
-    port = free_port()
-    return sup.start("provider", ["provider", "--port", str(port)], port=port).wait_healthy()
 
 
 def set_faults(provider: Child, **faults: object) -> None:

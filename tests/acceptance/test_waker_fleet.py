@@ -16,7 +16,7 @@ import psycopg
 import pytest
 
 from receipts.enqueue import NOTIFY_CHANNEL, enqueue
-from receipts.supervisor import Child, Supervisor
+from receipts.supervisor import Child
 from tests.acceptance.test_flow_fleet import answers, start_workers, until
 from tests.conftest import fetch_rows
 
@@ -31,18 +31,8 @@ def dsn(pg18) -> Iterator[str]:
     pg18.drop_database(database)
 
 
-@pytest.fixture
-def sup(tmp_path) -> Iterator[Supervisor]:
-    with Supervisor(tmp_path) as supervisor:
-        yield supervisor
 
 
-@pytest.fixture
-def provider(sup) -> Child:
-    from receipts.embedded import free_port
-
-    port = free_port()
-    return sup.start("provider", ["provider", "--port", str(port)], port=port).wait_healthy()
 
 
 def elected(workers: list[Child]) -> list[Child]:
