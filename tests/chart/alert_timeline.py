@@ -138,7 +138,7 @@ def main(argv: list[str] | None = None) -> int:
         while not stop_enqueue.wait(0.2):
             try:
                 with psycopg.connect(dsn, connect_timeout=2) as conn:
-                    enqueue(conn, f"order-{n}", notify=False)
+                    enqueue(conn, f"order-{n}")
                 n += 1
             except psycopg.Error:
                 pass
