@@ -7,7 +7,7 @@ STAMP  := $(VENV)/.installed
 
 .PHONY: demo test docs lint tools bench soak chaos clean lock
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml src/receipts/__init__.py
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 	$(BIN)/pip install --quiet -e '.[dev]'
@@ -17,7 +17,8 @@ $(STAMP): pyproject.toml
 demo: $(STAMP)
 	$(BIN)/receipts demo
 
-## Install helm, promtool, hadolint into .tools/ (idempotent).
+## Install the test tools: helm, kubectl, promtool, axe-core into .tools/; as root, Debian's
+## prometheus, chromium, pgbouncer, nginx, tinyproxy, squid (idempotent).
 tools:
 	bash scripts/install-tools.sh
 

@@ -287,7 +287,8 @@ def parse_assignments(pairs: Sequence[str]) -> dict[str, list[str]]:
     """``["worker=receipts_worker", …]`` → ``{role: [kinds]}`` in the order given.
 
     Raises :class:`GrantsError` for a pair without ``=``, an unknown kind, a
-    role name PostgreSQL would truncate or reserves, a kind given twice, or
+    role name PostgreSQL would truncate or reserves, one with a control
+    character or surrounding spaces, a kind given twice, or
     an ``owner`` role that is also given another kind (the owner has every
     right on the queue already; least privilege wants separate roles).
     """
@@ -303,6 +304,11 @@ def parse_assignments(pairs: Sequence[str]) -> dict[str, list[str]]:
         if "\x00" in role or len(role.encode()) > 63 or _RESERVED.match(role):
             raise GrantsError(f"role name {role!r} is reserved by PostgreSQL or longer than 63 "
                               "bytes")
+        if any(ord(c) < 0x20 or ord(c) == 0x7F for c in role) or role != role.strip():
+            # Legal in a quoted name, but never meant: a line break would also end the
+            # comment line the role is named in, and what follows would run as SQL.
+            raise GrantsError(f"role name {role!r} has a control character or surrounding "
+                              "spaces")
         if kind in seen:
             raise GrantsError(f"kind {kind!r} is given twice")
         seen.add(kind)

@@ -369,12 +369,27 @@ class Settings(BaseSettings):
                              "unquoted names to lower case")
         return value
 
+    @field_validator("database_url", "provider_url", mode="before")
+    @classmethod
+    def _strip_url(cls, value: object) -> object:
+        # A value read from a file (a Secret mounted or made with --from-file) often
+        # ends in a line break; it is never part of a URL or DSN.
+        return value.strip() if isinstance(value, str) else value
+
     @field_validator("provider_token", "ui_admin_token", "ui_viewer_token", "provider_proxy",
                      mode="before")
     @classmethod
     def _empty_token_is_none(cls, value: object) -> object:
-        if isinstance(value, str) and not value.strip():
+        if not isinstance(value, str):
+            return value
+        # Surrounding white space (the line break a Secret made from a file keeps) is
+        # not part of a token; one inside it could never be sent in an HTTP header.
+        value = value.strip()
+        if not value:
             return None
+        if any(ord(c) < 0x20 or ord(c) == 0x7F for c in value):
+            raise ValueError("contains a control character (a line break or tab inside "
+                             "the value?); HTTP headers cannot carry it")
         return value
 
     @field_validator("ui_admin_token", "ui_viewer_token")

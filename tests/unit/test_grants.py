@@ -158,6 +158,10 @@ def test_role_names_are_quoted_as_identifiers():
     (["worker=" + "x" * 64], "longer than 63 bytes"),
     (["worker=a", "worker=b"], "given twice"),
     (["owner=a", "worker=a"], "the owner has every right"),
+    # A line break would end the comment naming the role and run the rest as SQL.
+    (["worker=x\nGRANT ALL ON TABLE receipt_jobs TO PUBLIC; --"], "control character"),
+    (["worker=x\ty"], "control character"),
+    (["worker= bob"], "surrounding spaces"),
 ])
 def test_bad_assignments_are_refused_in_one_line(pairs, message):
     with pytest.raises(GrantsError, match=message):

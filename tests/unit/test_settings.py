@@ -99,6 +99,25 @@ def test_an_empty_provider_token_means_none():
     assert settings.provider_token is None
 
 
+def test_the_line_break_a_secret_file_keeps_is_not_part_of_a_value():
+    # `kubectl create secret --from-file` keeps a file's last line break.
+    settings = load_settings(database_url="postgresql://u:pw@h/shop\n",
+                             provider_url="http://x/receipts\r\n", provider_token="tok-1\n",
+                             ui_admin_token="a" * 20 + "\n")
+    assert settings.dsn == "postgresql://u:pw@h/shop"
+    assert settings.provider_url == "http://x/receipts"
+    assert settings.provider_token is not None
+    assert settings.provider_token.get_secret_value() == "tok-1"
+    assert settings.ui_admin_token is not None
+    assert settings.ui_admin_token.get_secret_value() == "a" * 20
+
+
+def test_a_token_with_a_control_character_inside_is_refused_without_showing_it():
+    with pytest.raises(SettingsError, match="RECEIPTS_PROVIDER_TOKEN: contains a control") as exc:
+        load_settings(database_url="postgresql://u@h/d", provider_token="secret-1\nsecret-2")
+    assert "secret" not in str(exc.value)
+
+
 @pytest.mark.parametrize("dsn", [
     "postgresql://h1:5432,h2:5433/db?target_session_attrs=read-write",
     "postgresql://u:pw@h1,h2/db?target_session_attrs=primary&connect_timeout=3",
