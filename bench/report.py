@@ -288,7 +288,7 @@ def targets(s: dict[str, Any]) -> list[dict[str, Any]]:
     adm = s.get("admission", {}).get("admission")
     if adm:
         rate = adm["jobs_per_second"]["median"]
-        out.append(_check("same, admission control on (default) / Little's bound",
+        out.append(_check("same, admission control on / Little's bound",
                           rate / LITTLE_BOUND, "(none)", None, f"{rate:,.0f} deliveries/s"))
     pick = s.get("pickup", {})
     if "receipts:waker" in pick:

@@ -27,8 +27,9 @@ Shape (docs/design.md §4, §11):
   (the job's lease, not its slot) until later answers tell a bad order from
   a provider rejecting everything. Under a fleet-wide rate limit a claim that
   ran out of tokens sleeps until the next token.
-* Admission control (on by default): claims also spend a local token bucket
-  whose rate an AIMD limiter adapts to the claim and ack statements' latency,
+* Admission control (off by default, ``RECEIPTS_ADMISSION_CONTROL``): claims
+  also spend a local token bucket whose rate an AIMD limiter adapts to the
+  latency of a small durable commit (the commit probe),
   so a drain leaves the checkout database its headroom
   (:mod:`receipts.admission`).
 * Database outage: the loop backs off (jittered; ≤ 1 s while the database
