@@ -40,7 +40,7 @@ from dataclasses import dataclass
 #: 200 ms: the median of three rounds; it includes the claims, acks, event loop
 #: and garbage collection a delivery brings with it). A test keeps the two equal;
 #: ``receipts plan --cpu-per-delivery`` takes a figure measured on one's own nodes.
-HTTP_DELIVERY_CPU_SECONDS = 188e-6
+HTTP_DELIVERY_CPU_SECONDS = 390e-6
 
 #: CPU a worker pod is planned to use at the given rate, in cores. One process
 #: runs one event loop and cannot use more than one core; 0.7 keeps 30 % for
