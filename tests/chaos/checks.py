@@ -62,6 +62,16 @@ class Finding:
     detail: str = ""
 
 
+def all_passed(checks: list[Finding]) -> bool:
+    """True when every check passed (a run's report is ok)."""
+    return all(f.passed for f in checks)
+
+
+def failed_lines(checks: list[Finding]) -> list[str]:
+    """The failed checks as ``name: detail`` lines."""
+    return [f"{f.name}: {f.detail}" for f in checks if not f.passed]
+
+
 @dataclass(slots=True)
 class WorkerView:
     """What the harness knows of one worker process at the end of the run.

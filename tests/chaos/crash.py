@@ -58,10 +58,12 @@ from receipts.supervisor import ChildError, Supervisor
 from tests.chaos.checks import (
     AuditRow,
     Finding,
+    all_passed,
     check_done_were_delivered,
     check_nothing_lost,
     check_one_receipt_per_order,
     check_outcomes_by_current_attempt,
+    failed_lines,
     read_trail,
 )
 from tests.chaos.run import AUDIT_QUERY, AUDIT_SQL
@@ -100,12 +102,12 @@ class CrashReport:
     @property
     def ok(self) -> bool:
         """True when every check passed."""
-        return all(f.passed for f in self.checks)
+        return all_passed(self.checks)
 
     @property
     def failures(self) -> list[str]:
         """The failed checks as ``name: detail`` lines."""
-        return [f"{f.name}: {f.detail}" for f in self.checks if not f.passed]
+        return failed_lines(self.checks)
 
     def summary(self) -> str:
         """The figures and checks as plain text."""

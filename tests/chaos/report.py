@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from tests.chaos.checks import FAULT_KINDS, Finding
+from tests.chaos.checks import FAULT_KINDS, Finding, all_passed, failed_lines
 
 if TYPE_CHECKING:
     from tests.chaos.run import ChaosConfig
@@ -30,12 +30,12 @@ class ChaosReport:
     @property
     def ok(self) -> bool:
         """True when every check passed."""
-        return all(f.passed for f in self.checks)
+        return all_passed(self.checks)
 
     @property
     def failures(self) -> list[str]:
         """The failed checks as ``name: detail`` lines."""
-        return [f"{f.name}: {f.detail}" for f in self.checks if not f.passed]
+        return failed_lines(self.checks)
 
     def table(self) -> str:
         """The run's figures as a plain-text table."""
