@@ -546,8 +546,7 @@ def bill_idle(bench: Bench, *, processes: int, seconds: float = 30.0, slots: int
 
 
 def bill_steady(bench: Bench, *, processes: int, rate: float = 200.0, seconds: float = 20.0,
-                slots: int = SLOTS, admission: bool | None = None, notify: bool = True
-                ) -> dict[str, Any]:
+                slots: int = SLOTS, admission: bool | None = None) -> dict[str, Any]:
     """Jobs enqueued one per transaction at *rate*/s (public API) while *processes*
     workers keep up; billed per delivered job. The enqueuing session's CPU is
     ``enqueue_cpu_us``, apart from ``db_cpu_us`` (the queue's); its WAL is in
@@ -567,7 +566,7 @@ def bill_steady(bench: Bench, *, processes: int, rate: float = 200.0, seconds: f
                     if delay > 0:
                         time.sleep(delay)
                     with conn.transaction():
-                        enqueue(conn, f"s-{n}", notify=notify)
+                        enqueue(conn, f"s-{n}")
                     n += 1
                 deadline = time.monotonic() + 30
                 while not _nothing_left(meter._conn) and time.monotonic() < deadline:
@@ -579,7 +578,7 @@ def bill_steady(bench: Bench, *, processes: int, rate: float = 200.0, seconds: f
         finally:
             children.stop()
     out.update(row="steady", processes=processes, slots=slots, admission=admission,
-               rate=rate, notify=notify, enqueued=n)
+               rate=rate, enqueued=n)
     return out
 
 
