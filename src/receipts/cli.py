@@ -21,26 +21,43 @@ import math
 import os
 import signal
 import sys
+import time
 import uuid
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from receipts import fleet, migrate, planner, recovery, review
+from receipts.check import run_checks
+from receipts.db import check_connection, make_pool, transaction
+from receipts.demo import DemoOptions, run_demo
+from receipts.embedded import EmbeddedPostgresError, bin_dir
+from receipts.enqueue import check_order_id, enqueue
+from receipts.errors import InvalidOrderId, QueueError, SchemaMissing, UnusableDatabase
+from receipts.grants import GrantsError, grants_sql, parse_assignments
+from receipts.jobqueue import JobQueue
+from receipts.logs import configure_logging, get_logger
+from receipts.migrate import MigrationError
+from receipts.model import JobState
+from receipts.operations import BulkStep, FleetFlow, Operations, ReviewFilter
+from receipts.provider import Faults, ReferenceProvider, serve
+from receipts.proxy import environment_secrets
+from receipts.runtime import make_operations, run_on_loop, run_worker
 from receipts.settings import (
     ENV_PREFIX,
     Settings,
     SettingsError,
+    check_dsn,
     check_ui_settings,
     check_worker_settings,
     load_settings,
     package_version,
     redact_dsn,
     schema_for,
+    unknown_variables,
 )
 from receipts.statements import DEFAULT_SCHEMA, SCHEMA_NAME, SCHEMA_RULE
-
-if TYPE_CHECKING:
-    from receipts.review import RetryResult
+from receipts.ui import run_ui
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 #: ``receipts migrate --check``: migrations pending / schema unknown to this version.
@@ -175,11 +192,8 @@ def _run(coro: Coroutine[Any, Any, int]) -> int:
 
 
 async def _with_queue(settings: Settings, role: str,
-                      body: Callable[[Any], Coroutine[Any, Any, int]]) -> int:
-    """Open a one-connection pool, run *body(queue)*, close the pool."""
-    from receipts.db import check_connection, make_pool
-    from receipts.jobqueue import JobQueue
-
+                      body: Callable[[JobQueue], Coroutine[Any, Any, int]]) -> int:
+    """Open a one-connection pool, run *body(queue)* (recovery's statements), close the pool."""
     await check_connection(settings, role)
     pool = make_pool(settings, role, max_size=1)
     await pool.open(wait=False)
@@ -187,6 +201,19 @@ async def _with_queue(settings: Settings, role: str,
         queue = JobQueue(pool, lease_seconds=settings.lease_seconds,
                          max_attempts=settings.max_attempts, schema=settings.db_schema)
         return await body(queue)
+    finally:
+        await pool.close(timeout=2.0)
+
+
+async def _with_operations(settings: Settings, role: str,
+                           body: Callable[[Operations], Coroutine[Any, Any, int]]) -> int:
+    """Open a one-connection pool, run *body(operations)* (the operator's statements,
+    :func:`receipts.runtime.make_operations`, no statement deadline), close the pool."""
+    await check_connection(settings, role)
+    pool = make_pool(settings, role, max_size=1)
+    await pool.open(wait=False)
+    try:
+        return await body(make_operations(settings, pool, deadline=False))
     finally:
         await pool.close(timeout=2.0)
 
@@ -216,8 +243,6 @@ def _schema_from_environment() -> str:
 def check_migrate(args: argparse.Namespace) -> None:
     """Usage of ``migrate``: ``--pending`` only with ``--print-sql``; ``--print-grants``
     pairs parsed into ``args.grant_roles`` ({role: [kinds]})."""
-    from receipts.grants import GrantsError, parse_assignments
-
     if args.pending and not args.print_sql:
         raise UsageError("--pending goes with --print-sql")
     args.grant_roles = None
@@ -239,11 +264,7 @@ def cmd_migrate(settings: Settings | None, args: argparse.Namespace) -> int:
     migrations are pending and EXIT_UNKNOWN (4) when the database has migrations
     this version cannot run on (breaking or foreign) or an applied one differs.
     """
-    from receipts import migrate
-
     if args.grant_roles is not None:
-        from receipts.grants import grants_sql
-
         sys.stdout.write(grants_sql(args.grant_roles, schema=_schema_from_environment(),
                                     version=package_version()))
         return EXIT_OK
@@ -276,19 +297,15 @@ def cmd_migrate(settings: Settings | None, args: argparse.Namespace) -> int:
 
 def cmd_worker(settings: Settings, args: argparse.Namespace) -> int:
     """``receipts worker``: run until SIGTERM/SIGINT, then drain; 0 on a clean stop."""
-    from receipts.runtime import run_on_loop, run_worker
-
     run_on_loop(settings, run_worker(settings))
     return EXIT_OK
 
 
 def cmd_recover(settings: Settings, args: argparse.Namespace) -> int:
     """``receipts recover``: one sweep (or ``--loop SECONDS``); a failed push still exits 0."""
-    from receipts import recovery
-
     if args.loop is not None:
 
-        async def loop(queue: Any) -> int:
+        async def loop(queue: JobQueue) -> int:
             stop = asyncio.Event()
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
                 asyncio.get_running_loop().add_signal_handler(sig, stop.set)
@@ -297,7 +314,7 @@ def cmd_recover(settings: Settings, args: argparse.Namespace) -> int:
 
         return _run(_with_queue(settings, "recover", loop))
 
-    async def once(queue: Any) -> int:
+    async def once(queue: JobQueue) -> int:
         report = await recovery.run_once(queue, settings)
         print(json.dumps(report.as_dict()) if args.json else report.summary())
         # A failed push is logged (push_failed) but does not fail a sweep that
@@ -312,8 +329,6 @@ def cmd_recover(settings: Settings, args: argparse.Namespace) -> int:
 def cmd_check(settings: Settings, args: argparse.Namespace) -> int:
     """``receipts check``: the database and the provider reachable (:mod:`receipts.check`);
     one line per check, 0 when both pass, 1 otherwise."""
-    from receipts.check import run_checks
-
     results = asyncio.run(run_checks(settings))
     for result in results:
         print(result.line())
@@ -322,9 +337,6 @@ def cmd_check(settings: Settings, args: argparse.Namespace) -> int:
 
 def check_enqueue(args: argparse.Namespace) -> None:
     """Usage of ``enqueue``: every order id valid (before any connection)."""
-    from receipts.enqueue import check_order_id
-    from receipts.errors import InvalidOrderId
-
     try:
         for order_id in args.order_ids:
             check_order_id(order_id)
@@ -334,9 +346,6 @@ def check_enqueue(args: argparse.Namespace) -> None:
 
 def cmd_enqueue(settings: Settings, args: argparse.Namespace) -> int:
     """``receipts enqueue``: enqueue the given orders in one transaction."""
-    from receipts.db import transaction
-    from receipts.enqueue import enqueue
-
     created = 0
     with transaction(settings, "cli") as conn:
         for order_id in args.order_ids:
@@ -348,8 +357,6 @@ def cmd_enqueue(settings: Settings, args: argparse.Namespace) -> int:
 
 def _planner_default(name: str) -> float:
     """A default of the capacity planner (a bench figure), for help texts."""
-    from receipts import planner
-
     return float(getattr(planner, name))
 
 
@@ -419,12 +426,10 @@ def check_jobs(args: argparse.Namespace) -> None:
     args.since_at = _parse_since(getattr(args, "since", None))
     args.uuids = None
     if args.jobs_command == "pause":
-        from receipts.fleet import PauseError, check_note, parse_duration
-
         try:
-            args.pause_seconds = parse_duration(args.duration)
-            args.note = check_note(args.reason)
-        except PauseError as exc:
+            args.pause_seconds = fleet.parse_duration(args.duration)
+            args.note = fleet.check_note(args.reason)
+        except fleet.PauseError as exc:
             raise UsageError(str(exc)) from None
     if args.jobs_command == "retry":
         if args.all_failed == bool(args.ids):
@@ -435,9 +440,6 @@ def check_jobs(args: argparse.Namespace) -> None:
             except ValueError:
                 raise UsageError("job ids must be UUIDs (see `receipts jobs list`)") from None
     if args.jobs_command == "discard":
-        from receipts.jobqueue import ReviewFilter
-        from receipts.model import JobState
-
         if args.ids:
             if args.failed or args.ready or args.reason or args.status is not None:
                 raise UsageError("give job ids, or --failed/--ready with filters (not both)")
@@ -455,15 +457,12 @@ def check_jobs(args: argparse.Namespace) -> None:
 
 def cmd_jobs(settings: Settings, args: argparse.Namespace) -> int:
     """``receipts jobs stats|list|show|retry|discard``: failed-job review (docs/operations.md)."""
-    from receipts import review
-    from receipts.model import JobState
-
-    async def body(queue: Any) -> int:
+    async def body(operations: Operations) -> int:
         if args.jobs_command in ("pause", "resume"):
-            return await _fleet_command(settings, queue, args)
+            return await _fleet_command(operations, args)
         if args.jobs_command == "stats":
-            stats = await review.stats(queue)
-            flow = await _fleet_flow(settings, queue)
+            stats = await review.stats(operations)
+            flow = await _fleet_flow(settings, operations)
             if args.json:
                 print(json.dumps(stats.as_dict() | {"provider": _flow_dict(flow)}))
             else:
@@ -481,7 +480,7 @@ def cmd_jobs(settings: Settings, args: argparse.Namespace) -> int:
                     print(f"{label:<{width}}  {value}")
             return EXIT_OK
         if args.jobs_command == "list":
-            rows = await review.list_jobs(queue, JobState(args.state), limit=args.limit,
+            rows = await review.list_jobs(operations, JobState(args.state), limit=args.limit,
                                           since=args.since_at)
             if args.json:
                 print(json.dumps(rows))
@@ -490,7 +489,7 @@ def cmd_jobs(settings: Settings, args: argparse.Namespace) -> int:
                                     "finished_at", "last_error"]))
             return EXIT_OK
         if args.jobs_command == "show":
-            row = await review.show(queue, args.id)
+            row = await review.show(operations, args.id)
             if row is None:
                 _error(f"no job with id or order id {args.id!r}")
                 return EXIT_ERROR
@@ -504,20 +503,19 @@ def cmd_jobs(settings: Settings, args: argparse.Namespace) -> int:
                     print(f"attempt {a['attempt']:<4} {a['at']}  {a['reason']}"
                           f"  {a['status'] or '-'}  {(a['error'] or '')[:60]}")
             return EXIT_OK
-        from receipts.fleet import cli_author
-
         progress = _BulkProgress()
         if args.jobs_command == "discard":
-            outcome = await review.discard(queue, args.discard_target, dry_run=args.dry_run,
-                                           author=cli_author(), on_step=progress)
+            outcome = await review.discard(operations, args.discard_target,
+                                           dry_run=args.dry_run, author=fleet.cli_author(),
+                                           on_step=progress)
             _print_discard(args, outcome)
             return EXIT_OK if outcome.ok else EXIT_ERROR
-        result = await review.retry(queue, args.uuids, dry_run=args.dry_run,
-                                    author=cli_author(), on_step=progress)
+        result = await review.retry(operations, args.uuids, dry_run=args.dry_run,
+                                    author=fleet.cli_author(), on_step=progress)
         _print_retry(args, result)
         return EXIT_OK if result.ok else EXIT_ERROR
 
-    return _run(_with_queue(settings, "cli", body))
+    return _run(_with_operations(settings, "cli", body))
 
 
 class _BulkProgress:
@@ -526,12 +524,10 @@ class _BulkProgress:
     EVERY_SECONDS = 5.0
 
     def __init__(self) -> None:
-        import time
-
         self._clock = time.monotonic
         self._last = self._clock()
 
-    def __call__(self, step: Any) -> None:
+    def __call__(self, step: BulkStep) -> None:
         now = self._clock()
         if step.status == "running" and now - self._last >= self.EVERY_SECONDS:
             self._last = now
@@ -539,12 +535,8 @@ class _BulkProgress:
                   f"({step.examined:,} examined)", file=sys.stderr, flush=True)
 
 
-async def _fleet_flow(settings: Settings, queue: Any) -> Any:
+async def _fleet_flow(settings: Settings, operations: Operations) -> FleetFlow | None:
     """The fleet's flow state (``fleet_flow``), or None before migration 0007."""
-    from receipts.errors import SchemaMissing
-    from receipts.operations import Operations
-
-    operations = Operations(queue.pool, schema=queue.schema)
     try:
         return await operations.fleet_flow(rate=settings.provider_rate_limit_per_second,
                                            burst=settings.burst)
@@ -552,9 +544,8 @@ async def _fleet_flow(settings: Settings, queue: Any) -> Any:
         return None
 
 
-def _flow_dict(flow: Any) -> dict[str, Any] | None:
-    from receipts.review import jsonable
-
+def _flow_dict(flow: FleetFlow | None) -> dict[str, Any] | None:
+    jsonable = review.jsonable
     if flow is None:
         return None
     return {"paused": flow.paused, "reason": flow.reason,
@@ -565,29 +556,24 @@ def _flow_dict(flow: Any) -> dict[str, Any] | None:
             "last_probe_outcome": flow.last_probe_outcome}
 
 
-def _describe_flow(flow: Any) -> str:
+def _describe_flow(flow: FleetFlow | None) -> str:
     """One line: whether deliveries are paused, why, until when, by whom."""
-    from receipts.fleet import describe_seconds
-
     if flow is None:
         return "unknown (run receipts migrate)"
     if not flow.paused:
         return "delivering (not paused)"
     if flow.awaiting_probe:
         return f"paused ({flow.reason}); one probe job decides when it resumes"
-    text = (f"paused ({flow.reason}) for {describe_seconds(flow.remaining_seconds)} more, "
-            f"until {flow.paused_until.isoformat()}")
+    assert flow.paused_until is not None
+    text = (f"paused ({flow.reason}) for {fleet.describe_seconds(flow.remaining_seconds)} "
+            f"more, until {flow.paused_until.isoformat()}")
     if flow.note:
         text += f": {flow.note!r} by {flow.paused_by}"
     return text
 
 
-async def _fleet_command(settings: Settings, queue: Any, args: argparse.Namespace) -> int:
+async def _fleet_command(operations: Operations, args: argparse.Namespace) -> int:
     """``receipts jobs pause`` / ``resume``: the fleet-wide manual pause (receipts.fleet)."""
-    from receipts import fleet
-    from receipts.operations import Operations
-
-    operations = Operations(queue.pool, schema=queue.schema)
     if args.jobs_command == "pause":
         outcome = await fleet.pause(operations, seconds=args.pause_seconds, note=args.note,
                                     author=fleet.cli_author(), replace=args.replace)
@@ -620,12 +606,10 @@ async def _fleet_command(settings: Settings, queue: Any, args: argparse.Namespac
 
 def review_json(value: Any) -> Any:
     """A datetime as ISO 8601 text (None stays None), for JSON output."""
-    from receipts.review import jsonable
-
-    return jsonable(value)
+    return review.jsonable(value)
 
 
-def _print_retry(args: argparse.Namespace, result: RetryResult) -> None:
+def _print_retry(args: argparse.Namespace, result: review.RetryResult) -> None:
     """Print what ``jobs retry`` did: JSON or lines on stdout; refusals on stderr."""
     if args.json:
         print(json.dumps(result.as_dict()))
@@ -637,16 +621,17 @@ def _print_retry(args: argparse.Namespace, result: RetryResult) -> None:
             print(f"  {job_id}")
         if result.count > 20:
             print(f"  … and {result.count - 20} more")
-    if result.refused:
-        for refusal in result.refused:
-            _error(refusal.reason)
+    for refusal in result.refused:
+        _error(refusal.reason)
+    if result.changed:
+        # Another operator, a worker or recovery acted on a job between the check and
+        # the update, which then changed nothing (all or nothing, as on the page).
+        _error("the jobs changed meanwhile; nothing was retried")
+    elif result.refused:
         _error("nothing was retried")
-    if result.missed:
-        # Another operator or a recovery raced us between the check and the update.
-        _error(f"not retried (no longer failed): {', '.join(result.missed)}")
 
 
-def _print_discard(args: argparse.Namespace, result: Any) -> None:
+def _print_discard(args: argparse.Namespace, result: review.DiscardResult) -> None:
     """Print what ``jobs discard`` did: JSON or lines on stdout; refusals on stderr."""
     for refusal in result.refused:
         _error(refusal.discard_reason)
@@ -667,16 +652,12 @@ def _print_discard(args: argparse.Namespace, result: Any) -> None:
 
 def cmd_ui(settings: Settings, args: argparse.Namespace) -> int:
     """``receipts ui``: serve the review page until SIGTERM/SIGINT."""
-    from receipts.ui import run_ui
-
     asyncio.run(run_ui(settings))
     return EXIT_OK
 
 
 def check_provider(args: argparse.Namespace) -> None:
     """Usage of ``provider``: the fault options form valid :class:`Faults` (``args.faults``)."""
-    from receipts.provider import Faults
-
     try:
         faults = Faults(
             latency_seconds=args.latency_ms / 1000, latency_jitter_seconds=args.jitter_ms / 1000,
@@ -693,13 +674,9 @@ def check_provider(args: argparse.Namespace) -> None:
 
 def cmd_provider(settings: Settings | None, args: argparse.Namespace) -> int:
     """``receipts provider``: serve the reference provider until SIGTERM/SIGINT."""
-    from receipts.provider import ReferenceProvider, serve
-
     provider = ReferenceProvider(args.faults, token=args.token, seed=args.seed)
 
     async def main() -> int:
-        import signal
-
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
@@ -712,15 +689,11 @@ def cmd_provider(settings: Settings | None, args: argparse.Namespace) -> int:
 def check_demo(args: argparse.Namespace) -> None:
     """Usage of ``demo``: a valid ``--dsn``, or the embedded PostgreSQL installed."""
     if args.dsn:
-        from receipts.settings import check_dsn
-
         try:
             check_dsn(args.dsn)
         except ValueError as exc:
             raise UsageError(f"--dsn {exc}") from None
         return
-    from receipts.embedded import EmbeddedPostgresError, bin_dir
-
     try:
         bin_dir()
     except EmbeddedPostgresError as exc:
@@ -729,8 +702,6 @@ def check_demo(args: argparse.Namespace) -> None:
 
 def cmd_demo(settings: Settings | None, args: argparse.Namespace) -> int:
     """``receipts demo``: the whole service end to end; 0 when nothing was lost."""
-    from receipts.demo import DemoOptions, run_demo
-
     options = DemoOptions(dsn=args.dsn, orders=args.orders, workers=args.workers,
                           concurrency=args.concurrency, seed=args.seed)
     return run_demo(options)
@@ -738,14 +709,6 @@ def cmd_demo(settings: Settings | None, args: argparse.Namespace) -> int:
 
 def cmd_plan(settings: Settings | None, args: argparse.Namespace) -> int:
     """``receipts plan``: print a capacity plan (pure arithmetic, no connection)."""
-    from receipts.planner import (
-        DB_CEILING_BATCHED_JOBS_PER_SECOND,
-        HTTP_DELIVERY_CPU_SECONDS,
-        PlanError,
-        describe,
-        plan,
-    )
-
     def number(option: str, text: str | None) -> float:
         if text is None:
             raise UsageError(f"{option} is required")
@@ -755,16 +718,16 @@ def cmd_plan(settings: Settings | None, args: argparse.Namespace) -> int:
             raise UsageError(f"{option} must be a number, not {text!r}") from None
 
     try:
-        result = plan(number("--rate", args.rate), number("--latency", args.latency),
+        result = planner.plan(number("--rate", args.rate), number("--latency", args.latency),
                       utilisation=number("--utilisation", args.utilisation),
                       db_ceiling=number("--db-ceiling", args.db_ceiling
-                                        or str(DB_CEILING_BATCHED_JOBS_PER_SECOND)),
+                                        or str(planner.DB_CEILING_BATCHED_JOBS_PER_SECOND)),
                       cpu_per_delivery_seconds=number(
                           "--cpu-per-delivery", args.cpu_per_delivery
-                          or str(HTTP_DELIVERY_CPU_SECONDS * 1e6)) / 1e6)
-    except PlanError as exc:
+                          or str(planner.HTTP_DELIVERY_CPU_SECONDS * 1e6)) / 1e6)
+    except planner.PlanError as exc:
         raise UsageError(str(exc)) from None
-    print(describe(result))
+    print(planner.describe(result))
     return EXIT_OK
 
 
@@ -953,9 +916,6 @@ def warn_unknown_variables(environ: Mapping[str, str]) -> None:
     The value is never logged (it may be a secret); Kubernetes service-link
     variables are not reported (:func:`receipts.settings.unknown_variables`).
     """
-    from receipts.logs import get_logger
-    from receipts.settings import unknown_variables
-
     log = get_logger("cli")
     for name, suggestion in unknown_variables(environ):
         log.warning("unknown_setting", extra={"variable": name, "did_you_mean": suggestion})
@@ -971,10 +931,6 @@ def _quiet_broken_pipe() -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``receipts`` console script; returns the exit status."""
-    from receipts.errors import InvalidOrderId, QueueError, UnusableDatabase
-    from receipts.logs import configure_logging
-    from receipts.migrate import MigrationError
-
     try:
         args = build_parser().parse_args(argv)
         if args.command not in LONG_RUNNING:
@@ -993,8 +949,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 check_worker_settings(settings)
             if args.command == "ui":
                 check_ui_settings(settings)
-            from receipts.proxy import environment_secrets
-
             configure_logging(settings.log_level, stream,
                               secrets=[*settings.secrets(), *environment_secrets(os.environ)])
             warn_unknown_variables(os.environ)

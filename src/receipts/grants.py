@@ -130,7 +130,7 @@ def _by(*kinds: str) -> frozenset[str]:
 _W, _R, _V = _by(WORKER), _by(RECOVER), _by(REVIEW)
 _ENQUEUED = {JOBS: ("id", "order_id", "run_at", "traceparent")}
 _READ_BACK = {JOBS: ("id", "order_id")}
-#: What an operator's retry writes (retry_failed, retry_jobs, retry_effect); a
+#: What an operator's retry writes (retry_jobs, retry_effect); a
 #: discard (discard_jobs, discard_effect) writes the first two of them.
 _RETRIED = {JOBS: ("state", "finished_at", "attempts", "run_at", "last_error")}
 _DISCARDED = {JOBS: ("state", "finished_at")}
@@ -185,7 +185,7 @@ STATEMENTS: dict[str, Need] = {
     "fail_exhausted": Need(_R, select=(JOBS,), update=(JOBS,)),
     # FOR UPDATE SKIP LOCKED picks the rows: UPDATE on the jobs, though none is updated.
     "prune": Need(_R, select=(JOBS, ATTEMPTS), update=(JOBS,), delete=(JOBS, ATTEMPTS)),
-    # -- review: receipts jobs …, receipts ui
+    # -- review: receipts jobs …, receipts ui (the operator's statements, sql/operations.sql)
     "state_counts": Need(_V, select=(JOBS,)),
     "oldest_failed": Need(_V, select=(JOBS,)),
     "list_jobs": Need(_V, select=(JOBS,)),
@@ -195,12 +195,11 @@ STATEMENTS: dict[str, Need] = {
     "job_states": Need(_V, select=(JOBS,)),
     "review_jobs": Need(_V, select=(JOBS, ATTEMPTS, WORKERS)),  # the lease holder's pod
     "review_count": Need(_V, select=(JOBS, ATTEMPTS)),
-    "retry_failed": Need(_V, select=(JOBS,), update_columns=_RETRIED),
     "retry_jobs": Need(_V, select=(JOBS, ATTEMPTS), update_columns=_RETRIED),
     "discard_jobs": Need(_V, select=(JOBS, ATTEMPTS), update_columns=_DISCARDED),
     "provider_pause": Need(_V, select=(FLOW,)),
     "flow_state": Need(_V, select=(FLOW,)),
-    # -- review: the operator's statements (sql/operations.sql)
+    # -- review: the fleet pause, workers seen, sessions, bulk actions
     "fleet_flow": Need(_V, select=(FLOW,)),
     "pause_fleet": Need(_V, select=(FLOW,), update_columns=_PAUSE),
     "resume_fleet": Need(_V, select=(FLOW,), update_columns=_PAUSE),

@@ -47,7 +47,7 @@ async def test_signing_out_revokes_the_session_on_every_replica(
     await page.goto(ui.url + "/")
     csrf = await page.eval("document.querySelector('input[name=csrf]').value")
     other_port = free_port()
-    other = make_app(ui.queue, admin_token=TOKEN, loopback_only=True)
+    other = make_app(ui.queue, ui.operations, admin_token=TOKEN, loopback_only=True)
     runner = await start_server(other, other_port, host="127.0.0.1")
     replicas = (ui.url, f"http://127.0.0.1:{other_port}")
     try:

@@ -43,7 +43,7 @@ async def ui(request: pytest.FixtureRequest, pg18: Server) -> AsyncIterator[Serv
             await reschedule_one(served.queue, claimed[order], delay_seconds=0,
                                  error="422 " + order, permanent=True)
         await served.queue.record_attempts([])
-        await served.operations.heartbeat(
+        await served.queue.heartbeat(
             tag="0badcafe", pod="receipts-worker-6c9d8f7b5-" + "q" * 40, pid=1, version="0.3.0",
             slots=32, inflight=1, claimed_total=3, uptime_seconds=60, since_claim_seconds=1)
         await served.operations.pause_fleet(900, note="provider maintenance " + "n" * 150,

@@ -113,9 +113,9 @@ async def test_every_state_has_a_list_and_a_running_job_names_its_holder(
         await worker_queue.ack([(jobs["done-1"].id, jobs["done-1"].token)])
     finally:
         await pool.close()
-    await ui.operations.heartbeat(tag="0badcafe", pod="receipts-worker-5d8f7-x2k4p", pid=7,
-                                  version="0.3.0", slots=32, inflight=2, claimed_total=4,
-                                  uptime_seconds=300, since_claim_seconds=2)
+    await ui.queue.heartbeat(tag="0badcafe", pod="receipts-worker-5d8f7-x2k4p", pid=7,
+                             version="0.3.0", slots=32, inflight=2, claimed_total=4,
+                             uptime_seconds=300, since_claim_seconds=2)
     fetch_rows(ui.dsn, "UPDATE receipt_jobs SET lease_until = now() - interval '3 min'"
                        " WHERE order_id = 'run-expired' RETURNING 1")
     await ui.reread()
@@ -151,9 +151,9 @@ async def test_every_state_has_a_list_and_a_running_job_names_its_holder(
 async def test_the_workers_seen_lately_are_listed(ui: Served, page: Page) -> None:
     for tag, pod, stopped in (("00000001", "receipts-worker-a", False),
                               ("00000002", "receipts-worker-b", True)):
-        await ui.operations.heartbeat(tag=tag, pod=pod, pid=11, version="0.3.0", slots=64,
-                                      inflight=3, claimed_total=1234, uptime_seconds=60,
-                                      since_claim_seconds=1, stopped=stopped)
+        await ui.queue.heartbeat(tag=tag, pod=pod, pid=11, version="0.3.0", slots=64,
+                                 inflight=3, claimed_total=1234, uptime_seconds=60,
+                                 since_claim_seconds=1, stopped=stopped)
     fetch_rows(ui.dsn, "INSERT INTO receipt_workers (tag, pod, slots, seen_at) VALUES"
                        " ('00000003', 'long-gone', 8, now() - interval '1 hour') RETURNING 1")
     await ui.reread()

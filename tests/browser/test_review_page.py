@@ -176,7 +176,7 @@ async def test_all_matching_is_bounded_by_the_moment_of_confirmation(
     await page.click("button[value='retry:filter']")
     assert "Retry 3 jobs?" in await page.text("h1")
     # Meanwhile another operator retries one of them, and a new 422 failure arrives.
-    await ui.queue.retry_jobs([ui.jobs["order-422-a"].id], expected=1)
+    await ui.operations.retry_jobs([ui.jobs["order-422-a"].id], expected=1)
     (late,) = await claim_jobs(ui.queue, 1)
     await reschedule_one(ui.queue, late, delay_seconds=0, error="422 late", permanent=True)
     await ui.queue.record_attempts([AttemptRecord(late.id, 1, Reason.REJECTED, 422,

@@ -71,13 +71,13 @@ async def test_exactly_one_of_many_pods_wins_the_probe(dsn, limited):
     assert len((await limited.claim(5)).attempts) == 4
 
 
-async def test_a_pause_extended_during_the_probe_is_not_ended_by_it(queue):
+async def test_a_pause_extended_during_the_probe_is_not_ended_by_it(queue, operations):
     await queue.extend_pause(PauseReason.OUTAGE, 0.01)
     await asyncio.sleep(0.05)
     probe_until, _ = await queue.begin_probe(30)
     await queue.extend_pause(PauseReason.RETRY_AFTER, 30)  # another pod got a 429
     assert not await queue.resume(probe_until)
-    assert (await queue.flow_state()).pause_reason is PauseReason.RETRY_AFTER
+    assert (await operations.flow_state()).pause_reason is PauseReason.RETRY_AFTER
 
 
 async def test_a_claim_takes_exactly_one_token_per_job_it_returns(dsn, limited):
@@ -231,7 +231,7 @@ def flow_row(dsn: str) -> dict[str, object]:
 
 
 async def test_a_systemic_rejection_is_stored_as_an_outage_that_released_workers_honour(
-        dsn, queue):
+        dsn, queue, operations):
     enqueue_many(dsn, ["order-1"])
     flow = await queue.extend_pause(PauseReason.REJECTING, 60)
     assert flow.pause_reason is PauseReason.REJECTING
@@ -240,14 +240,14 @@ async def test_a_systemic_rejection_is_stored_as_an_outage_that_released_workers
         "outage", "rejecting", True)
     claim = await queue.claim(1)
     assert claim.attempts == [] and claim.flow.pause_reason is PauseReason.REJECTING
-    assert (await queue.flow_state()).pause_reason is PauseReason.REJECTING
-    assert (await queue.provider_pause())["pause_reason"] == "rejecting"
+    assert (await operations.flow_state()).pause_reason is PauseReason.REJECTING
+    assert (await operations.provider_pause())["pause_reason"] == "rejecting"
     # A released worker extends it: it writes pause_reason alone, so the cause no
     # longer applies and the pause reads as what that worker said.
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(RELEASED_EXTEND_PAUSE, {"reason": "outage", "seconds": 120})
     assert (await queue.claim(1)).flow.pause_reason is PauseReason.OUTAGE
-    assert (await queue.provider_pause())["pause_reason"] == "outage"
+    assert (await operations.provider_pause())["pause_reason"] == "outage"
 
 
 async def test_a_probe_is_due_an_interval_after_the_last_failure_whatever_the_pause_length(

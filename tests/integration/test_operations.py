@@ -14,9 +14,9 @@ from receipts import bulk, fleet
 from receipts.db import borrow, make_pool
 from receipts.errors import StatementTimeout
 from receipts.heartbeat import new_tag
-from receipts.jobqueue import JobQueue, ReviewFilter
+from receipts.jobqueue import JobQueue
 from receipts.model import JobState, PauseReason
-from receipts.operations import Operations
+from receipts.operations import Operations, ReviewFilter
 from tests.conftest import claim_jobs, enqueue_many, fetch_rows, make_settings
 
 FAST = bulk.BulkPolicy(first_batch=7, min_batch=3, max_batch=7, pace=0.0)
@@ -133,21 +133,21 @@ async def test_a_lease_token_names_the_worker_that_holds_the_job(
         jobs = await claim_jobs(tagged, 2)
         assert {j.token.hex[-8:] for j in jobs} == {tag}
         assert len({j.token for j in jobs}) == 2 and all(j.token.version == 4 for j in jobs)
-        await ops.heartbeat(tag=tag, pod="receipts-worker-7f9c", pid=42, version="0.3.0",
-                            slots=32, inflight=2, claimed_total=2, uptime_seconds=90,
-                            since_claim_seconds=1.5)
+        await tagged.heartbeat(tag=tag, pod="receipts-worker-7f9c", pid=42, version="0.3.0",
+                               slots=32, inflight=2, claimed_total=2, uptime_seconds=90,
+                               since_claim_seconds=1.5)
         (seen,) = await ops.workers_seen(seconds=120)
         assert (seen["pod"], seen["slots"], seen["inflight"], seen["claimed_total"]) == (
             "receipts-worker-7f9c", 32, 2, 2)
         assert timedelta(seconds=89) < seen["seen_at"] - seen["started_at"] <= timedelta(
             seconds=91)
-        rows = await tagged.review_jobs(ReviewFilter(state=JobState.RUNNING))
+        rows = await ops.review_jobs(ReviewFilter(state=JobState.RUNNING))
         assert {r["holder"] for r in rows} == {"receipts-worker-7f9c"}
         assert {r["expired"] for r in rows} == {False}
         # The second beat keeps the start and the last claim; a stopping one says so.
-        await ops.heartbeat(tag=tag, pod="receipts-worker-7f9c", pid=42, version="0.3.0",
-                            slots=32, inflight=0, claimed_total=2, uptime_seconds=95,
-                            since_claim_seconds=None, stopped=True)
+        await tagged.heartbeat(tag=tag, pod="receipts-worker-7f9c", pid=42, version="0.3.0",
+                               slots=32, inflight=0, claimed_total=2, uptime_seconds=95,
+                               since_claim_seconds=None, stopped=True)
         (again,) = await ops.workers_seen(seconds=120)
         assert again["started_at"] == seen["started_at"]
         assert again["last_claim_at"] == seen["last_claim_at"]
@@ -159,16 +159,16 @@ async def test_a_lease_token_names_the_worker_that_holds_the_job(
 
 
 async def test_running_jobs_can_be_listed_by_whether_their_lease_expired(
-        dsn: str, queue: JobQueue) -> None:
+        dsn: str, queue: JobQueue, ops: Operations) -> None:
     enqueue_many(dsn, ["r-1", "r-2", "r-3"])
     jobs = await claim_jobs(queue, 3)
     fetch_rows(dsn, "UPDATE receipt_jobs SET lease_until = now() - interval '1 s'"
                     " WHERE id = %s RETURNING 1", (jobs[0].id,))
-    expired = await queue.review_jobs(ReviewFilter(state=JobState.RUNNING, expired=True))
+    expired = await ops.review_jobs(ReviewFilter(state=JobState.RUNNING, expired=True))
     assert [r["id"] for r in expired] == [jobs[0].id] and expired[0]["holder"] is None
     live = ReviewFilter(state=JobState.RUNNING, expired=False)
-    assert await queue.review_count(live) == 2
-    assert await queue.review_count(ReviewFilter(state=JobState.RUNNING), cap=2) == 2
+    assert await ops.review_count(live) == 2
+    assert await ops.review_count(ReviewFilter(state=JobState.RUNNING), cap=2) == 2
 
 
 # ------------------------------------------------------------ bulk actions
@@ -178,7 +178,7 @@ async def test_a_bulk_retry_runs_in_batches_bounded_by_its_confirmation(
         dsn: str, ops: Operations, queue: JobQueue) -> None:
     failed_rows(dsn, 40)
     view = ReviewFilter(state=JobState.FAILED)
-    cutoff, count, exact = await bulk.confirmation(queue, view)
+    cutoff, count, exact = await bulk.confirmation(ops, view)
     assert (count, exact) == (40, True)
     failed_rows(dsn, 5, prefix="later", minutes_ago=-1)  # fail after the confirmation
     row, runner = await bulk.start(ops, action="retry", view=ReviewFilter(
@@ -202,7 +202,7 @@ async def test_a_bulk_action_skips_jobs_that_changed_and_walks_past_what_does_no
     fetch_rows(dsn, "UPDATE receipt_jobs SET last_error = 'rare' WHERE order_id IN"
                     " ('f-3', 'f-17', 'f-29') RETURNING 1")
     view = ReviewFilter(state=JobState.FAILED, order_contains="-1")  # f-1, f-10…f-19
-    cutoff, count, _ = await bulk.confirmation(queue, view)
+    cutoff, count, _ = await bulk.confirmation(ops, view)
     assert count == 11
     fetch_rows(dsn, "UPDATE receipt_jobs SET state = 'ready', finished_at = NULL"
                     " WHERE order_id = 'f-12' RETURNING 1")  # another operator retried it
@@ -220,7 +220,7 @@ async def test_a_bulk_action_skips_jobs_that_changed_and_walks_past_what_does_no
 async def test_a_stopped_or_abandoned_bulk_action_resumes_where_it_stopped(
         dsn: str, ops: Operations, queue: JobQueue) -> None:
     failed_rows(dsn, 50)
-    cutoff, count, _ = await bulk.confirmation(queue, ReviewFilter(state=JobState.FAILED))
+    cutoff, count, _ = await bulk.confirmation(ops, ReviewFilter(state=JobState.FAILED))
     row, runner = await bulk.start(ops, action="retry", view=ReviewFilter(
         state=JobState.FAILED, cutoff=cutoff), expected=count, created_by="test")
 
@@ -242,7 +242,7 @@ async def test_a_stopped_or_abandoned_bulk_action_resumes_where_it_stopped(
     assert counts(dsn) == {"ready": 50}
     # A running action with a live runner cannot be taken; an idle one can.
     failed_rows(dsn, 10, prefix="g")
-    cutoff, count, _ = await bulk.confirmation(queue, ReviewFilter(state=JobState.FAILED))
+    cutoff, count, _ = await bulk.confirmation(ops, ReviewFilter(state=JobState.FAILED))
     row, _ = await bulk.start(ops, action="retry", view=ReviewFilter(
         state=JobState.FAILED, cutoff=cutoff), expected=count, created_by="test")
     assert await bulk.resume(ops, row["id"], policy=FAST) is None
@@ -252,9 +252,9 @@ async def test_a_stopped_or_abandoned_bulk_action_resumes_where_it_stopped(
 
 
 async def test_a_count_that_takes_too_long_gives_up_at_a_bounded_count(
-        dsn: str, queue: JobQueue) -> None:
+        dsn: str, ops: Operations) -> None:
     failed_rows(dsn, 20)
-    _, count, exact = await bulk.confirmation(queue, ReviewFilter(state=JobState.FAILED), cap=5)
+    _, count, exact = await bulk.confirmation(ops, ReviewFilter(state=JobState.FAILED), cap=5)
     assert (count, exact) == (20, True)
     # Each latest-attempt probe now takes 0.2 s: the exact count needs 4 s.
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -264,7 +264,7 @@ async def test_a_count_that_takes_too_long_gives_up_at_a_bounded_count(
     fetch_rows(dsn, "INSERT INTO receipt_attempts_real (job_id, slot, seq, attempt, reason)"
                     " SELECT id, 0, 1, 5, 'max_attempts' FROM receipt_jobs RETURNING 1")
     slow = ReviewFilter(state=JobState.FAILED, reason="max_attempts")
-    _, count, exact = await bulk.confirmation(queue, slow, timeout_seconds=0.5, cap=3)
+    _, count, exact = await bulk.confirmation(ops, slow, timeout_seconds=0.5, cap=3)
     assert (count, exact) == (3, False)
 
 

@@ -232,13 +232,13 @@ async def test_operations_before_migrations_raise_schema_missing(server):
         server.drop_database(dsn)
 
 
-async def test_a_job_is_found_by_an_order_id_that_is_itself_a_uuid(dsn, queue):
+async def test_a_job_is_found_by_an_order_id_that_is_itself_a_uuid(dsn, queue, operations):
     order_id = str(uuid.uuid4())
     enqueue_many(dsn, [order_id])
-    row = await queue.show_job(order_id)
+    row = await operations.show_job(order_id)
     assert row is not None and row["order_id"] == order_id
-    assert (await queue.show_job(str(row["id"])))["order_id"] == order_id
-    assert await queue.show_job(str(uuid.uuid4())) is None
+    assert (await operations.show_job(str(row["id"])))["order_id"] == order_id
+    assert await operations.show_job(str(uuid.uuid4())) is None
 
 
 async def test_a_failed_job_keeps_its_run_at(dsn, queue):

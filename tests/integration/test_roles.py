@@ -43,7 +43,7 @@ from receipts.embedded import free_port
 from receipts.enqueue import enqueue, enqueue_many
 from receipts.errors import QueueError
 from receipts.heartbeat import new_tag
-from receipts.jobqueue import JobQueue, ReviewFilter
+from receipts.jobqueue import JobQueue
 from receipts.migrate import schema_status_async
 from receipts.model import (
     Attempt,
@@ -56,7 +56,7 @@ from receipts.model import (
     Reschedule,
     Verdict,
 )
-from receipts.operations import Operations
+from receipts.operations import Operations, ReviewFilter
 from receipts.statements import query
 from receipts.supervisor import Supervisor, child_env, run_command
 from tests.conftest import RunningProvider, Server, fetch_rows
@@ -576,30 +576,29 @@ def exercises(role: Role) -> dict[str, Callable[[], Awaitable[Any]]]:
         "recover_expired": lambda: q.recover_expired(batch=1, delay_seconds=1.0),
         "fail_exhausted": lambda: q.fail_exhausted(batch=1),
         "prune": lambda: q.prune(retention_seconds=1e9, batch=1),
-        "state_counts": lambda: q.state_counts(),
-        "oldest_failed": lambda: q.oldest_failed(),
-        "list_jobs": lambda: q.list_jobs(JobState.FAILED),
-        "show_job": lambda: q.show_job(str(uuid.uuid4())),
-        "show_job_by_order": lambda: q.show_job("no-such-order"),
-        "job_attempts": lambda: q.job_attempts(uuid.uuid4()),
-        "job_states": lambda: q.job_states([uuid.uuid4()]),
-        "review_jobs": lambda: q.review_jobs(ReviewFilter(reason="rejected")),
-        "review_count": lambda: q.review_count(ReviewFilter(reason="rejected")),
-        "retry_failed": lambda: q.retry_failed([uuid.uuid4()]),
-        "retry_jobs": lambda: q.retry_jobs([uuid.uuid4()], expected=1),
-        "discard_jobs": lambda: q.discard_jobs([uuid.uuid4()], expected=1),
-        "provider_pause": lambda: q.provider_pause(),
-        "flow_state": lambda: q.flow_state(),
+        "heartbeat": lambda: q.heartbeat(
+            tag=new_tag(), pod="role-test", pid=1, version="0", slots=0, inflight=0,
+            claimed_total=0, uptime_seconds=0.0, since_claim_seconds=None, stopped=True),
+        "forget_workers": lambda: q.forget_workers(seconds=1e9),
         # the operator's statements (sql/operations.sql)
+        "state_counts": lambda: ops.state_counts(),
+        "oldest_failed": lambda: ops.oldest_failed(),
+        "list_jobs": lambda: ops.list_jobs(JobState.FAILED),
+        "show_job": lambda: ops.show_job(str(uuid.uuid4())),
+        "show_job_by_order": lambda: ops.show_job("no-such-order"),
+        "job_attempts": lambda: ops.job_attempts(uuid.uuid4()),
+        "job_states": lambda: ops.job_states([uuid.uuid4()]),
+        "review_jobs": lambda: ops.review_jobs(ReviewFilter(reason="rejected")),
+        "review_count": lambda: ops.review_count(ReviewFilter(reason="rejected")),
+        "retry_jobs": lambda: ops.retry_jobs([uuid.uuid4()], expected=1),
+        "discard_jobs": lambda: ops.discard_jobs([uuid.uuid4()], expected=1),
+        "provider_pause": lambda: ops.provider_pause(),
+        "flow_state": lambda: ops.flow_state(),
         "fleet_flow": lambda: ops.fleet_flow(),
         # A manual pause of 0 s ends at once (and is refused beside a longer one) ...
         "pause_fleet": lambda: ops.pause_fleet(0.0, note="role test", paused_by="test"),
         # ... and a resume of a pause that ended in 2000 lifts nothing.
         "resume_fleet": lambda: ops.resume_fleet(expected_until=datetime(2000, 1, 1, tzinfo=UTC)),
-        "heartbeat": lambda: ops.heartbeat(
-            tag=new_tag(), pod="role-test", pid=1, version="0", slots=0, inflight=0,
-            claimed_total=0, uptime_seconds=0.0, since_claim_seconds=None, stopped=True),
-        "forget_workers": lambda: ops.forget_workers(seconds=1e9),
         "workers_seen": lambda: ops.workers_seen(seconds=60),
         "revoke_session": lambda: ops.revoke_session(secrets.token_hex(16), expires_at=soon),
         "revoked_sessions": lambda: ops.revoked_sessions(),

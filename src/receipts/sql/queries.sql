@@ -1,5 +1,8 @@
--- Every runtime statement of the queue, one named block each. jobqueue.py loads
--- this file once; a method there carries the name of the block it runs.
+-- The worker's and recovery's statements (and the orders service's enqueue),
+-- one named block each: claim, ack, reschedule, flow control, wake-ups, the
+-- queue gauges, attempt history, recovery. jobqueue.py (enqueue.py for the
+-- enqueue blocks) runs them; a method there carries the name of the block it
+-- runs. The operator's statements are in operations.sql.
 -- Each state transition names the state it expects, so a late writer changes
 -- nothing. Time is always the database's statement_timestamp().
 
@@ -447,20 +450,6 @@ WHERE id = 1
   AND probe_until = %(probe_until)s
 RETURNING 1;
 
--- name: flow_state
--- The fleet-wide provider state, for gauges and review: the effective reason,
--- seconds to the pause's end, its length, and the bucket's tokens.
-SELECT CASE WHEN pause_reason IS NULL
-                OR (pause_reason = 'retry_after' AND paused_until <= statement_timestamp())
-              THEN NULL
-              WHEN pause_cause_until = paused_until THEN coalesce(pause_cause, pause_reason)
-              ELSE pause_reason END,
-       greatest(extract(epoch FROM paused_until - statement_timestamp())::float8, 0),
-       pause_seconds,
-       least(%(burst)s::float8, tokens + %(rate)s::float8
-             * extract(epoch FROM statement_timestamp() - tokens_at)::float8)
-FROM {schema}.receipt_flow WHERE id = 1;
-
 -- name: recover_expired
 -- One bounded batch of abandoned attempts; the caller commits each batch.
 -- Each returned row also gets a `lease_expired` record in its attempt history
@@ -561,20 +550,6 @@ WITH old AS (
 )
 SELECT id FROM deleted;
 
--- name: retry_failed
--- Operator retry: failed -> ready, attempts reset, due now; %(ids)s NULL means
--- every failed job. last_error is kept (prefixed) so why it failed survives
--- until the next attempt writes its own.
-UPDATE {schema}.receipt_jobs
-SET state = 'ready',
-    attempts = 0,
-    run_at = statement_timestamp(),
-    finished_at = NULL,
-    last_error = 'manual retry after: ' || coalesce(last_error, 'unknown')
-WHERE state = 'failed'
-  AND (%(ids)s::uuid[] IS NULL OR id = ANY(%(ids)s::uuid[]))
-RETURNING id;
-
 -- name: queue_stats
 -- The gauges, in one statement that walks each small partial index once
 -- (MATERIALIZED: a CTE referenced twice must not be re-run per reference), so
@@ -636,36 +611,37 @@ SELECT
     AS oldest_finished_seconds
 FROM ready AS r, running AS n, failed AS f, discarded AS d;
 
--- name: state_counts
--- Exact rows by state, for `receipts jobs stats` (an operator command; it
--- counts every done row).
-SELECT state, count(*) FROM {schema}.receipt_jobs GROUP BY state;
+-- ------------------------------------------------------------------------
+-- Worker heartbeats (migration 0007).
 
--- name: oldest_failed
-SELECT min(finished_at) FROM {schema}.receipt_jobs WHERE state = 'failed';
+-- name: heartbeat
+-- One worker process says it is alive: an upsert of its own row, about every
+-- 20 s (never per claim). Times are the database's: the worker sends how long
+-- ago it started and last claimed (seconds; NULL: never). started_at is kept
+-- from the first heartbeat; stopped is sent once, by a draining worker.
+INSERT INTO {schema}.receipt_workers AS w
+  (tag, pod, pid, version, slots, inflight, claimed_total, started_at, seen_at,
+   last_claim_at, stopped_at)
+VALUES (%(tag)s, left(%(pod)s, 100), %(pid)s, left(%(version)s, 40), %(slots)s, %(inflight)s,
+        %(claimed_total)s,
+        statement_timestamp() - make_interval(secs => %(uptime_seconds)s),
+        statement_timestamp(),
+        statement_timestamp() - make_interval(secs => %(since_claim_seconds)s),
+        CASE WHEN %(stopped)s THEN statement_timestamp() END)
+ON CONFLICT (tag) DO UPDATE
+SET pod = excluded.pod, pid = excluded.pid, version = excluded.version,
+    slots = excluded.slots, inflight = excluded.inflight,
+    claimed_total = excluded.claimed_total, seen_at = excluded.seen_at,
+    last_claim_at = coalesce(excluded.last_claim_at, w.last_claim_at),
+    stopped_at = excluded.stopped_at;
 
--- name: list_jobs
-SELECT id, order_id, state, attempts, run_at, lease_until, last_error, created_at, finished_at
-FROM {schema}.receipt_jobs
-WHERE state = %(state)s
-  AND (%(since)s::timestamptz IS NULL OR coalesce(finished_at, created_at) >= %(since)s)
-ORDER BY coalesce(finished_at, run_at) DESC, id
-LIMIT %(limit)s;
-
--- name: show_job
-SELECT id, order_id, state, attempts, run_at, lease_token, lease_until, last_error,
-       created_at, finished_at
-FROM {schema}.receipt_jobs
-WHERE id = %(id)s;
-
--- name: show_job_by_order
-SELECT id, order_id, state, attempts, run_at, lease_token, lease_until, last_error,
-       created_at, finished_at
-FROM {schema}.receipt_jobs
-WHERE order_id = %(order_id)s;
+-- name: forget_workers
+-- Heartbeat rows not seen for %(seconds)s (a starting worker runs this once).
+DELETE FROM {schema}.receipt_workers
+WHERE seen_at < statement_timestamp() - make_interval(secs => %(seconds)s);
 
 -- ------------------------------------------------------------------------
--- Attempt history, discard and the review page (migration 0005).
+-- Attempt history (migration 0005).
 
 -- name: record_attempts
 -- Many attempt records (parallel arrays, one element per attempt) in one
@@ -701,146 +677,6 @@ SET seq = excluded.seq, attempt = excluded.attempt, at = excluded.at,
     reason = excluded.reason, status = excluded.status, error = excluded.error,
     duration_seconds = excluded.duration_seconds, worker = excluded.worker
 WHERE h.seq < excluded.seq;
-
--- name: job_attempts
--- One job's kept attempt records, newest first (at most 20).
-SELECT seq, attempt, at, reason, status, error, duration_seconds, worker
-FROM {schema}.receipt_attempts
-WHERE job_id = %(id)s
-ORDER BY seq DESC;
-
--- name: review_matching
--- A fragment, not a statement: the review filter shared by review_jobs,
--- review_count, retry_jobs, discard_jobs and the bulk actions' bulk_step,
--- over receipt_jobs AS j and the job's latest attempt record AS la (reason,
--- status). {state} is a literal state (so the planner can use that state's
--- partial index), {key} the time column of the list (finished_at; run_at for
--- ready jobs, lease_until for running ones) and {cutoff_key} the column a
--- bulk action's confirmation time bounds (finished_at; created_at for ready
--- and running jobs: a job that reaches the state after the confirmation is
--- never part of it). A NULL parameter means "any"; order_contains is a plain
--- substring (no patterns); expired picks running jobs whose lease has (true)
--- or has not (false) run out.
-j.state = {state}
-AND (%(reason)s::text IS NULL OR la.reason = %(reason)s::text)
-AND (%(status)s::int IS NULL OR la.status = %(status)s::int)
-AND (%(since)s::timestamptz IS NULL OR j.{key} >= %(since)s::timestamptz)
-AND (%(until)s::timestamptz IS NULL OR j.{key} < %(until)s::timestamptz)
-AND (%(order_contains)s::text IS NULL OR strpos(j.order_id, %(order_contains)s::text) > 0)
-AND (%(cutoff)s::timestamptz IS NULL OR j.{cutoff_key} <= %(cutoff)s::timestamptz)
-AND (%(expired)s::bool IS NULL
-     OR (j.lease_until <= statement_timestamp()) = %(expired)s::bool)
-
--- name: review_jobs
--- One page of the review list, newest first by {key}, after the keyset
--- cursor (after_at, after_id) when given. {matching} is review_matching.
--- holder is the pod of the worker whose lease a running job is under: the
--- last 8 hex digits of a lease token are the claiming process's tag in
--- receipt_workers (claim), one primary-key probe per listed row; NULL for
--- a token written by a worker that sends no heartbeat.
-SELECT j.id, j.order_id, j.state, j.attempts, j.run_at, j.last_error, j.created_at,
-       j.finished_at, j.lease_until, j.lease_until <= statement_timestamp() AS expired,
-       j.{key} AS sort_at, la.reason, la.status, w.pod AS holder
-FROM {schema}.receipt_jobs AS j
-LEFT JOIN LATERAL (
-  SELECT h.reason, h.status FROM {schema}.receipt_attempts AS h
-  WHERE h.job_id = j.id ORDER BY h.seq DESC LIMIT 1
-) AS la ON true
-LEFT JOIN {schema}.receipt_workers AS w ON w.tag = right(j.lease_token::text, 8)
-WHERE {matching}
-  AND (%(after_at)s::timestamptz IS NULL
-       OR (j.{key}, j.id) < (%(after_at)s::timestamptz, %(after_id)s::uuid))
-ORDER BY j.{key} DESC, j.id DESC
-LIMIT %(limit)s;
-
--- name: review_count
--- The latest attempt is only read when the filter asks for its reason or status.
--- Counts at most %(cap)s rows (NULL: every one), so a page's count costs at
--- most that many index entries however many jobs match.
-SELECT count(*)
-FROM (
-  SELECT 1
-  FROM {schema}.receipt_jobs AS j
-  LEFT JOIN LATERAL (
-    SELECT h.reason, h.status FROM {schema}.receipt_attempts AS h
-    WHERE h.job_id = j.id AND (%(reason)s::text IS NOT NULL OR %(status)s::int IS NOT NULL)
-    ORDER BY h.seq DESC LIMIT 1
-  ) AS la ON true
-  WHERE {matching}
-  LIMIT %(cap)s
-) AS matched;
-
--- name: retry_jobs
--- Operator retry of named jobs or of a filter, all or nothing: {target} is
--- `j.id = ANY(%(ids)s::uuid[])` or review_matching; only failed rows qualify,
--- and nothing changes unless exactly %(expected)s rows qualify (the count the
--- operator confirmed). Rows are locked first, so a row that changed meanwhile
--- is re-checked. Effect as retry_failed.
-WITH target AS MATERIALIZED (
-  SELECT j.id
-  FROM {schema}.receipt_jobs AS j
-  LEFT JOIN LATERAL (
-    SELECT h.reason, h.status FROM {schema}.receipt_attempts AS h
-    WHERE h.job_id = j.id AND (%(reason)s::text IS NOT NULL OR %(status)s::int IS NOT NULL)
-    ORDER BY h.seq DESC LIMIT 1
-  ) AS la ON true
-  WHERE j.state = 'failed' AND {target}
-  FOR UPDATE OF j
-)
-UPDATE {schema}.receipt_jobs AS j
-SET state = 'ready',
-    attempts = 0,
-    run_at = statement_timestamp(),
-    finished_at = NULL,
-    last_error = 'manual retry after: ' || coalesce(j.last_error, 'unknown')
-FROM target AS t
-WHERE j.id = t.id
-  AND j.state = 'failed'
-  AND (SELECT count(*) FROM target) = %(expected)s
-RETURNING j.id;
-
--- name: discard_jobs
--- Operator discard, all or nothing like retry_jobs: ready or failed rows only
--- (never running: a running row belongs to its lease) → discarded, a terminal
--- state with finished_at set that keeps the row, so the order id stays taken.
-WITH target AS MATERIALIZED (
-  SELECT j.id
-  FROM {schema}.receipt_jobs AS j
-  LEFT JOIN LATERAL (
-    SELECT h.reason, h.status FROM {schema}.receipt_attempts AS h
-    WHERE h.job_id = j.id AND (%(reason)s::text IS NOT NULL OR %(status)s::int IS NOT NULL)
-    ORDER BY h.seq DESC LIMIT 1
-  ) AS la ON true
-  WHERE j.state IN ('ready', 'failed') AND {target}
-  FOR UPDATE OF j
-)
-UPDATE {schema}.receipt_jobs AS j
-SET state = 'discarded',
-    finished_at = statement_timestamp()
-FROM target AS t
-WHERE j.id = t.id
-  AND j.state IN ('ready', 'failed')
-  AND (SELECT count(*) FROM target) = %(expected)s
-RETURNING j.id;
-
--- name: job_states
--- The current state of each given id (absent ids are missing from the result).
-SELECT id, state FROM {schema}.receipt_jobs WHERE id = ANY(%(ids)s::uuid[]);
-
--- name: provider_pause
--- The provider pause as the workers' flow control recorded it, with its
--- effective reason (as the claims read it) and the last probe's answer.
-SELECT CASE WHEN pause_reason IS NULL
-                OR (pause_reason = 'retry_after' AND paused_until <= statement_timestamp())
-              THEN NULL
-              WHEN pause_cause_until = paused_until THEN coalesce(pause_cause, pause_reason)
-              ELSE pause_reason END AS pause_reason,
-       paused_until, pause_seconds,
-       greatest(extract(epoch FROM paused_until - statement_timestamp())::float8, 0)
-         AS remaining_seconds,
-       last_probe_at, last_probe_outcome
-FROM {schema}.receipt_flow
-WHERE id = 1;
 
 -- name: commit_probe
 -- Admission control's sample of what a small durable commit costs now, the
