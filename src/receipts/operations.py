@@ -374,8 +374,11 @@ class Operations:
 
         Changes nothing, and returns ``[]``, unless exactly *expected* failed
         jobs qualify (the count the operator confirmed; for ids, pass the
-        number of distinct ids). Effect as :meth:`retry_failed`. Returns the
-        ids retried.
+        number of distinct ids). Each becomes ready, attempts 0, due now;
+        ``last_error`` is kept, prefixed ``manual retry after:``. The rows are
+        locked and re-checked in the same statement, so a job that another
+        operator, a worker or recovery moved meanwhile makes it change
+        nothing (never a partial retry). Returns the ids retried.
         """
         return await self._act("retry_jobs", target, expected)
 
