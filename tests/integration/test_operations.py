@@ -3,6 +3,7 @@ the lease holder, bulk actions in batches, counts under a time budget, slow stat
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from datetime import timedelta
@@ -10,14 +11,16 @@ from datetime import timedelta
 import psycopg
 import pytest
 
-from receipts import bulk, fleet
+from receipts import bulk, fleet, review
 from receipts.db import borrow, make_pool
 from receipts.errors import StatementTimeout
 from receipts.heartbeat import new_tag
 from receipts.jobqueue import JobQueue
 from receipts.model import JobState, PauseReason
 from receipts.operations import Operations, ReviewFilter
+from tests.compat.test_previous_release import frozen_statements
 from tests.conftest import claim_jobs, enqueue_many, fetch_rows, make_settings
+from tests.integration._operate import wait_for
 
 FAST = bulk.BulkPolicy(first_batch=7, min_batch=3, max_batch=7, pace=0.0)
 
@@ -169,6 +172,72 @@ async def test_running_jobs_can_be_listed_by_whether_their_lease_expired(
     live = ReviewFilter(state=JobState.RUNNING, expired=False)
     assert await ops.review_count(live) == 2
     assert await ops.review_count(ReviewFilter(state=JobState.RUNNING), cap=2) == 2
+
+
+# ------------------------------------------------------------ named retries
+
+
+def _failed_ids(dsn: str, *order_ids: str) -> list[uuid.UUID]:
+    return [r[0] for r in fetch_rows(dsn, """
+        INSERT INTO receipt_jobs (id, order_id, state, attempts, last_error, finished_at)
+        SELECT gen_random_uuid(), o, 'failed', 5, '503 busy', statement_timestamp()
+        FROM unnest(%s::text[]) WITH ORDINALITY AS g(o, n) ORDER BY n RETURNING id""",
+        (list(order_ids),))]  # type: ignore[misc]
+
+
+async def _waiting_on_a_row_lock(dsn: str) -> bool:
+    """True once a session of the test database waits for a row lock."""
+    return bool(fetch_rows(dsn, "SELECT 1 FROM pg_stat_activity WHERE datname ="
+                                " current_database() AND wait_event_type = 'Lock'"))
+
+
+def _states(dsn: str, ids: list[uuid.UUID]) -> list[str]:
+    return [str(fetch_rows(dsn, "SELECT state FROM receipt_jobs WHERE id = %s", (i,))[0][0])
+            for i in ids]
+
+
+async def test_a_named_retry_never_leaves_a_partial_retry_when_a_job_changes_meanwhile(
+        dsn: str, ops: Operations) -> None:
+    """The command line's retry of named jobs (the page's too): a job that leaves the
+    failed state between the check and the update (here another operator discards it
+    in a session of its own) makes the update change nothing, never retry the rest."""
+    a, b = _failed_ids(dsn, "race-a", "race-b")
+    with psycopg.connect(dsn) as other:
+        other.execute("UPDATE receipt_jobs SET state = 'discarded', finished_at = now()"
+                      " WHERE id = %s", (b,))  # not committed yet: b still reads as failed
+        retrying = asyncio.create_task(review.retry(ops, [a, b]))
+        # The check saw both failed; the update now waits for b's row lock.
+        await wait_for(lambda: _waiting_on_a_row_lock(dsn), timeout_seconds=30,
+                       what="the retry's update to wait for the discard's row lock")
+        other.commit()
+    result = await retrying
+    assert not result.ok and result.changed and result.retried == [] and result.count == 0
+    assert [(r.id, r.state) for r in result.refused] == [(str(b), "discarded")]
+    assert _states(dsn, [a, b]) == ["failed", "discarded"]  # a was not retried alone
+    # Nothing in the way: both are retried, in one statement.
+    c, d = _failed_ids(dsn, "race-c", "race-d")
+    done = await review.retry(ops, [c, d, c])
+    assert done.ok and sorted(done.retried) == sorted([str(c), str(d)]) and done.count == 2
+    assert _states(dsn, [c, d]) == ["ready", "ready"]
+
+
+async def test_the_released_check_then_update_retried_part_of_the_named_jobs(dsn: str) -> None:
+    """Why retry_failed went: under the same interleaving the update of 0.2.0's command
+    line (check each job, then ``retry_failed``) retried a alone."""
+    a, b = _failed_ids(dsn, "old-a", "old-b")
+    retry_failed = frozen_statements()["retry_failed"]
+    with psycopg.connect(dsn) as other:
+        other.execute("UPDATE receipt_jobs SET state = 'discarded', finished_at = now()"
+                      " WHERE id = %s", (b,))
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+            updating = asyncio.create_task(conn.execute(retry_failed,  # type: ignore[arg-type]
+                                                        {"ids": [a, b]}))
+            await wait_for(lambda: _waiting_on_a_row_lock(dsn), timeout_seconds=30,
+                           what="retry_failed to wait for the discard's row lock")
+            other.commit()
+            changed = [r[0] for r in await (await updating).fetchall()]
+    assert changed == [a]
+    assert _states(dsn, [a, b]) == ["ready", "discarded"]  # a partial retry
 
 
 # ------------------------------------------------------------ bulk actions
