@@ -9,11 +9,8 @@
 -- name: flow_state
 -- The fleet-wide provider state, for gauges and review: the effective reason,
 -- seconds to the pause's end, its length, and the bucket's tokens.
-SELECT CASE WHEN pause_reason IS NULL
-                OR (pause_reason = 'retry_after' AND paused_until <= statement_timestamp())
-              THEN NULL
-              WHEN pause_cause_until = paused_until THEN coalesce(pause_cause, pause_reason)
-              ELSE pause_reason END,
+SELECT {schema}.receipts_pause_reason(pause_reason, paused_until, pause_cause,
+                                      pause_cause_until, statement_timestamp()),
        greatest(extract(epoch FROM paused_until - statement_timestamp())::float8, 0),
        pause_seconds,
        least(%(burst)s::float8, tokens + %(rate)s::float8
@@ -180,11 +177,8 @@ SELECT id, state FROM {schema}.receipt_jobs WHERE id = ANY(%(ids)s::uuid[]);
 -- name: provider_pause
 -- The provider pause as the workers' flow control recorded it, with its
 -- effective reason (as the claims read it) and the last probe's answer.
-SELECT CASE WHEN pause_reason IS NULL
-                OR (pause_reason = 'retry_after' AND paused_until <= statement_timestamp())
-              THEN NULL
-              WHEN pause_cause_until = paused_until THEN coalesce(pause_cause, pause_reason)
-              ELSE pause_reason END AS pause_reason,
+SELECT {schema}.receipts_pause_reason(pause_reason, paused_until, pause_cause,
+                                      pause_cause_until, statement_timestamp()) AS pause_reason,
        paused_until, pause_seconds,
        greatest(extract(epoch FROM paused_until - statement_timestamp())::float8, 0)
          AS remaining_seconds,
@@ -195,17 +189,14 @@ WHERE id = 1;
 
 -- name: fleet_flow
 -- The fleet-wide provider state as an operator reads it. effective_reason is
--- the pause's cause while the cause applies (pause_cause_until =
--- paused_until: a released worker that extended or ended the pause wrote only
--- pause_reason and paused_until), else pause_reason. A retry_after pause whose
--- time is up claims nothing any more (the claim ignores it), so it counts as
--- no pause. tokens is the bucket as the next claim would find it.
+-- the reason in force now, as the claims read it (receipts_pause_reason,
+-- migration 0008): a retry_after pause whose time is up counts as no pause.
+-- The note, author and start belong to the cause, so they show only while the
+-- cause applies. tokens is the bucket as the next claim would find it.
 SELECT statement_timestamp() AS now,
-       CASE WHEN f.pause_reason IS NULL
-              OR (f.pause_reason = 'retry_after' AND f.paused_until <= statement_timestamp())
-            THEN NULL
-            WHEN f.pause_cause_until = f.paused_until AND f.pause_cause IS NOT NULL
-            THEN f.pause_cause ELSE f.pause_reason END AS effective_reason,
+       {schema}.receipts_pause_reason(f.pause_reason, f.paused_until, f.pause_cause,
+                                      f.pause_cause_until, statement_timestamp())
+         AS effective_reason,
        f.pause_reason, f.paused_until,
        greatest(extract(epoch FROM f.paused_until - statement_timestamp())::float8, 0)
          AS remaining_seconds,
@@ -232,9 +223,8 @@ WHERE f.id = 1;
 -- its right to resume the fleet.
 WITH old AS MATERIALIZED (
   SELECT f.pause_reason, f.paused_until,
-         CASE WHEN f.pause_reason IS NULL THEN NULL
-              WHEN f.pause_cause_until = f.paused_until AND f.pause_cause IS NOT NULL
-              THEN f.pause_cause ELSE f.pause_reason END AS effective_reason
+         {schema}.receipts_pause_reason(f.pause_reason, f.paused_until, f.pause_cause,
+                                        f.pause_cause_until, NULL) AS effective_reason
   FROM {schema}.receipt_flow AS f
   WHERE f.id = 1
   FOR UPDATE
@@ -266,12 +256,12 @@ FROM old;
 -- cleared and the next claim of every worker claims again (no probe). With
 -- %(expected_until)s, only the pause the operator saw (the same paused_until)
 -- is lifted: one that another pod extended or that started since is left
--- alone. Returns the pause that was there, and whether it was lifted.
+-- alone. Returns the pause that was there (its reason whether or not its time
+-- was up: receipts_pause_reason with no moment), and whether it was lifted.
 WITH old AS MATERIALIZED (
   SELECT f.pause_reason, f.paused_until,
-         CASE WHEN f.pause_reason IS NULL THEN NULL
-              WHEN f.pause_cause_until = f.paused_until AND f.pause_cause IS NOT NULL
-              THEN f.pause_cause ELSE f.pause_reason END AS effective_reason,
+         {schema}.receipts_pause_reason(f.pause_reason, f.paused_until, f.pause_cause,
+                                        f.pause_cause_until, NULL) AS effective_reason,
          CASE WHEN f.pause_cause_until = f.paused_until THEN f.pause_note END AS pause_note
   FROM {schema}.receipt_flow AS f
   WHERE f.id = 1

@@ -145,8 +145,10 @@ WITH tail AS (
          AND (t.run_at, t.id) IS DISTINCT FROM (%(seen_run_at)s::timestamptz, %(seen_id)s::uuid)
          AND NOT EXISTS (
            SELECT 1 FROM {schema}.receipt_flow
-           WHERE id = 1 AND pause_reason IS NOT NULL
-             AND NOT (pause_reason = 'retry_after' AND paused_until <= statement_timestamp())
+           WHERE id = 1
+             AND {schema}.receipts_pause_reason(pause_reason, paused_until, pause_cause,
+                                                pause_cause_until, statement_timestamp())
+                 IS NOT NULL
          ) AS wake
   FROM (SELECT 1) AS one LEFT JOIN tail AS t ON true
 )
@@ -177,17 +179,14 @@ SELECT 1;
 -- comes back whose job columns are NULL. A worker's claims end each token in
 -- its tag (receipts.statements.claim_query), naming the lease's holder.
 WITH flow AS (
-  -- The effective reason (docs/design.md §11): a Retry-After (or operator's)
-  -- pause ends by itself when its time is up; an outage, auth or rejecting
-  -- pause ends only when a probe is answered. The cause columns apply while
-  -- pause_cause_until = paused_until (a released worker that extended the
-  -- pause wrote only pause_reason). pause_left counts down to the next probe
-  -- of a probed pause (probe_until), or to the end of any other.
-  SELECT CASE WHEN pause_reason IS NULL
-                OR (pause_reason = 'retry_after' AND paused_until <= statement_timestamp())
-              THEN NULL
-              WHEN pause_cause_until = paused_until THEN coalesce(pause_cause, pause_reason)
-              ELSE pause_reason END AS pause_reason,
+  -- The effective reason (receipts_pause_reason, migration 0008; inlined by
+  -- the planner): a Retry-After (or operator's) pause ends by itself when its
+  -- time is up; an outage, auth or rejecting pause ends only when a probe is
+  -- answered. pause_left counts down to the next probe of a probed pause
+  -- (probe_until), or to the end of any other.
+  SELECT {schema}.receipts_pause_reason(pause_reason, paused_until, pause_cause,
+                                        pause_cause_until, statement_timestamp())
+           AS pause_reason,
          extract(epoch FROM CASE WHEN pause_reason IN ('outage', 'auth')
                                  THEN coalesce(probe_until, paused_until)
                                  ELSE paused_until END
@@ -224,11 +223,9 @@ FROM flow AS f LEFT JOIN claimed AS c ON true;
 -- token for an unclaimed job, never a job without a token. At most
 -- floor(tokens) of the locked candidates are claimed; the others stay ready.
 WITH flow AS MATERIALIZED (
-  SELECT CASE WHEN pause_reason IS NULL
-                OR (pause_reason = 'retry_after' AND paused_until <= statement_timestamp())
-              THEN NULL
-              WHEN pause_cause_until = paused_until THEN coalesce(pause_cause, pause_reason)
-              ELSE pause_reason END AS pause_reason,
+  SELECT {schema}.receipts_pause_reason(pause_reason, paused_until, pause_cause,
+                                        pause_cause_until, statement_timestamp())
+           AS pause_reason,
          extract(epoch FROM CASE WHEN pause_reason IN ('outage', 'auth')
                                  THEN coalesce(probe_until, paused_until)
                                  ELSE paused_until END
@@ -365,11 +362,9 @@ WHERE j.last_token = a.token;
 -- concurrent extensions judge against each other's result.
 WITH cur AS (
   SELECT paused_until,
-         CASE WHEN pause_reason IS NULL
-                OR (pause_reason = 'retry_after' AND paused_until <= statement_timestamp())
-              THEN NULL
-              WHEN pause_cause_until = paused_until THEN coalesce(pause_cause, pause_reason)
-              ELSE pause_reason END AS pause_reason,
+         {schema}.receipts_pause_reason(pause_reason, paused_until, pause_cause,
+                                        pause_cause_until, statement_timestamp())
+           AS pause_reason,
          pause_cause_until = paused_until AS cause_valid
   FROM {schema}.receipt_flow WHERE id = 1
   FOR UPDATE
@@ -403,11 +398,8 @@ SET pause_reason = CASE WHEN NOT n.wins THEN f.pause_reason
     last_probe_outcome = coalesce(left(%(probe_outcome)s::text, 64), f.last_probe_outcome)
 FROM n
 WHERE f.id = 1
-RETURNING CASE WHEN pause_reason IS NULL
-                OR (pause_reason = 'retry_after' AND paused_until <= statement_timestamp())
-              THEN NULL
-              WHEN pause_cause_until = paused_until THEN coalesce(pause_cause, pause_reason)
-              ELSE pause_reason END,
+RETURNING {schema}.receipts_pause_reason(pause_reason, paused_until, pause_cause,
+                                          pause_cause_until, statement_timestamp()),
           extract(epoch FROM CASE WHEN pause_reason IN ('outage', 'auth')
                                   THEN coalesce(probe_until, paused_until)
                                   ELSE paused_until END
@@ -427,11 +419,8 @@ SET probe_until = statement_timestamp() + make_interval(secs => %(guard_seconds)
 WHERE id = 1
   AND pause_reason IN ('outage', 'auth')
   AND coalesce(probe_until, paused_until) <= statement_timestamp()
-RETURNING CASE WHEN pause_reason IS NULL
-                OR (pause_reason = 'retry_after' AND paused_until <= statement_timestamp())
-              THEN NULL
-              WHEN pause_cause_until = paused_until THEN coalesce(pause_cause, pause_reason)
-              ELSE pause_reason END,
+RETURNING {schema}.receipts_pause_reason(pause_reason, paused_until, pause_cause,
+                                          pause_cause_until, statement_timestamp()),
           probe_until, pause_seconds;
 
 -- name: resume
