@@ -23,7 +23,7 @@ the order tables, the peers' schemas). The parts:
    server's CPU and WAL bytes per checkout. Rows: the order alone; + a plain
    job-row insert (``INSERT INTO receipt_jobs (id, order_id) VALUES
    (gen_random_uuid(), …)``); + ``SELECT receipts_enqueue(…)``; + the statement
-   ``receipts.enqueue()`` sends (``enqueue_one`` of queries.sql, its client-made
+   ``receipts.enqueue()`` sends (``enqueue_one`` of enqueue.sql, its client-made
    UUIDv7 id written as a server-side expression of the same shape); + 0.2.0's
    default (its one-statement enqueue plus ``pg_notify`` in the transaction);
    + PgQueuer's and Procrastinate's enqueue (their own statement text, taken

@@ -21,6 +21,10 @@ from dataclasses import dataclass
 
 import httpx
 
+from receipts.db import connect
+from receipts.errors import QueueError
+from receipts.migrate import schema_status_async
+from receipts.runtime import make_deliverer
 from receipts.settings import Settings, SettingsError, redact_dsn
 
 
@@ -40,10 +44,6 @@ class CheckResult:
 
 async def check_database(settings: Settings) -> CheckResult:
     """Connect with the worker's settings and judge the schema (see the module doc)."""
-    from receipts.db import connect
-    from receipts.errors import QueueError
-    from receipts.migrate import schema_status_async
-
     try:
         conn = await connect(settings, "check")
         async with conn:
@@ -56,8 +56,6 @@ async def check_database(settings: Settings) -> CheckResult:
 
 async def check_provider(settings: Settings) -> CheckResult:
     """Send one ``OPTIONS`` request to the provider URL (see the module doc)."""
-    from receipts.runtime import make_deliverer
-
     where = settings.safe_provider_url
     try:
         deliverer = make_deliverer(settings)

@@ -6,7 +6,7 @@ over its statements, so a role gets exactly what its commands run (the role
 tests run every command under exactly these grants, and take each right away
 in turn to show it is needed; docs/design.md "Least-privilege roles").
 Adding a statement is one line here; a test fails while a named block of
-``sql/queries.sql`` or ``sql/operations.sql`` has none, or names a table its
+``sql/*.sql`` (:data:`receipts.statements.STATEMENT_FILES`) has none, or names a table its
 line does not.
 
 Kinds (``receipts migrate --print-grants KIND=ROLE …``):
@@ -143,7 +143,7 @@ _PAUSE = {FLOW: ("pause_reason", "paused_until", "pause_seconds", "probe_until",
                  "pause_cause_until", "pause_note", "paused_by", "paused_at")}
 
 #: Every statement receipts runs against the queue: the named blocks of
-#: ``sql/queries.sql`` and ``sql/operations.sql`` (fragments excluded) and the
+#: ``sql/*.sql`` (enqueue, queries, operations; fragments excluded) and the
 #: few that live elsewhere. An ``UPDATE``/``DELETE`` with a ``WHERE`` or
 #: ``RETURNING`` also needs ``SELECT``; ``INSERT … ON CONFLICT DO UPDATE``
 #: needs ``UPDATE``; ``SELECT … FOR UPDATE`` needs ``UPDATE`` on a column.

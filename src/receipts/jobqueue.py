@@ -25,7 +25,7 @@ import uuid
 import weakref
 from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol
 
@@ -43,6 +43,7 @@ from receipts.model import (
     Job,
     JobState,
     PauseReason,
+    QueueStats,
     Reason,
     Reschedule,
     Verdict,
@@ -80,58 +81,6 @@ def _flow_state(row: Sequence[Any]) -> FlowState:
         float(row[1]) if reason and row[1] is not None else None,
         float(row[2]) if len(row) > 2 and row[2] is not None else None,
     )
-
-
-@dataclass(frozen=True, slots=True)
-class QueueStats:
-    """A snapshot of the queue read by :meth:`JobQueue.queue_stats`.
-
-    Counts are rows; ``done_estimate`` comes from table statistics, not a
-    count. Ages are seconds, 0 when there is nothing to measure:
-    ``lag_seconds`` is the age of the oldest *due* ready job (since its
-    ``run_at``, so every retry restarts it); ``oldest_undelivered_age_seconds``
-    the time since the oldest ready or running job was enqueued (its
-    ``created_at``: retries do not restart it, so a provider outage that keeps
-    rescheduling shows here and not in the lag);
-    ``oldest_transaction_age_seconds`` the age of the oldest open transaction in
-    the database (the xmin horizon that slows claims, docs/design.md §10);
-    ``oldest_finished_age_seconds`` the time since the oldest done, failed or
-    discarded row finished (pruning keeps it within the retention).
-    """
-
-    ready_due: int
-    ready: int
-    running: int
-    expired: int
-    failed: int
-    lag_seconds: float
-    done_estimate: int
-    dead_tuples: int
-    oldest_transaction_age_seconds: float
-    oldest_undelivered_age_seconds: float
-    discarded: int = 0
-    xmin_age_by_holder: dict[str, int] = field(default_factory=dict)
-    oldest_finished_age_seconds: float = 0.0
-
-    @classmethod
-    def from_row(cls, r: Sequence[Any]) -> QueueStats:
-        """The snapshot from one row of the ``queue_stats`` statement (its 15 columns)."""
-        return cls(
-            ready_due=int(r[0]),
-            ready=int(r[1]),
-            running=int(r[2]),
-            expired=int(r[3]),
-            failed=int(r[4]),
-            lag_seconds=float(r[5]),
-            done_estimate=int(r[6]),
-            dead_tuples=int(r[7]),
-            oldest_transaction_age_seconds=float(r[8]),
-            oldest_undelivered_age_seconds=float(r[9]),
-            discarded=int(r[10]),
-            xmin_age_by_holder={"transaction": int(r[11]), "prepared": int(r[12]),
-                                "replication_slot": int(r[13])},
-            oldest_finished_age_seconds=float(r[14]),
-        )
 
 
 @dataclass(frozen=True, slots=True)

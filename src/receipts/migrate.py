@@ -28,7 +28,9 @@ from typing import Any
 
 import psycopg
 
+from receipts import __version__
 from receipts.errors import refuse_encoding
+from receipts.statements import qualifier
 
 # pg_advisory_xact_lock key: "receipts" as a stable 64-bit number.
 LOCK_KEY = int.from_bytes(hashlib.sha256(b"receipts.migrate").digest()[:8], "big", signed=True)
@@ -59,8 +61,6 @@ class Migration:
 
 def _qualified(schema: str) -> str:
     """``"schema".`` for SQL text; ``ValueError`` for a name that is not an identifier."""
-    from receipts.statements import qualifier
-
     return qualifier(schema)
 
 
@@ -71,7 +71,7 @@ def _tracking(schema: str) -> str:
 def _resolve(dsn: str, schema: str | None) -> str:
     if schema is not None:
         return schema
-    from receipts.settings import schema_for
+    from receipts.settings import schema_for  # extra: worker (pydantic)
 
     return schema_for(dsn)
 
@@ -216,7 +216,7 @@ def apply_migrations(
     except psycopg.errors.LockNotAvailable as exc:
         raise MigrationError(_lock_message(lock_timeout_seconds)) from exc
     except psycopg.Error as exc:
-        from receipts.db import translate  # the worker's stack: imported only on failure
+        from receipts.db import translate  # extra: worker (psycopg_pool), only on failure
 
         raise translate(exc) from exc
     return applied
@@ -311,8 +311,6 @@ class SchemaStatus:
 
     def describe(self) -> str:
         """One line: the version and, when not current, what differs and what to do."""
-        from receipts import __version__
-
         ours = f"receipts {__version__}"
         if self.newer:
             return (f"schema version {self.version}, newer than {ours} ({self.expected}) by "
@@ -444,7 +442,7 @@ def read_schema_status(dsn: str, *, application_name: str = "receipts",
             refuse_encoding(conn.info.dbname, conn.info.parameter_status("server_encoding"))
             return schema_status(conn, schema=_resolve(dsn, schema))
     except psycopg.Error as exc:
-        from receipts.db import translate
+        from receipts.db import translate  # extra: worker (psycopg_pool), only on failure
 
         raise translate(exc) from exc
 
@@ -464,8 +462,6 @@ def migration_sql(migrations: list[Migration] | None = None, *, schema: str = "p
     No ``BEGIN``/``COMMIT``: the applying tool owns the transaction (apply the
     whole text in one, or each file's part in its own).
     """
-    from receipts import __version__
-
     todo = bundled_migrations() if migrations is None else migrations
     names = ", ".join(m.version for m in todo) or "none"
     prefix = _qualified(schema)

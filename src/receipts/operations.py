@@ -40,8 +40,7 @@ from psycopg_pool import AsyncConnectionPool
 
 from receipts.db import borrow
 from receipts.errors import StatementTimeout
-from receipts.jobqueue import QueueStats
-from receipts.model import FlowState, JobState, PauseReason
+from receipts.model import FlowState, JobState, PauseReason, QueueStats
 from receipts.statements import DEFAULT_SCHEMA, qualifier, query, statements
 
 #: What a bulk action can do, and the job states each applies to.

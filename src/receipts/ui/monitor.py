@@ -39,9 +39,9 @@ from datetime import datetime
 from typing import Any
 
 from receipts.errors import QueueError
-from receipts.jobqueue import JobQueue, QueueStats
+from receipts.jobqueue import JobQueue
 from receipts.logs import get_logger
-from receipts.model import JobState
+from receipts.model import JobState, QueueStats
 from receipts.operations import FleetFlow, Operations, ReviewFilter
 from receipts.ui.chart import Sample
 from receipts.ui.session import Sessions
