@@ -126,8 +126,8 @@ async def job(operations: Operations, key: str) -> dict[str, Any] | None:
     becomes ``lease_token_prefix`` (its first 8 hex digits, as log lines
     carry them: never enough to ack with) and ``holder_tag`` (its last 8:
     the tag of the worker that claimed it, :mod:`receipts.heartbeat`), both
-    None without a lease. ``attempts`` is its attempt history, newest first
-    (at most the last 20).
+    None without a lease. ``attempts`` is the column (attempts used);
+    ``history`` its attempt records, newest first (at most the last 20).
     """
     row = await operations.show_job(key)
     if row is None:
@@ -140,7 +140,7 @@ async def job(operations: Operations, key: str) -> dict[str, Any] | None:
             shown["holder_tag"] = token.hex[-8:] if token else None
         else:
             shown[k] = v
-    shown["attempts"] = await operations.job_attempts(row["id"])
+    shown["history"] = await operations.job_attempts(row["id"])
     return shown
 
 
@@ -151,17 +151,19 @@ async def show(operations: Operations, key: str) -> dict[str, Any] | None:
     The columns of :func:`job` in the row's order, with the lease token as
     its first 8 characters followed by ``…`` (enough to match log lines,
     which carry the same 8; never enough to ack with); ``attempts`` lists
-    its attempt history, newest first (at most the last 20).
+    its attempt history (in the column's place), newest first (at most the
+    last 20).
     """
     row = await job(operations, key)
     if row is None:
         return None
+    history = row.pop("history")
     shown: dict[str, Any] = {}
     for k, v in row.items():
         if k == "lease_token_prefix":
             shown["lease_token"] = v + "…" if v else None
         elif k == "attempts":
-            shown[k] = [{name: jsonable(value) for name, value in a.items()} for a in v]
+            shown[k] = [{name: jsonable(value) for name, value in a.items()} for a in history]
         elif k != "holder_tag":
             shown[k] = jsonable(v)
     return shown

@@ -468,7 +468,7 @@ async def job_page(request: web.Request) -> web.Response:
     if row is None:
         return _message(request, 404, "No such job",
                         f"No job has the id or order id {clip(key, 80)!r}.")
-    attempts = row.pop("attempts")
+    attempts = row.pop("history")
     tag = row.pop("holder_tag")
     holder = None
     if tag is not None:
