@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import httpx
 
-from receipts.settings import Settings, SettingsError, redact_dsn
+from receipts.dsn import redact_dsn
+from receipts.settings import Settings, SettingsError
 
 
 @dataclass(frozen=True, slots=True)

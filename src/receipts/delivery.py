@@ -41,10 +41,10 @@ import httpx
 
 from receipts import tracing
 from receipts.deadlines import Deadlines
+from receipts.dsn import redact_dsn
 from receipts.model import Job, Outcome, Reason, Verdict
 from receipts.proxy import ProxyChoice
 from receipts.retry import parse_retry_after
-from receipts.settings import redact_dsn
 from receipts.transport import AiohttpTransport, Answer, HeaderLookup, Send, httpx_sender
 
 MAX_BODY_BYTES = 64 * 1024
