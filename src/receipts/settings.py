@@ -115,6 +115,14 @@ class Settings(BaseSettings):
     provider_client_key_file: str | None = Field(
         default=None, description="PEM key of the client certificate (if not in the same file).",
     )
+    # receipts.transport.TransportName and DEFAULT_TRANSPORT (not imported: aiohttp and
+    # httpx would load with the settings); tests/unit/test_defaults.py holds them equal.
+    provider_transport: Literal["aiohttp", "httpx"] = Field(
+        default="aiohttp",
+        description="The HTTP client that carries deliveries: 'aiohttp' (the least CPU per "
+                    "delivery) or 'httpx' (httpx's own transport, httpcore); both classify "
+                    "every answer and failure alike.",
+    )
     concurrency: int = Field(default=32, ge=1, le=10_000,
                              description="Delivery slots per worker process.")
     lease_seconds: float = Field(default=60.0, gt=0, le=86_400,
@@ -369,7 +377,8 @@ class Settings(BaseSettings):
     def _upper_level(cls, value: object) -> object:
         return value.upper() if isinstance(value, str) else value
 
-    @field_validator("synchronous_commit", "attempt_history", "event_loop", mode="before")
+    @field_validator("synchronous_commit", "attempt_history", "event_loop", "provider_transport",
+                     mode="before")
     @classmethod
     def _lower_choice(cls, value: object) -> object:
         return value.strip().lower() if isinstance(value, str) else value

@@ -34,6 +34,16 @@ def test_the_admission_policy_s_defaults_are_the_settings_defaults() -> None:
     assert admission_policy(_defaults()) == AdmissionPolicy()
 
 
+def test_the_transport_setting_offers_the_transports_and_their_default() -> None:
+    from typing import get_args
+
+    from receipts.transport import DEFAULT_TRANSPORT, TransportName
+
+    field = Settings.model_fields["provider_transport"]
+    assert get_args(field.annotation) == get_args(TransportName)
+    assert field.default == DEFAULT_TRANSPORT == _defaults().provider_transport
+
+
 def test_the_dsn_helpers_need_neither_pydantic_nor_the_settings() -> None:
     probe = ("import sys, receipts.dsn; "
              "print(sorted(m for m in sys.modules if m.split('.')[0] in "
