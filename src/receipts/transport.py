@@ -69,11 +69,11 @@ DEFAULT_TRANSPORT: TransportName = "aiohttp"
 
 
 class TransportError(Exception):
-    """An exchange that produced no answer; one of the three subclasses below.
+    """An exchange that produced no answer; always one of the three subclasses below.
 
-    ``str()`` is ``"<the client's exception type>: <its message>"`` (it may
-    quote a proxy URL: callers mask credentials before logging it), and
-    ``__cause__`` is the client's own exception.
+    ``str()`` says what failed, often as the client's exception type and
+    message (it may quote a proxy URL: callers mask credentials before
+    logging it); ``__cause__`` is the client's own exception.
     """
 
 
@@ -90,6 +90,7 @@ class ConnectionLost(TransportError):
 class AnswerTimeout(TransportError):
     """No byte of the answer within the ``read`` timeout after the request was
     written: the provider may have acted on it (outcome unknown)."""
+
 
 def _describe(exc: BaseException) -> str:
     text = str(exc).strip()
@@ -108,6 +109,7 @@ MAX_HEADER_LINE_BYTES = 8190
 #: True when the connection came from the idle pool (it served an earlier request).
 _REUSED: contextvars.ContextVar[bool] = contextvars.ContextVar("receipts_reused",
                                                                 default=False)
+
 
 class _NotConnected(aiohttp.ClientConnectionError):
     """Raised by :meth:`_Connector.connect`: no connection, so nothing was sent.
