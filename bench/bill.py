@@ -64,9 +64,9 @@ from typing import Any
 import psycopg
 
 from bench import raw
+from bench.document import write_json
 from bench.pg import Bench, fill_ready, settle
 from bench.procs import Children
-from bench.report import write_json
 from bench.scenarios import receipts_argv
 from receipts.enqueue import enqueue
 

@@ -68,8 +68,8 @@ from typing import Any
 import psycopg
 
 from bench import peers
+from bench.document import write_json
 from bench.pg import Bench
-from bench.report import write_json
 from bench.run import machine
 from bench.scenarios import percentile
 from receipts.enqueue import NOTIFY_CHANNEL, enqueue

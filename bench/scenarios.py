@@ -135,7 +135,7 @@ def receipts_drain(bench: Bench, *, jobs: int, processes: int = 1, concurrency: 
     installed, as ``receipts worker`` does).
     *profile*: a py-spy raw profile of the (first) worker to this file.
     *scrape*: the first worker's ``/metrics`` at the end, as ``samples``
-    (a :class:`~receipts.supervisor.MetricSamples`, for ``bench.cycle``).
+    (a :class:`~receipts.supervisor.MetricSamples`, for ``bench.experiments.cycle``).
     *transport*: the HTTP client under the deliverer (``bench.child --transport``;
     None: what ``receipts worker`` builds).
     """

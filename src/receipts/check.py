@@ -19,13 +19,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import httpx
-
 from receipts.db import connect
+from receipts.dsn import redact_dsn
 from receipts.errors import QueueError
 from receipts.migrate import schema_status_async
 from receipts.runtime import make_deliverer
-from receipts.settings import Settings, SettingsError, redact_dsn
+from receipts.settings import Settings, SettingsError
+from receipts.transport import TransportError
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +67,7 @@ async def check_provider(settings: Settings) -> CheckResult:
     except TimeoutError:
         return CheckResult("provider", False, f"{where}: no answer within "
                                               f"{settings.delivery_timeout_seconds:g}s")
-    except (httpx.HTTPError, OSError) as exc:
+    except (TransportError, OSError) as exc:
         text = str(exc).strip() or type(exc).__name__
         return CheckResult("provider", False, f"{where}: {type(exc).__name__}: {text[:200]}")
     finally:

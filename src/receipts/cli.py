@@ -65,44 +65,6 @@ EXIT_PENDING, EXIT_UNKNOWN = 3, 4
 
 # ------------------------------------------------------------ settings help
 
-# One line of help per setting (defaults are read from Settings itself).
-SETTING_HELP: dict[str, str] = {
-    "database_url": "PostgreSQL DSN, URI or key=value (secret)",
-    "database_schema": "schema of the receipts tables (default: the DSN's search_path; public)",
-    "provider_url": "receipt provider endpoint (POST), http:// or https://",
-    "provider_token": "bearer token sent to the provider (secret)",
-    "provider_proxy": "egress proxy for the provider, http://[user:pw@]host:port; wins over "
-                      "HTTPS_PROXY/HTTP_PROXY/NO_PROXY (secret)",
-    "concurrency": "delivery slots per process",
-    "lease_seconds": "lease of one attempt",
-    "lease_margin_seconds": "lease minus this bounds the delivery timeout",
-    "max_attempts": "attempts before a job fails",
-    "delivery_timeout_seconds": "deadline of one provider exchange",
-    "poll_interval_seconds": "sleep when the queue looks empty (×0.75–1.25 jitter)",
-    "claim_batch_max": "most jobs one claim takes (never more than free slots)",
-    "metrics_port": "port of /metrics, /healthz, /readyz; 0 disables",
-    "log_level": "DEBUG, INFO, WARNING or ERROR",
-    "pool_max_size": "database connections per process for statements",
-    "listen_notify": "one extra connection that LISTENs for wake-ups (and elects the waker)",
-    "pgbouncer": "transaction-pooling mode: no prepared statements, LISTEN or startup options",
-    "synchronous_commit": "synchronous_commit of worker/recovery sessions (on, off, local)",
-    "shutdown_grace_seconds": "after SIGTERM, how long in-flight deliveries may finish"
-                              " (at most the delivery timeout)",
-    "retry_base_seconds": "backoff ceiling of the first retry",
-    "retry_cap_seconds": "backoff ceiling of any retry",
-    "retry_after_max_seconds": "clamp for a provider's Retry-After",
-    "recovery_delay_seconds": "an expired job is due again after this × U(0.5, 1)",
-    "recovery_batch_size": "rows per recovery statement (≤ 100)",
-    "retention_days": "prune done/failed rows older than this; 0 keeps everything",
-    "prune_batch_size": "rows per prune statement",
-    "pushgateway_url": "push the sweep's figures to this Prometheus Pushgateway",
-    "queue_stats_interval_seconds": "how often a worker reads the queue gauges",
-    "statement_timeout_seconds": "per-connection statement_timeout",
-    "lock_timeout_seconds": "per-connection lock_timeout",
-    "idle_in_transaction_timeout_seconds": "per-connection idle_in_transaction_session_timeout",
-    "auth_pause_seconds": "first claim pause after a 401/403 (doubles up to the pause cap)",
-    "application_name": "prefix of the connections' application_name",
-}
 _CONNECTION = ("database_url", "database_schema", "application_name", "pgbouncer",
                "statement_timeout_seconds", "lock_timeout_seconds",
                "idle_in_transaction_timeout_seconds", "log_level")
@@ -144,14 +106,15 @@ def _default_text(name: str) -> str:
 
 
 def settings_help(command: str) -> str:
-    """The epilog of *command*'s ``--help``: each variable it reads, its help and default."""
+    """The epilog of *command*'s ``--help``: each variable it reads, its default, and its
+    field's description (the same text as docs/reference/settings.md)."""
     import textwrap
 
     column, width = 40, 100
     lines = ["settings (environment variables):"]
     for name in settings_for(command):
         variable = f"  {ENV_PREFIX}{name.upper()}"
-        text = SETTING_HELP.get(name) or Settings.model_fields[name].description or ""
+        text = Settings.model_fields[name].description or ""  # the one source of help
         wrapped = textwrap.wrap(f"{text} [{_default_text(name)}]", width - column)
         if len(variable) + 2 > column:
             lines.append(variable)

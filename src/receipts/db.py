@@ -20,6 +20,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
+from receipts.dsn import redact_dsn
 from receipts.errors import (
     DatabaseUnavailable,
     QueueError,
@@ -27,7 +28,7 @@ from receipts.errors import (
     StatementTimeout,
     refuse_encoding,
 )
-from receipts.settings import Settings, redact_dsn
+from receipts.settings import Settings
 
 CONNECT_TIMEOUT_SECONDS = 5
 #: Added to the server's statement_timeout to make the client-side deadline.

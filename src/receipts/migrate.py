@@ -29,6 +29,7 @@ from typing import Any
 import psycopg
 
 from receipts import __version__
+from receipts.dsn import schema_for
 from receipts.errors import refuse_encoding
 from receipts.statements import qualifier
 
@@ -71,8 +72,6 @@ def _tracking(schema: str) -> str:
 def _resolve(dsn: str, schema: str | None) -> str:
     if schema is not None:
         return schema
-    from receipts.settings import schema_for  # extra: worker (pydantic)
-
     return schema_for(dsn)
 
 
@@ -134,7 +133,7 @@ def apply_migrations(
 ) -> list[str]:
     """Apply every pending migration to the database at *dsn*, in *schema*.
 
-    *schema* (default: :func:`receipts.settings.schema_for` of *dsn*) is
+    *schema* (default: :func:`receipts.dsn.schema_for` of *dsn*) is
     created when missing; each file runs with ``SET LOCAL search_path`` to it
     alone, so whatever search_path the session has, the tables land where
     the workers' qualified statements look for them.
@@ -428,7 +427,7 @@ def read_schema_status(dsn: str, *, application_name: str = "receipts",
                        schema: str | None = None) -> SchemaStatus:
     """Connect to *dsn*, read *schema*'s :class:`SchemaStatus`, disconnect (``worker`` extra).
 
-    *schema* defaults to :func:`receipts.settings.schema_for` of *dsn*.
+    *schema* defaults to :func:`receipts.dsn.schema_for` of *dsn*.
 
     Raises ``DatabaseUnavailable`` (or another ``QueueError``) when the
     database cannot be read, ``UnusableDatabase`` for a SQL_ASCII database;

@@ -108,7 +108,8 @@ def make_operations(settings: Settings, pool: AsyncConnectionPool, *,
 
 def make_deliverer(settings: Settings, environ: Mapping[str, str] | None = None
                    ) -> HttpDeliverer:
-    """The HTTP deliverer the settings describe (URL, timeout, token, slots, proxy).
+    """The HTTP deliverer the settings describe (URL, timeout, token, slots, proxy,
+    transport).
 
     The egress proxy is ``RECEIPTS_PROVIDER_PROXY``, else the standard
     ``*_PROXY``/``NO_PROXY`` variables of *environ* (default ``os.environ``,
@@ -136,6 +137,7 @@ def make_deliverer(settings: Settings, environ: Mapping[str, str] | None = None
         max_connections=settings.concurrency,
         tls=tls,
         proxy=proxy,
+        transport=settings.provider_transport,
     )
 
 

@@ -10,7 +10,7 @@ goes from the method to the SQL without a search. This module needs only
 psycopg's ``sql`` composer.
 
 Every table is written ``{schema}.receipt_jobs`` in the file and qualified
-here with the configured schema (:func:`receipts.settings.schema_for`), so a
+here with the configured schema (:func:`receipts.dsn.schema_for`), so a
 ``SET search_path`` that another client leaked onto a pooled server
 connection (PgBouncer transaction pooling) cannot send a statement to another
 table, or to none (docs/design.md, "Schema").

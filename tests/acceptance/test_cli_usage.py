@@ -15,7 +15,7 @@ from importlib.metadata import version
 
 import pytest
 
-from receipts.cli import COMMAND_SETTINGS, SETTING_HELP, build_parser, settings_for
+from receipts.cli import COMMAND_SETTINGS, build_parser, settings_for
 from receipts.settings import Settings
 from tests.conftest import enqueue_many
 
@@ -107,6 +107,7 @@ def test_the_same_commands_with_good_usage_do_reach_for_the_database(down: Liste
     assert down.accepted >= 1 and SECRET not in result.stderr
 
 
+@pytest.mark.slow
 def test_a_worker_without_a_provider_url_refuses_to_start_in_one_line(down: Listener) -> None:
     result = receipts("worker", env={"RECEIPTS_DATABASE_URL": down.dsn})
     assert result.returncode == 2
@@ -137,6 +138,7 @@ def test_help_into_a_closed_pipe_ends_quietly() -> None:
     assert proc.stderr == b""
 
 
+@pytest.mark.slow
 def test_jobs_list_into_head_exits_0_without_a_word_on_stderr(dsn: str) -> None:
     # 3,000 rows (≈ 250 kB) overflow the pipe buffer long before `head` leaves.
     enqueue_many(dsn, [f"pipe-{n:05d}" for n in range(3000)])
@@ -199,6 +201,7 @@ def test_every_option_and_argument_has_help_and_shows_its_default() -> None:
     assert not no_default, f"options whose default is not shown: {no_default}"
 
 
+@pytest.mark.slow
 def test_each_command_s_help_lists_the_settings_it_reads_with_defaults() -> None:
     worker = receipts("worker", "--help").stdout
     recover = receipts("recover", "--help").stdout
@@ -216,14 +219,14 @@ def test_each_command_s_help_lists_the_settings_it_reads_with_defaults() -> None
 def test_every_setting_is_in_some_command_s_help() -> None:
     listed = {name for command in ("worker", *COMMAND_SETTINGS) for name in settings_for(command)}
     assert listed == set(Settings.model_fields)
-    undocumented = [n for n, f in Settings.model_fields.items()
-                    if n not in SETTING_HELP and not f.description]
+    undocumented = [n for n, f in Settings.model_fields.items() if not f.description]
     assert not undocumented
 
 
 # ------------------------------------------------------------ unknown settings
 
 
+@pytest.mark.slow
 def test_unknown_variables_are_warned_about_once_each_but_not_service_links(
     down: Listener,
 ) -> None:

@@ -72,6 +72,7 @@ def states(dsn: str) -> dict[str, int]:
     return dict(fetch_rows(dsn, "SELECT state, count(*) FROM receipt_jobs GROUP BY state"))
 
 
+@pytest.mark.slow
 def test_a_provider_outage_fails_no_job_and_the_fleet_resumes_soon_after_from_a_capped_pause(
         dsn, sup, provider):
     """Default settings but the pause's cap, shrunk from 300 s to 30 s so that a 60 s outage
@@ -109,6 +110,7 @@ def test_a_provider_outage_fails_no_job_and_the_fleet_resumes_soon_after_from_a_
     assert max(a for (a,) in fetch_rows(dsn, "SELECT attempts FROM receipt_jobs")) <= 2
 
 
+@pytest.mark.slow
 def test_a_retry_after_answer_to_one_worker_pauses_every_worker(dsn, sup, provider):
     enqueue_many(dsn, [f"order-{i}" for i in range(3000)])
     set_faults(provider, latency_seconds=0.05)
@@ -127,6 +129,7 @@ def test_a_retry_after_answer_to_one_worker_pauses_every_worker(dsn, sup, provid
     until(lambda: states(dsn).get("done", 0) >= 200, "delivery resumed", 30)
 
 
+@pytest.mark.slow
 def test_a_fleet_rate_limit_holds_across_processes_retries_included(dsn, sup, provider):
     enqueue_many(dsn, [f"order-{i}" for i in range(3000)])
     set_faults(provider, error_rate=0.1)  # retries count like first attempts
@@ -149,6 +152,7 @@ def failed_count(dsn: str) -> int:
     return states(dsn).get("failed", 0)
 
 
+@pytest.mark.slow
 def test_a_provider_rejecting_everything_pauses_the_fleet_and_fails_no_job(dsn, sup, provider):
     """A bad deploy in the middle of a drain: the provider starts answering 400 with the same
     body to every request, while each worker's window is full of successes."""
@@ -188,6 +192,7 @@ def test_a_provider_rejecting_everything_pauses_the_fleet_and_fails_no_job(dsn, 
     check_invariants(dsn, 5)
 
 
+@pytest.mark.slow
 def test_a_few_bad_orders_among_good_ones_still_fail_at_once(dsn, sup, provider):
     orders = [f"order-{i}" for i in range(400)]
     enqueue_many(dsn, orders)
@@ -303,6 +308,7 @@ class TlsProvider:
         self._listener.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version", [ssl.TLSVersion.TLSv1_2, ssl.TLSVersion.TLSv1_3],
                          ids=["tls1.2", "tls1.3"])
 def test_a_tls_failure_of_every_connection_pauses_the_fleet_for_rejecting(

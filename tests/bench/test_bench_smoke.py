@@ -39,7 +39,7 @@ def test_the_benchmark_runs_end_to_end_and_writes_its_table_as_json(tmp_path):
 def test_the_console_benchmark_runs_end_to_end(tmp_path):
     out = tmp_path / "console.json"
     result = subprocess.run(
-        [sys.executable, "-m", "bench.console", "--rounds", "1", "--drain-jobs", "500",
+        [sys.executable, "-m", "bench.experiments.console", "--rounds", "1", "--drain-jobs", "500",
          "--readings", "2", "--reading-rows", "2000", "--bulk-rows", "3000",
          "--json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=170,
@@ -73,7 +73,7 @@ def test_the_commit_comparison_runs_both_modes_interleaved(tmp_path):
     out = tmp_path / "commit.json"
     env = {**os.environ, "XDG_RUNTIME_DIR": os.environ.get("XDG_RUNTIME_DIR", "/tmp")}
     result = subprocess.run(
-        [sys.executable, "-m", "bench.commit", "--rounds", "1", "--seconds", "1",
+        [sys.executable, "-m", "bench.experiments.commit", "--rounds", "1", "--seconds", "1",
          "--jobs", "3000", "--json", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=170,
     )
@@ -110,7 +110,7 @@ def test_the_checkout_scenario_runs_on_both_disks_with_the_shim_loaded(tmp_path)
 
 
 def test_the_wakeups_scenario_measures_pickup_and_an_idle_fleet(tmp_path):
-    doc, stdout = run_smoke("bench.wakeups", tmp_path)
+    doc, stdout = run_smoke("bench.experiments.wakeups", tmp_path)
     assert set(doc["summary"]["pickup"]) == {"waker", "notify"}
     assert all(run["measured"] == run["jobs"] for run in doc["pickup"])
     assert {run["pods"] for run in doc["idle"]} == {1, 2}

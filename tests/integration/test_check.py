@@ -58,7 +58,7 @@ async def test_a_provider_nobody_answers_for_fails_naming_it(dsn: str) -> None:
     assert result.returncode == 1
     database, reach = result.stdout.splitlines()
     assert database.startswith("database: ok")
-    assert reach.startswith(f"provider: FAILED: {url}: ConnectError")
+    assert reach.startswith(f"provider: FAILED: {url}: NothingSent")
 
 
 async def test_a_provider_refusing_the_token_fails(dsn: str, stub) -> None:

@@ -54,7 +54,7 @@ RETURNING id;
 -- the whole instance at commit and holds it through its WAL flush, which would
 -- serialise every enqueuing checkout (docs/design.md, "The checkout's commit
 -- path"). The fleet's waker wakes the workers (waker_probe).
--- Cost: python -m bench.enqueue (bench/README.md). Nearly all of it is the
+-- Cost: python -m bench.experiments.enqueue (bench/README.md). Nearly all of it is the
 -- insert itself: heap and WAL, the primary key, order_id and ready indexes,
 -- and ON CONFLICT's speculative insertion (an arbiter probe, a lock and a
 -- confirm record per row); the client's part is small.

@@ -2,8 +2,8 @@
 
 Runs alone, from the project's virtualenv (the ``dev`` extra: embedded PostgreSQL)::
 
-    .venv/bin/python -m bench.console                  # the defaults below
-    .venv/bin/python -m bench.console --rounds 3 --drain-jobs 20000 --bulk-rows 200000
+    .venv/bin/python -m bench.experiments.console                  # the defaults below
+    .venv/bin/python -m bench.experiments.console --rounds 3 --drain-jobs 20000 --bulk-rows 200000
 
 One embedded PostgreSQL 18 with default durability (``bench/pg.py``). Four
 measurements, each printed with the machine's load average:
