@@ -67,6 +67,10 @@ UI_REVOKED = "receipt_ui_revoked"
 TABLES = (MIGRATIONS, JOBS, FLOW, ATTEMPTS, WORKERS, BULK_ACTIONS, UI_REVOKED)
 #: The SQL function of the enqueue API (migrations 0004, 0006), by signature.
 ENQUEUE_FUNCTION = "receipts_enqueue(text, timestamptz, text)"
+#: The effective pause reason (migration 0008), which the statements that read the
+#: pause call: it reads and writes nothing, so it keeps PostgreSQL's default EXECUTE
+#: for PUBLIC and no kind needs a grant for it.
+PAUSE_FUNCTION = "receipts_pause_reason(text, timestamptz, text, timestamptz, timestamptz)"
 #: Predefined role whose members see every session in ``pg_stat_activity``
 #: (``xact_start``, ``backend_xmin``); without it a role sees only its own.
 READ_ALL_STATS = "pg_read_all_stats"
