@@ -158,6 +158,7 @@ DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 LONG = "checkout-receipts-eu-west-1-production-bluegreen-canary"  # 56 characters
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("release", [
     "r", "shop", "receipts", LONG[:43], LONG[:44], LONG[:45], LONG[:52], LONG[:53],
     "x" * 53, "receipts-" + "y" * 44, "shop-" + "z" * 48, "s" * 44,
@@ -312,6 +313,7 @@ def _notes(*args: str) -> str:
     return result.stdout.split("NOTES:", 1)[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
 def test_notes_review_jobs_in_a_one_off_pod_that_works_at_zero_workers(
         kube_version: str) -> None:

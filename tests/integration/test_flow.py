@@ -109,6 +109,7 @@ async def test_concurrent_claimers_never_claim_more_than_the_tokens(dsn, limited
     check_invariants(dsn, 5)
 
 
+@pytest.mark.slow
 async def test_the_bucket_refills_at_the_rate_up_to_the_burst(dsn):
     enqueue_many(dsn, [f"order-{i}" for i in range(300)])
     settings = make_settings(dsn)
@@ -129,6 +130,7 @@ async def test_the_bucket_refills_at_the_rate_up_to_the_burst(dsn):
         await pool.close()
 
 
+@pytest.mark.slow
 async def test_the_bucket_row_is_updated_in_place_hot(dsn):
     enqueue_many(dsn, [f"order-{i}" for i in range(40)])
     pool = make_pool(make_settings(dsn), "test", max_size=1)
@@ -149,6 +151,7 @@ async def test_the_bucket_row_is_updated_in_place_hot(dsn):
     print(f"\n[bench] receipt_flow: {upd} updates, {hot} HOT ({hot / upd:.0%})")
 
 
+@pytest.mark.slow
 async def test_a_409_gives_the_attempt_back_up_to_its_own_budget(dsn, queue):
     from receipts.model import Attempt, Outcome, Reason, Reschedule, Verdict
     from tests.conftest import reschedule_one  # noqa: F401  (the helper's shape)
@@ -164,6 +167,7 @@ async def test_a_409_gives_the_attempt_back_up_to_its_own_budget(dsn, queue):
     assert attempts == 3  # the budget gave back 20 attempts; the 3 beyond it counted
 
 
+@pytest.mark.slow
 async def test_a_refunded_failure_keeps_the_attempt_and_never_leaves_ready_at_max(dsn, queue):
     from receipts.model import Attempt, Outcome, Reason, Reschedule, Verdict
 
@@ -176,6 +180,7 @@ async def test_a_refunded_failure_keeps_the_attempt_and_never_leaves_ready_at_ma
     check_invariants(dsn, 5)
 
 
+@pytest.mark.slow
 def test_a_pause_survives_a_postgresql_restart(tmp_path):
     server = EmbeddedPostgres(fast=True)
     server.start()
@@ -192,6 +197,7 @@ def test_a_pause_survives_a_postgresql_restart(tmp_path):
         server.cleanup()
 
 
+@pytest.mark.slow
 async def test_a_retry_after_pause_ends_by_itself_without_a_probe(dsn, queue):
     enqueue_many(dsn, ["order-1"])
     await queue.extend_pause(PauseReason.RETRY_AFTER, 0.05)
@@ -250,6 +256,7 @@ async def test_a_systemic_rejection_is_stored_as_an_outage_that_released_workers
     assert (await queue.provider_pause())["pause_reason"] == "outage"
 
 
+@pytest.mark.slow
 async def test_a_probe_is_due_an_interval_after_the_last_failure_whatever_the_pause_length(
         dsn, queue):
     enqueue_many(dsn, [f"order-{i}" for i in range(3)])
@@ -275,6 +282,7 @@ async def test_a_probe_is_due_an_interval_after_the_last_failure_whatever_the_pa
     assert len((await queue.claim(5)).attempts) == 2
 
 
+@pytest.mark.slow
 async def test_an_operators_pause_is_not_probed_not_shortened_and_kept_until_a_longer_one(
         dsn, queue):
     enqueue_many(dsn, ["order-1"])

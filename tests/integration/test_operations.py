@@ -74,6 +74,7 @@ async def test_a_manual_pause_stops_claims_as_a_retry_after_pause_old_workers_re
     assert len((await queue.claim(10)).attempts) == 2
 
 
+@pytest.mark.slow
 async def test_a_manual_pause_never_shortens_a_longer_automatic_one_unless_told(
         dsn: str, ops: Operations, queue: JobQueue) -> None:
     await queue.extend_pause(PauseReason.OUTAGE, 3600)
@@ -122,6 +123,7 @@ async def test_pause_requests_are_checked() -> None:
 # ------------------------------------------------------- heartbeats, holders
 
 
+@pytest.mark.slow
 async def test_a_lease_token_names_the_worker_that_holds_the_job(
         dsn: str, ops: Operations) -> None:
     tag = new_tag()
@@ -174,6 +176,7 @@ async def test_running_jobs_can_be_listed_by_whether_their_lease_expired(
 # ------------------------------------------------------------ bulk actions
 
 
+@pytest.mark.slow
 async def test_a_bulk_retry_runs_in_batches_bounded_by_its_confirmation(
         dsn: str, ops: Operations, queue: JobQueue) -> None:
     failed_rows(dsn, 40)
@@ -251,6 +254,7 @@ async def test_a_stopped_or_abandoned_bulk_action_resumes_where_it_stopped(
     assert await bulk.resume(ops, row["id"], policy=FAST) is not None
 
 
+@pytest.mark.slow
 async def test_a_count_that_takes_too_long_gives_up_at_a_bounded_count(
         dsn: str, queue: JobQueue) -> None:
     failed_rows(dsn, 20)
@@ -268,6 +272,7 @@ async def test_a_count_that_takes_too_long_gives_up_at_a_bounded_count(
     assert (count, exact) == (3, False)
 
 
+@pytest.mark.slow
 async def test_a_statement_the_server_stops_is_slow_not_unavailable(dsn: str) -> None:
     pool = make_pool(make_settings(dsn, statement_timeout_seconds=0.2), "test", max_size=1)
     await pool.open(wait=True)
@@ -290,6 +295,7 @@ def test_bulk_batch_sizes_aim_at_the_target_time() -> None:
     assert policy.next_batch(150, 10.0) == 100 and policy.next_batch(20_000, 0.01) == 20_000
 
 
+@pytest.mark.slow
 async def test_a_bulk_action_refuses_a_state_it_does_not_apply_to(ops: Operations) -> None:
     with pytest.raises(ValueError, match="retry does not apply to ready"):
         await ops.bulk_create(action="retry", view=ReviewFilter(

@@ -24,6 +24,7 @@ from tests.conftest import (
 )
 
 
+@pytest.mark.slow
 def test_migrations_apply_once_and_again_as_a_noop(server):
     dsn = server.new_database(migrated=False)
     try:
@@ -36,6 +37,7 @@ def test_migrations_apply_once_and_again_as_a_noop(server):
         server.drop_database(dsn)
 
 
+@pytest.mark.slow
 def test_concurrent_migration_runners_do_not_collide(server):
     from concurrent.futures import ThreadPoolExecutor
 
@@ -62,6 +64,7 @@ def test_enqueue_rolls_back_with_the_order_and_commits_with_it(dsn):
     assert rows == [("order-1", "ready", 0)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "bad", ["", "x" * 201, "a\x00b", "line\nbreak", "\udcff", " ", "trail ", " lead"]
 )
@@ -188,6 +191,7 @@ async def test_lease_arithmetic_uses_the_database_clock_in_any_session_timezone(
         await pool.close()
 
 
+@pytest.mark.slow
 async def test_eight_concurrent_claimers_never_share_a_live_job(dsn, settings):
     enqueue_many(dsn, [f"order-{i:05d}" for i in range(2000)])
     pool = make_pool(settings, "test", max_size=8)
@@ -232,6 +236,7 @@ async def test_operations_before_migrations_raise_schema_missing(server):
         server.drop_database(dsn)
 
 
+@pytest.mark.slow
 async def test_a_job_is_found_by_an_order_id_that_is_itself_a_uuid(dsn, queue):
     order_id = str(uuid.uuid4())
     enqueue_many(dsn, [order_id])
@@ -249,6 +254,7 @@ async def test_a_failed_job_keeps_its_run_at(dsn, queue):
     assert run_at <= finished_at
 
 
+@pytest.mark.slow
 async def test_the_dsn_options_such_as_a_search_path_are_kept(server):
     import psycopg
     from psycopg.conninfo import make_conninfo

@@ -123,6 +123,7 @@ def test_stored_values_that_are_not_a_valid_traceparent_are_ignored(value):
 # ------------------------------------------------------------ delivery side
 
 
+@pytest.mark.slow
 async def test_the_delivery_span_links_to_the_enqueue_and_the_provider_gets_it(
     dsn, tracer, spans, recorder
 ):
@@ -234,6 +235,7 @@ ABSENT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_without_opentelemetry_nothing_changes(dsn):
     result = subprocess.run([sys.executable, "-c", ABSENT, dsn], capture_output=True,
                             text=True, timeout=60, cwd=str(REPO))
