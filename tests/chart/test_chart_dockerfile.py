@@ -214,6 +214,7 @@ def test_the_image_carries_the_migrations_and_sql(
     assert list((package / "sql").glob("*.sql"))
 
 
+@pytest.mark.slow
 def test_the_non_root_user_cannot_write_the_installation(
     installed_receipts: tuple[Path, str | None],
 ) -> None:

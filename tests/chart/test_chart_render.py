@@ -55,6 +55,7 @@ def test_ci_scenarios_cover_the_documented_cases() -> None:
 # --------------------------------------------------------------------------- lint
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("values", SCENARIOS, ids=SCENARIO_IDS)
 def test_helm_lint_strict_is_clean(values: tuple[Path, ...]) -> None:
     args = ["lint", "--strict", str(CHART), "-f", str(REQUIRED_VALUES)]
@@ -201,6 +202,7 @@ def test_budget_counts_fixed_replicas_without_autoscaling() -> None:
         *sets, "connectionBudget.maxConnections=19")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("sets", "surge"),
     [
@@ -388,6 +390,7 @@ def test_a_delivery_timeout_longer_than_the_lease_allows_is_refused() -> None:
     assert "leaseMarginSeconds" in result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("values", SCENARIOS, ids=SCENARIO_IDS)
 def test_no_container_runs_as_root_or_writes_its_root_filesystem(values: tuple[Path, ...]) -> None:
     specs = pod_specs(render(values))

@@ -151,6 +151,7 @@ def test_enqueue_many_refuses_a_single_string_instead_of_a_list(dsn):
     assert stored(dsn) == {}
 
 
+@pytest.mark.slow
 def test_enqueue_many_validates_every_id_before_sending_anything(dsn):
     with psycopg.connect(dsn) as conn, conn.transaction():
         with pytest.raises(InvalidOrderId, match="control characters"):
@@ -163,6 +164,7 @@ def test_enqueue_many_validates_every_id_before_sending_anything(dsn):
 # ------------------------------------------------------------ scheduled jobs
 
 
+@pytest.mark.slow
 def test_run_at_schedules_the_job_and_none_means_due_now(dsn):
     later = datetime.now(UTC) + timedelta(hours=2)
     with psycopg.connect(dsn) as conn:
@@ -175,6 +177,7 @@ def test_run_at_schedules_the_job_and_none_means_due_now(dsn):
     assert rows["now"] == started  # the transaction's start, as the column default
 
 
+@pytest.mark.slow
 def test_a_naive_run_at_is_refused_before_anything_is_sent(dsn):
     with psycopg.connect(dsn) as conn, conn.transaction():
         with pytest.raises(ValueError, match="timezone-aware"):
@@ -212,6 +215,7 @@ def test_other_order_id_types_are_refused_naming_what_is_accepted(dsn, bad):
     assert stored(dsn) == {}
 
 
+@pytest.mark.slow
 def test_a_huge_int_is_held_to_the_length_rule(dsn):
     with psycopg.connect(dsn) as conn, pytest.raises(InvalidOrderId, match="longer than 200"):
         enqueue(conn, 10**250)
@@ -220,6 +224,7 @@ def test_a_huge_int_is_held_to_the_length_rule(dsn):
 # ------------------------------------------------------------ connections
 
 
+@pytest.mark.slow
 def test_a_wrong_connection_gets_an_error_that_says_what_works(dsn):
     with pytest.raises(TypeError, match="psycopg 3 connection or a SQLAlchemy"):
         enqueue(object(), "x")
@@ -327,6 +332,7 @@ def listener(dsn):
     listening.close()
 
 
+@pytest.mark.slow
 def test_no_enqueue_path_notifies_from_the_callers_transaction(dsn, listener):
     # A transaction with a pending notification takes one instance-wide lock at
     # commit and holds it through the WAL flush: the checkout must never carry one.

@@ -80,6 +80,7 @@ async def test_a_pause_extended_during_the_probe_is_not_ended_by_it(queue):
     assert (await queue.flow_state()).pause_reason is PauseReason.RETRY_AFTER
 
 
+@pytest.mark.slow
 async def test_a_claim_takes_exactly_one_token_per_job_it_returns(dsn, limited):
     enqueue_many(dsn, [f"order-{i}" for i in range(100)])
     first = await limited.claim(20)
@@ -92,6 +93,7 @@ async def test_a_claim_takes_exactly_one_token_per_job_it_returns(dsn, limited):
         (30,)]
 
 
+@pytest.mark.slow
 async def test_concurrent_claimers_never_claim_more_than_the_tokens(dsn, limited):
     """Eight claimers race on real row locks; the bucket holds 30 tokens."""
     enqueue_many(dsn, [f"order-{i}" for i in range(200)])
@@ -236,6 +238,7 @@ def flow_row(dsn: str) -> dict[str, object]:
     return dict(zip(names, row, strict=True))
 
 
+@pytest.mark.slow
 async def test_a_systemic_rejection_is_stored_as_an_outage_that_released_workers_honour(
         dsn, queue):
     enqueue_many(dsn, ["order-1"])

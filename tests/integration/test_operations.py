@@ -49,6 +49,7 @@ def counts(dsn: str) -> dict[str, int]:
 # ------------------------------------------------------------------ pause
 
 
+@pytest.mark.slow
 async def test_a_manual_pause_stops_claims_as_a_retry_after_pause_old_workers_read(
         dsn: str, ops: Operations, queue: JobQueue) -> None:
     enqueue_many(dsn, ["p-1", "p-2"])
@@ -97,6 +98,7 @@ async def test_a_manual_pause_never_shortens_a_longer_automatic_one_unless_told(
     assert (await ops.fleet_flow()).reason == "manual"
 
 
+@pytest.mark.slow
 async def test_resume_lifts_only_the_pause_the_operator_saw(ops: Operations,
                                                             queue: JobQueue) -> None:
     await fleet.pause(ops, seconds=600, note="seen", author="a")
@@ -220,6 +222,7 @@ async def test_a_bulk_action_skips_jobs_that_changed_and_walks_past_what_does_no
         ("ready",)]
 
 
+@pytest.mark.slow
 async def test_a_stopped_or_abandoned_bulk_action_resumes_where_it_stopped(
         dsn: str, ops: Operations, queue: JobQueue) -> None:
     failed_rows(dsn, 50)

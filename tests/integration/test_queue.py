@@ -74,6 +74,7 @@ def test_enqueue_refuses_order_ids_the_queue_cannot_carry(dsn, bad):
     assert fetch_rows(dsn, "SELECT count(*) FROM receipt_jobs") == [(0,)]
 
 
+@pytest.mark.slow
 async def test_claim_returns_at_most_the_limit_with_fresh_tokens(dsn, queue: JobQueue):
     enqueue_many(dsn, [f"o{i}" for i in range(5)])
     first = await claim_jobs(queue, 3)
@@ -112,6 +113,7 @@ async def test_an_ack_after_the_lease_expired_is_refused_even_without_recovery(d
     assert fetch_rows(dsn, "SELECT state FROM receipt_jobs") == [("running",)]
 
 
+@pytest.mark.slow
 async def test_batched_ack_reports_only_the_pairs_it_completed(dsn, queue: JobQueue):
     enqueue_many(dsn, [f"o{i}" for i in range(4)])
     jobs = await claim_jobs(queue, 4)
@@ -140,6 +142,7 @@ async def test_failures_end_in_failed_at_max_attempts_never_ready(dsn, settings)
         await pool.close()
 
 
+@pytest.mark.slow
 async def test_permanent_failure_fails_at_once(dsn, queue):
     enqueue_many(dsn, ["order-422"])
     (job,) = await claim_jobs(queue, 1)
@@ -221,6 +224,7 @@ async def test_eight_concurrent_claimers_never_share_a_live_job(dsn, settings):
         ("done", 2000)]
 
 
+@pytest.mark.slow
 async def test_operations_before_migrations_raise_schema_missing(server):
     dsn = server.new_database(migrated=False)
     try:

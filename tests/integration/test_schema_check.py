@@ -72,6 +72,7 @@ def psql_file(dsn: str, sql: str) -> subprocess.CompletedProcess[str]:
 # ------------------------------------------------------------ check_schema
 
 
+@pytest.mark.slow
 def test_a_migrated_database_passes_and_reports_its_version(dsn):
     status = check(dsn)
     assert status.current and status.version == NEWEST == status.expected
@@ -99,6 +100,7 @@ def test_pending_migrations_are_refused_naming_them(empty_dsn):
     assert "\n" not in str(refused.value)
 
 
+@pytest.mark.slow
 def test_a_later_release_s_migrations_are_accepted_as_a_newer_schema(dsn):
     # The rollback contract: migrations only add within a major version, so this version
     # runs on the schema a later release left behind.

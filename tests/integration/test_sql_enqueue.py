@@ -39,6 +39,7 @@ def test_psql_enqueues_returns_the_id_then_null_for_a_duplicate(dsn):
     assert rows == [(job_id, "ready", 0, True)]
 
 
+@pytest.mark.slow
 def test_psql_enqueue_is_part_of_the_callers_transaction(dsn):
     result = psql(dsn, "BEGIN; SELECT receipts_enqueue('psql-rolled-back'); ROLLBACK;")
     assert result.returncode == 0, result.stderr
@@ -122,6 +123,7 @@ def test_sql_and_python_accept_exactly_the_same_order_ids(dsn):
     assert disagreements == []
 
 
+@pytest.mark.slow
 def test_psql_enqueue_sends_no_notification_from_the_callers_transaction(dsn):
     # A pending notification serialises the commits of every notifying
     # transaction in the instance: the checkout's commit must not carry one.

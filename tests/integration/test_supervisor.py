@@ -55,6 +55,7 @@ def test_a_worker_becomes_healthy_delivers_and_its_scrape_and_exit_say_so(
     assert '"event": "stopped"' in log
 
 
+@pytest.mark.slow
 def test_a_child_that_exits_before_it_is_healthy_is_named_with_its_output(tmp_path):
     with Supervisor(tmp_path) as sup:
         port = free_port()

@@ -89,6 +89,7 @@ async def recorder() -> AsyncIterator[tuple[Recorder, str]]:
 # ------------------------------------------------------------ enqueue side
 
 
+@pytest.mark.slow
 def test_enqueue_inside_a_span_stores_its_traceparent(dsn, tracer, spans):
     with psycopg.connect(dsn) as conn:
         with tracer.start_as_current_span("POST /orders") as span:
@@ -103,6 +104,7 @@ def test_enqueue_inside_a_span_stores_its_traceparent(dsn, tracer, spans):
     assert int(expected[-2:], 16) & 1  # the sampled flag travels with it
 
 
+@pytest.mark.slow
 def test_no_span_no_traceparent(dsn, tracer):
     assert current_traceparent() is None
     with psycopg.connect(dsn) as conn:

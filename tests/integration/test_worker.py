@@ -92,6 +92,7 @@ async def test_a_job_that_always_gets_5xx_fails_after_max_attempts(dsn, provider
         (4, "503 provider error")]
 
 
+@pytest.mark.slow
 async def test_a_permanent_rejection_fails_the_job_with_its_reason(dsn, provider):
     provider.set_faults(reject_rate=1.0)
     enqueue_many(dsn, ["order-bad"])
