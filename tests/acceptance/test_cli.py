@@ -244,6 +244,7 @@ def test_the_demo_runs_end_to_end_and_loses_nothing(server):
     assert count(total, "acks") == sum(count(cols, "acks") for cols in per_worker)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args",
     [["--orders", "0"], ["--workers", "0"], ["--concurrency", "-1"],

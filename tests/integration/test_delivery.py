@@ -224,6 +224,7 @@ async def test_a_redirect_is_not_followed(stub, transport):
     assert len(stub.requests) == 1
 
 
+@pytest.mark.slow
 async def test_cookies_set_by_the_provider_are_never_sent_back(stub, transport):
     seen: list[web.Request] = []
     answer = web.json_response({}, headers={"Set-Cookie": "session=abc; Path=/"})

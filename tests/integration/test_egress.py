@@ -45,6 +45,7 @@ def settings_for(url: str, **extra: object):
 # ------------------------------------------------------------------ keep-alive
 
 
+@pytest.mark.slow
 async def test_a_keep_alive_connection_nginx_closes_when_idle_is_resent_and_burns_no_attempt():
     """Bursts about 1 s apart against keepalive_timeout 1s: reused connections die under
     the request. Each such request is sent once more on a fresh connection, within
@@ -138,6 +139,7 @@ async def test_mutual_tls_with_the_client_certificate_is_delivered_and_without_i
 # ---------------------------------------------------------------------- proxies
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("proxy_kind", [Tinyproxy, Squid], ids=["tinyproxy", "squid"])
 async def test_plain_and_tls_providers_are_reached_through_a_proxy(proxy_kind, pki: Pki):
     nginx = Nginx()
@@ -156,6 +158,7 @@ async def test_plain_and_tls_providers_are_reached_through_a_proxy(proxy_kind, p
     assert "CONNECT" in log and f"127.0.0.1:{tls.port}" in log  # TLS end to end, tunnelled
 
 
+@pytest.mark.slow
 async def test_the_environment_proxy_applies_unless_no_proxy_matches_and_the_setting_wins():
     nginx = Nginx()
     site = nginx.site()

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -259,6 +260,7 @@ def _machine(runner: asyncio.Runner, queue: JobQueue, dsn: str) -> type[RuleBase
     return QueueModel
 
 
+@pytest.mark.slow
 def test_the_queue_behaves_like_its_lifecycle_model(dsn):
     constraints = {r[0] for r in psycopg.connect(dsn).execute(
         "SELECT pg_get_constraintdef(oid) FROM pg_constraint"

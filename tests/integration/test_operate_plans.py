@@ -89,6 +89,7 @@ def big_dsn(pg18: Server) -> Iterator[str]:
         pg18.drop_database(dsn)
 
 
+@pytest.mark.slow
 def test_queue_stats_walks_the_partial_indexes_not_the_table(big_dsn: str) -> None:
     with psycopg.connect(big_dsn, autocommit=True, cursor_factory=psycopg.ClientCursor) as conn:
         _explain(conn, statements()["queue_stats"])  # warm the cache; measure the second run

@@ -76,6 +76,7 @@ def _env(dsn: str, **extra: str) -> dict[str, str]:
             "RECEIPTS_RETENTION_DAYS": "1", "RECEIPTS_RECOVERY_DELAY_SECONDS": "0", **extra}
 
 
+@pytest.mark.slow
 def test_recover_pushes_its_counts_to_the_pushgateway(dsn: str, gateway: FakeGateway) -> None:
     _seed(dsn)
     started = time.time()
@@ -102,6 +103,7 @@ def test_recover_pushes_its_counts_to_the_pushgateway(dsn: str, gateway: FakeGat
     assert states == {"exp-1": "ready", "exp-2": "ready", "exp-max": "failed", "fresh": "ready"}
 
 
+@pytest.mark.slow
 def test_recover_without_a_pushgateway_just_prints(dsn: str) -> None:
     _seed(dsn)
     result = run_command(["recover", "--json"], _env(dsn))
@@ -110,6 +112,7 @@ def test_recover_without_a_pushgateway_just_prints(dsn: str) -> None:
     assert (report["expired_to_ready"], report["expired_to_failed"], report["pruned"]) == (2, 1, 3)
 
 
+@pytest.mark.slow
 def test_an_unreachable_pushgateway_is_logged_and_does_not_fail_the_sweep(dsn: str) -> None:
     _seed(dsn)
     url = f"http://127.0.0.1:{free_port()}"
@@ -119,6 +122,7 @@ def test_an_unreachable_pushgateway_is_logged_and_does_not_fail_the_sweep(dsn: s
     assert fetch_rows(dsn, "SELECT count(*) FROM receipt_jobs WHERE state = 'running'") == [(0,)]
 
 
+@pytest.mark.slow
 def test_recover_loop_pushes_after_every_sweep(dsn: str, gateway: FakeGateway,
                                                tmp_path) -> None:
     from receipts.supervisor import Supervisor
@@ -136,6 +140,7 @@ def test_recover_loop_pushes_after_every_sweep(dsn: str, gateway: FakeGateway,
     assert {(m, p) for m, p, _, _ in gateway.requests} == {("PUT", "/metrics/job/receipts-recover")}
 
 
+@pytest.mark.slow
 def test_migrate_waits_for_a_lock_boundedly_and_stops_on_sigterm(server, tmp_path) -> None:
     import signal as signals
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import psycopg
+import pytest
 
 from receipts import recovery
 from receipts.enqueue import enqueue
@@ -41,6 +42,7 @@ def _orders(dsn: str) -> set[str]:
     return {str(r[0]) for r in fetch_rows(dsn, "SELECT order_id FROM receipt_jobs")}
 
 
+@pytest.mark.slow
 async def test_pruning_deletes_only_old_finished_rows_in_bounded_batches(
     dsn: str, queue: JobQueue
 ) -> None:

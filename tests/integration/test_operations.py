@@ -52,6 +52,7 @@ def counts(dsn: str) -> dict[str, int]:
 # ------------------------------------------------------------------ pause
 
 
+@pytest.mark.slow
 async def test_a_manual_pause_stops_claims_as_a_retry_after_pause_old_workers_read(
         dsn: str, ops: Operations, queue: JobQueue) -> None:
     enqueue_many(dsn, ["p-1", "p-2"])
@@ -77,6 +78,7 @@ async def test_a_manual_pause_stops_claims_as_a_retry_after_pause_old_workers_re
     assert len((await queue.claim(10)).attempts) == 2
 
 
+@pytest.mark.slow
 async def test_a_manual_pause_never_shortens_a_longer_automatic_one_unless_told(
         dsn: str, ops: Operations, queue: JobQueue) -> None:
     await queue.extend_pause(PauseReason.OUTAGE, 3600)
@@ -99,6 +101,7 @@ async def test_a_manual_pause_never_shortens_a_longer_automatic_one_unless_told(
     assert (await ops.fleet_flow()).reason == "manual"
 
 
+@pytest.mark.slow
 async def test_resume_lifts_only_the_pause_the_operator_saw(ops: Operations,
                                                             queue: JobQueue) -> None:
     await fleet.pause(ops, seconds=600, note="seen", author="a")
@@ -125,6 +128,7 @@ async def test_pause_requests_are_checked() -> None:
 # ------------------------------------------------------- heartbeats, holders
 
 
+@pytest.mark.slow
 async def test_a_lease_token_names_the_worker_that_holds_the_job(
         dsn: str, ops: Operations) -> None:
     tag = new_tag()
@@ -243,6 +247,7 @@ async def test_the_released_check_then_update_retried_part_of_the_named_jobs(dsn
 # ------------------------------------------------------------ bulk actions
 
 
+@pytest.mark.slow
 async def test_a_bulk_retry_runs_in_batches_bounded_by_its_confirmation(
         dsn: str, ops: Operations, queue: JobQueue) -> None:
     failed_rows(dsn, 40)
@@ -286,6 +291,7 @@ async def test_a_bulk_action_skips_jobs_that_changed_and_walks_past_what_does_no
         ("ready",)]
 
 
+@pytest.mark.slow
 async def test_a_stopped_or_abandoned_bulk_action_resumes_where_it_stopped(
         dsn: str, ops: Operations, queue: JobQueue) -> None:
     failed_rows(dsn, 50)
@@ -320,6 +326,7 @@ async def test_a_stopped_or_abandoned_bulk_action_resumes_where_it_stopped(
     assert await bulk.resume(ops, row["id"], policy=FAST) is not None
 
 
+@pytest.mark.slow
 async def test_a_count_that_takes_too_long_gives_up_at_a_bounded_count(
         dsn: str, ops: Operations) -> None:
     failed_rows(dsn, 20)
@@ -337,6 +344,7 @@ async def test_a_count_that_takes_too_long_gives_up_at_a_bounded_count(
     assert (count, exact) == (3, False)
 
 
+@pytest.mark.slow
 async def test_a_statement_the_server_stops_is_slow_not_unavailable(dsn: str) -> None:
     pool = make_pool(make_settings(dsn, statement_timeout_seconds=0.2), "test", max_size=1)
     await pool.open(wait=True)
@@ -359,6 +367,7 @@ def test_bulk_batch_sizes_aim_at_the_target_time() -> None:
     assert policy.next_batch(150, 10.0) == 100 and policy.next_batch(20_000, 0.01) == 20_000
 
 
+@pytest.mark.slow
 async def test_a_bulk_action_refuses_a_state_it_does_not_apply_to(ops: Operations) -> None:
     with pytest.raises(ValueError, match="retry does not apply to ready"):
         await ops.bulk_create(action="retry", view=ReviewFilter(

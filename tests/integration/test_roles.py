@@ -127,6 +127,7 @@ def install(server: Server) -> Iterator[Install]:
 # ------------------------------------------------------------------ the owner
 
 
+@pytest.mark.slow
 def test_the_owner_is_no_superuser_and_owns_every_object_it_migrated(install):
     owner = install.roles[grants.OWNER]
     rows = fetch_rows(install.admin, "SELECT rolsuper FROM pg_roles WHERE rolname = %s",
@@ -198,6 +199,7 @@ def test_a_temporary_table_named_receipt_jobs_cannot_capture_an_enqueue(install)
     assert rows == [("temp-shadow-1",), ("temp-shadow-2",)]
 
 
+@pytest.mark.slow
 def test_the_python_api_role_enqueues_and_cannot_write_a_state_or_read_other_columns(install):
     with psycopg.connect(install.dsn("enqueue-python")) as conn, conn.transaction():
         first = enqueue(conn, "py-order-1", schema=SCHEMA)
@@ -239,6 +241,7 @@ def _states(install: Install, prefix: str) -> dict[str, int]:
 GONE_TAG = "0badc0de"
 
 
+@pytest.mark.slow
 async def test_every_command_runs_as_its_own_role(install, provider: RunningProvider, tmp_path):
     # Retries, a Retry-After pause and rejections: reschedule, attempt history and
     # flow control run too; a rate limit makes the claim charge the token bucket.
@@ -438,6 +441,7 @@ def _healthy(http: httpx.Client) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_a_worker_missing_a_grant_refuses_to_start_and_names_the_command(install):
     role = install.roles["worker"]
     install.apply(f'REVOKE SELECT ON receipts_schema_migrations FROM "{role}"')
@@ -648,6 +652,7 @@ async def test_each_role_runs_all_its_statements_with_the_printed_grants(install
     assert {n: repr(e) for n, e in errors.items() if e is not None} == {}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 async def test_without_any_one_of_its_rights_a_role_is_refused_a_statement(install, kind, server):
     if server.name != "pg18":
@@ -671,6 +676,7 @@ async def test_without_any_one_of_its_rights_a_role_is_refused_a_statement(insta
     assert unneeded == []
 
 
+@pytest.mark.slow
 async def test_pg_read_all_stats_lets_the_worker_see_another_roles_long_transaction(install):
     role = install.roles["worker"]
     holder = await psycopg.AsyncConnection.connect(install.admin)

@@ -550,6 +550,7 @@ def _h11_answer(status: int, headers: list[tuple[str, str]], body: bytes, chunke
     return out + (server.send(h11.EndOfMessage()) or b"")
 
 
+@pytest.mark.slow
 @settings(max_examples=60, deadline=None,
           suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(status=st.integers(200, 599).filter(lambda s: s not in (204, 304)),  # no body allowed

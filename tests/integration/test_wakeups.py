@@ -93,6 +93,7 @@ async def probes_pass(waker: Pod, n: int) -> None:
     await until(lambda: waker.probes() >= target, f"{n} more probes")
 
 
+@pytest.mark.slow
 async def test_exactly_one_of_several_pods_is_elected_and_the_others_hear_it(pods):
     waker = waker_of(pods)
     assert waker.metrics.registry.get_sample_value("receipts_waker_elected") == 1
@@ -104,6 +105,7 @@ async def test_exactly_one_of_several_pods_is_elected_and_the_others_hear_it(pod
     assert all(p.wakeups.waker_alive() for p in others)
 
 
+@pytest.mark.slow
 async def test_a_committed_job_wakes_every_pod_once_from_the_wakers_own_transaction(
         dsn, pods):
     waker = waker_of(pods)
@@ -121,6 +123,7 @@ async def test_a_committed_job_wakes_every_pod_once_from_the_wakers_own_transact
         listener.close()
 
 
+@pytest.mark.slow
 async def test_a_job_scheduled_later_wakes_the_fleet_when_it_becomes_due(dsn, pods):
     waker = waker_of(pods)
     await probes_pass(waker, 2)
@@ -132,6 +135,7 @@ async def test_a_job_scheduled_later_wakes_the_fleet_when_it_becomes_due(dsn, po
     assert datetime.now(UTC) >= due
 
 
+@pytest.mark.slow
 async def test_a_paused_fleet_and_a_standing_backlog_are_not_woken_again(dsn, pods):
     waker = waker_of(pods)
     with psycopg.connect(dsn) as conn:
@@ -151,6 +155,7 @@ async def test_a_paused_fleet_and_a_standing_backlog_are_not_woken_again(dsn, po
     await until(lambda: waker.wakes() == 2, "a wake for new work after the pause")
 
 
+@pytest.mark.slow
 async def test_a_stopping_waker_hands_over_at_once(pods):
     waker = waker_of(pods)
     await waker.stop()
@@ -160,6 +165,7 @@ async def test_a_stopping_waker_hands_over_at_once(pods):
     assert took < 1.0
 
 
+@pytest.mark.slow
 async def test_a_waker_whose_session_is_killed_is_replaced_within_seconds(dsn, pods, caplog):
     waker = waker_of(pods)
     (pid,) = fetch_rows(dsn, "SELECT l.pid FROM pg_locks AS l JOIN pg_database AS d"
@@ -178,6 +184,7 @@ async def test_a_waker_whose_session_is_killed_is_replaced_within_seconds(dsn, p
     await until(lambda: waker_of(pods).wakes() >= 1, "the waker wakes the fleet")
 
 
+@pytest.mark.slow
 async def test_each_queue_schema_has_its_own_waker(dsn):
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("CREATE SCHEMA shop")
@@ -193,6 +200,7 @@ async def test_each_queue_schema_has_its_own_waker(dsn):
         await shop.stop()
 
 
+@pytest.mark.slow
 async def test_a_waker_heartbeat_names_its_queue(dsn, pods):
     listener = psycopg.connect(dsn, autocommit=True)
     try:
