@@ -23,7 +23,7 @@
 -- LANGUAGE sql, IMMUTABLE (it reads no table and no clock: the moment is an
 -- argument), not STRICT, no SET clause and a single SELECT of an expression:
 -- the planner inlines it, so a claim plans and runs as it did with the rule
--- written out (tests/integration/test_operate_plans.py reads the plans).
+-- written out (tests/integration/test_pause_rule.py reads the claims' plans).
 -- EXECUTE stays with PUBLIC, as for any new function: it reads nothing and
 -- writes nothing, so every role that reads receipt_flow may call it.
 --

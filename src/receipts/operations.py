@@ -19,7 +19,8 @@ and :mod:`receipts.bulk`.
 Every method raises :class:`~receipts.errors.DatabaseUnavailable` when the
 database cannot be reached, :class:`~receipts.errors.StatementTimeout` when a
 statement was stopped for running too long, :class:`~receipts.errors.SchemaMissing`
-before migration 0007, :class:`~receipts.errors.QueueError` otherwise.
+before the migrations its statements need (0007 for the console's tables, 0008
+for the pause rule), :class:`~receipts.errors.QueueError` otherwise.
 """
 
 from __future__ import annotations
