@@ -27,7 +27,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from receipts import admission, flow, retry
+from receipts import __version__, admission, flow, retry
 
 # The DSN helpers live in receipts.dsn; the `as` names are re-exported for existing callers.
 from receipts.dsn import MASK as MASK
@@ -62,8 +62,6 @@ def package_version() -> str:
     called ``receipts-queue`` (PyPI's ``receipts`` is another project), and a
     source tree that was never installed has no metadata at all. Never raises.
     """
-    from receipts import __version__
-
     return __version__
 
 
