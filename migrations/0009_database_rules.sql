@@ -114,8 +114,9 @@ BEGIN
   -- workers): parallel arrays, one element per attempt record; appends each record to
   -- its job's ring of 20 (seq = the job's highest + 1, slot = (seq - 1) % 20; several
   -- records of one job get consecutive numbers in array order); records of jobs that
-  -- no longer exist are dropped; text is cut to the columns' limits. Returns how many
-  -- records were written. NULL arrays write nothing.
+  -- no longer exist are dropped; text is cut to the columns' limits; a NULL status,
+  -- error or duration stays NULL (unknown). Returns how many records were written.
+  -- NULL arrays write nothing.
   EXECUTE format($create$
 CREATE FUNCTION %1$I.receipts_record_attempts(
   job_ids uuid[], attempts int[], reasons text[], statuses int[], errors text[],
@@ -138,7 +139,8 @@ WITH given AS (
   INSERT INTO %1$I.receipt_attempts AS h
     (job_id, slot, seq, attempt, reason, status, error, duration_seconds, worker)
   SELECT g.job_id, mod(s.seq - 1, 20), s.seq, greatest(g.attempt, 0),
-         left(g.reason, 64), g.status, left(g.error, 500), greatest(g.duration_seconds, 0),
+         left(g.reason, 64), g.status, left(g.error, 500),
+         CASE WHEN g.duration_seconds IS NOT NULL THEN greatest(g.duration_seconds, 0) END,
          left(g.worker, 100)
   FROM given AS g
   CROSS JOIN LATERAL (

@@ -536,7 +536,7 @@ def migration_sql(migrations: list[Migration] | None = None, *, schema: str = "p
              for m in todo for table, name in _not_valid(m.sql)]
     if later:
         parts.append(
-            "-- ---- after the parts above have committed, each in a transaction of its own\n"
+            "-- After the parts above have committed, each in a transaction of its own\n"
             "-- (receipts migrate does the same): validate what they added NOT VALID. Each\n"
             "-- scans the table holding SHARE UPDATE EXCLUSIVE only, so the queue keeps\n"
             "-- working; one that old rows break stays NOT VALID, enforced on new rows.\n"
