@@ -55,8 +55,9 @@ def test_every_statement_names_exactly_the_tables_its_line_gives_rights_on():
         called = set(re.findall(r'"q"\.(\w+)\(', text))
         named = set(re.findall(r'"q"\.(\w+)', text)) - called
         assert named == _tables(need, "select", "insert", "update", "delete"), name
-        # a function of the queue it calls is one it may execute
-        assert called == {f.split("(")[0] for f in need.execute}, name
+        # every function its line lets it execute is one it calls (a function PUBLIC may
+        # execute needs no line)
+        assert {f.split("(")[0] for f in need.execute} <= called, name
         inserted = set(re.findall(r'INSERT INTO "q"\.(\w+)', text))
         updated = set(re.findall(r'UPDATE "q"\.(\w+)', text))
         if "DO UPDATE" in text:
