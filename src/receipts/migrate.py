@@ -20,6 +20,7 @@ can ``op.execute(migration_sql(...))``.
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 from dataclasses import dataclass
 from importlib import resources
@@ -32,6 +33,8 @@ from receipts import __version__
 from receipts.dsn import schema_for
 from receipts.errors import refuse_encoding
 from receipts.statements import qualifier
+
+log = logging.getLogger("receipts.migrate")
 
 # pg_advisory_xact_lock key: "receipts" as a stable 64-bit number.
 LOCK_KEY = int.from_bytes(hashlib.sha256(b"receipts.migrate").digest()[:8], "big", signed=True)
@@ -146,6 +149,9 @@ def apply_migrations(
     *beside_existing* says a second queue is intended (the CLI passes it
     when ``RECEIPTS_DATABASE_SCHEMA`` is set explicitly).
 
+    Then every CHECK constraint a migration added ``NOT VALID`` is validated,
+    each in a transaction of its own (:func:`validate_constraints`).
+
     Needs the ``worker`` extra (errors are translated by :mod:`receipts.db`).
     Returns the versions applied by this call (empty when up to date).
     Raises :class:`MigrationError` when an applied file's checksum changed or
@@ -210,6 +216,7 @@ def apply_migrations(
                         (migration.version, migration.checksum),
                     )
                     applied.append(migration.version)
+            validate_constraints(conn, schema=schema)
     except MigrationError:
         raise
     except psycopg.errors.LockNotAvailable as exc:
@@ -219,6 +226,47 @@ def apply_migrations(
 
         raise translate(exc) from exc
     return applied
+
+
+#: The queue's CHECK constraints that are not validated yet (added NOT VALID by a migration).
+_UNVALIDATED = """
+SELECT c.conrelid::regclass::text, c.conname
+FROM pg_constraint AS c
+JOIN pg_class AS t ON t.oid = c.conrelid
+WHERE t.relnamespace = %s::regnamespace AND c.contype = 'c' AND NOT c.convalidated
+  AND t.relname LIKE 'receipt%%'
+ORDER BY 1, 2
+"""
+
+
+def validate_constraints(conn: psycopg.Connection[Any], *, schema: str) -> list[str]:
+    """Validate the queue's CHECK constraints that a migration added ``NOT VALID``.
+
+    A migration adds a constraint to a big table ``NOT VALID``: it is enforced on
+    every row written from its commit on, and adding it holds the table's ACCESS
+    EXCLUSIVE lock for no scan. ``VALIDATE CONSTRAINT`` then proves the rows
+    written before; it scans the table under a SHARE UPDATE EXCLUSIVE lock only,
+    so claims, acks and enqueues go on meanwhile. Each constraint is validated
+    in its own transaction on *conn* (autocommit). One that existing rows break
+    stays ``NOT VALID`` (still enforced on new writes), logged as
+    ``constraint_not_validated`` with the rows' description, and validated by a
+    later ``receipts migrate`` once they are gone (pruned). Returns the names of
+    the constraints left unvalidated. Other errors propagate.
+    """
+    left: list[str] = []
+    rows = conn.execute(_UNVALIDATED, (schema,)).fetchall()
+    for table, name in rows:
+        try:
+            with conn.transaction():
+                conn.execute(f'ALTER TABLE {table} VALIDATE CONSTRAINT "{name}"'.encode())
+        except psycopg.errors.CheckViolation as exc:
+            left.append(str(name))
+            log.warning("constraint_not_validated", extra={
+                "constraint": str(name), "table": str(table),
+                "detail": f"{str(exc).splitlines()[0]}; it holds for every row written since "
+                          "the migration; finished rows that break it are deleted by pruning "
+                          "and the next `receipts migrate` validates it"})
+    return left
 
 
 def _refuse_second_queue(conn: psycopg.Connection[Any], schema: str) -> None:
@@ -479,4 +527,27 @@ def migration_sql(migrations: list[Migration] | None = None, *, schema: str = "p
             f"INSERT INTO {prefix}receipts_schema_migrations (version, checksum)\n"
             f"VALUES ({literal}, '{m.checksum}');\n"
         )
+    later = [f"ALTER TABLE {prefix}{table} VALIDATE CONSTRAINT {name};"
+             for m in todo for table, name in _not_valid(m.sql)]
+    if later:
+        parts.append(
+            "-- After the parts above have committed, each in a transaction of its own\n"
+            "-- (receipts migrate does the same): validate what they added NOT VALID. Each\n"
+            "-- scans the table holding SHARE UPDATE EXCLUSIVE only, so the queue keeps\n"
+            "-- working; one that old rows break stays NOT VALID, enforced on new rows.\n"
+            + "\n".join(later) + "\n")
     return "\n".join(parts)
+
+
+def _not_valid(sql: str) -> list[tuple[str, str]]:
+    """(table, constraint) of each constraint *sql* adds ``NOT VALID``, in order."""
+    found: list[tuple[str, str]] = []
+    for statement in re.split(r";\s*\n", re.sub(r"--[^\n]*", "", sql)):
+        table = re.match(r"\s*ALTER TABLE (\w+)", statement)
+        if table is None:
+            continue
+        for clause in re.split(r"\bADD CONSTRAINT\b", statement)[1:]:
+            name = clause.split()[0]
+            if re.search(r"\bNOT VALID\s*,?\s*$", clause.strip()):
+                found.append((table.group(1), name))
+    return found

@@ -146,7 +146,8 @@ class Worker:
         self.admission = AdmissionController(admission_policy(settings)) if (
             settings.admission_control) else None
         self.completer = Completer(queue, metrics, lease_seconds=settings.lease_seconds,
-                                   watch_durability=commits_asynchronously(settings, "worker"))
+                                   watch_durability=commits_asynchronously(settings, "worker"),
+                                   worker=socket.gethostname()[:100])
         self.gate = gate or ProviderGate(flow_policy(settings))
         self._inflight: set[asyncio.Task[None]] = set()
         self._slot_freed = asyncio.Event()

@@ -42,6 +42,9 @@ NOT_SETTINGS = {
 # receipts_* names that are no metric: database objects and code.
 NOT_METRICS = {
     "receipts_enqueue",  # the SQL function
+    "receipts_record_attempts",  # the attempt history's one door (migration 0009)
+    "receipts_prune",  # pruning's one door (migration 0009)
+    "receipts_refuse_unguarded_done",  # the done guard's trigger function
     "receipts_ready",  # the LISTEN/NOTIFY channel
     "receipts_waker",  # the waker's heartbeat channel
     "receipts_schema_migrations",  # the migrations' tracking table

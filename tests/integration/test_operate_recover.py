@@ -58,17 +58,19 @@ def gateway() -> Iterator[FakeGateway]:
 
 def _seed(dsn: str) -> None:
     """Two expired leases with attempts left, one at max attempts, three old done rows."""
-    enqueue_many(dsn, ["exp-1", "exp-2", "exp-max", "old-1", "old-2", "old-3", "fresh"])
+    enqueue_many(dsn, ["exp-1", "exp-2", "exp-max", "fresh"])
     fetch_rows(dsn, """
         UPDATE receipt_jobs SET state = 'running', attempts = CASE order_id
                  WHEN 'exp-max' THEN 5 ELSE 1 END,
                lease_token = gen_random_uuid(),
                lease_until = statement_timestamp() - interval '1 minute'
         WHERE order_id LIKE 'exp-%%' RETURNING 1""")
+    # Done rows are written as such: an UPDATE to done must pass the ack's lease guard.
     fetch_rows(dsn, """
-        UPDATE receipt_jobs SET state = 'done', attempts = 1,
-               finished_at = statement_timestamp() - interval '3 days'
-        WHERE order_id LIKE 'old-%%' RETURNING 1""")
+        INSERT INTO receipt_jobs (id, order_id, state, attempts, finished_at)
+        SELECT gen_random_uuid(), 'old-' || g, 'done', 1,
+               statement_timestamp() - interval '3 days'
+        FROM generate_series(1, 3) AS g RETURNING 1""")
 
 
 def _env(dsn: str, **extra: str) -> dict[str, str]:

@@ -105,7 +105,7 @@ async def test_a_failed_job_retried_while_a_prune_waits_on_it_is_kept(
             deadline = time.monotonic() + 10
             while probe.execute(  # the prune's delete waits on the retried row's lock
                     "SELECT count(*) FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
-                    " AND query LIKE '%%DELETE FROM%%'").fetchone() != (1,):
+                    " AND query LIKE '%%receipts_prune(%%'").fetchone() != (1,):
                 assert time.monotonic() < deadline, "the prune never waited on the row"
                 await asyncio.sleep(0.01)
         retrying.commit()

@@ -137,9 +137,15 @@ def test_the_owner_is_no_superuser_and_owns_every_object_it_migrated(install):
         install.admin, "SELECT c.relname, pg_get_userbyid(c.relowner) FROM pg_class AS c"
                        " WHERE c.relnamespace = 'shop'::regnamespace AND c.relkind = 'r'"))
     assert tables == dict.fromkeys(grants.TABLES, owner)
-    function = fetch_rows(install.admin, "SELECT pg_get_userbyid(proowner), prosecdef, proconfig"
-                                         " FROM pg_proc WHERE proname = 'receipts_enqueue'")
-    assert function == [(owner, True, ["search_path=shop, pg_temp"])]
+    functions = fetch_rows(install.admin, "SELECT proname, pg_get_userbyid(proowner), prosecdef,"
+                                          " proconfig FROM pg_proc WHERE proname LIKE 'receipts_%%'"
+                                          " ORDER BY 1")
+    pinned = ["search_path=shop, pg_temp"]
+    assert functions == [("receipts_enqueue", owner, False, None),  # the caller's rights
+                         ("receipts_pause_reason", owner, False, None),  # reads nothing
+                         ("receipts_prune", owner, True, pinned),
+                         ("receipts_record_attempts", owner, True, pinned),
+                         ("receipts_refuse_unguarded_done", owner, False, None)]
     check = cli(install.dsn(grants.OWNER), "migrate", "--check")
     assert check.returncode == 0 and "up to date" in check.stdout
 
@@ -147,23 +153,25 @@ def test_the_owner_is_no_superuser_and_owns_every_object_it_migrated(install):
 # ------------------------------------------------------------------ enqueue
 
 
-def test_an_enqueue_only_role_enqueues_through_the_function_and_cannot_touch_the_table(install):
+def test_an_enqueue_only_role_enqueues_through_the_function_and_the_table_refuses_the_rest(
+        install):
     with psycopg.connect(install.dsn("enqueue")) as conn:
         job_id = conn.execute("SELECT receipts_enqueue('fn-order-1')").fetchone()
         assert job_id is not None and isinstance(job_id[0], uuid.UUID)
         assert conn.execute("SELECT receipts_enqueue('fn-order-1')").fetchone() == (None,)
     forged = [
-        "INSERT INTO receipt_jobs (id, order_id, state, finished_at)"
-        " VALUES (gen_random_uuid(), 'forged-done', 'done', now())",
-        "INSERT INTO receipt_jobs (id, order_id) VALUES (gen_random_uuid(), e'bad\\nid')",
-        "INSERT INTO receipt_jobs (id, order_id, run_at)"
-        " VALUES (gen_random_uuid(), 'never', 'infinity')",
-        "SELECT count(*) FROM receipt_jobs",
-        "UPDATE receipt_jobs SET state = 'done'",
+        ("INSERT INTO receipt_jobs (id, order_id, state, finished_at)"
+         " VALUES (gen_random_uuid(), 'forged-done', 'done', now())",
+         psycopg.errors.InsufficientPrivilege),
+        ("INSERT INTO receipt_jobs (id, order_id) VALUES (gen_random_uuid(), e'bad\\nid')",
+         psycopg.errors.CheckViolation),
+        ("INSERT INTO receipt_jobs (id, order_id, run_at)"
+         " VALUES (gen_random_uuid(), 'never', 'infinity')", psycopg.errors.CheckViolation),
+        ("SELECT order_id FROM receipt_jobs", psycopg.errors.InsufficientPrivilege),
+        ("UPDATE receipt_jobs SET state = 'done'", psycopg.errors.InsufficientPrivilege),
     ]
-    for statement in forged:
-        with psycopg.connect(install.dsn("enqueue")) as conn, pytest.raises(
-                psycopg.errors.InsufficientPrivilege):
+    for statement, refusal in forged:
+        with psycopg.connect(install.dsn("enqueue")) as conn, pytest.raises(refusal):
             conn.execute(statement)
     for call, why in (("receipts_enqueue('fn-never', 'infinity')", "finite"),
                       ("receipts_enqueue(e'fn-bad\\nid')", "control characters")):
@@ -209,6 +217,7 @@ def test_the_python_api_role_enqueues_and_cannot_write_a_state_or_read_other_col
         "INSERT INTO receipt_jobs (id, order_id, state, finished_at)"
         " VALUES (gen_random_uuid(), 'py-forged', 'done', now())",
         "SELECT state, lease_token FROM receipt_jobs",
+        "SELECT order_id FROM receipt_jobs",
         "UPDATE receipt_jobs SET run_at = now()",
         "DELETE FROM receipt_jobs",
     ]
@@ -219,6 +228,137 @@ def test_the_python_api_role_enqueues_and_cannot_write_a_state_or_read_other_col
     result = cli(install.dsn("enqueue-python"), "enqueue", "py-order-2", "py-order-1")
     assert result.returncode == 0, result.stderr
     assert "enqueued 1 job(s); 1 order(s) already had one" in result.stdout
+
+
+# ------------------------------------------------- each forbidden write, each role
+
+#: The writes no role may make, and the few each kind's work needs, as (name, SQL).
+#: %(ready)s and %(running)s are a ready job with one attempt record and a running job
+#: under a live lease, made by the superuser; every attempt is rolled back.
+WRITES: dict[str, str] = {
+    "insert a job due at 'infinity'":
+        "INSERT INTO receipt_jobs (id, order_id, run_at)"
+        " VALUES (gen_random_uuid(), 'fw-never', 'infinity')",
+    "insert an order id with a control character":
+        "INSERT INTO receipt_jobs (id, order_id) VALUES (gen_random_uuid(), e'fw-bad\\nid')",
+    "insert an empty order id":
+        "INSERT INTO receipt_jobs (id, order_id) VALUES (gen_random_uuid(), '')",
+    "insert a 10,000-character order id":
+        "INSERT INTO receipt_jobs (id, order_id) VALUES (gen_random_uuid(), repeat('x', 10000))",
+    "insert a done row":
+        "INSERT INTO receipt_jobs (id, order_id, state, finished_at)"
+        " VALUES (gen_random_uuid(), 'fw-done', 'done', now())",
+    "read every order id": "SELECT order_id FROM receipt_jobs",
+    "change a job's order_id":
+        "UPDATE receipt_jobs SET order_id = 'fw-stolen' WHERE id = %(ready)s",
+    "mark a ready job done":
+        "UPDATE receipt_jobs SET state = 'done', finished_at = now() WHERE id = %(ready)s",
+    "mark a running job done without its token":
+        "UPDATE receipt_jobs SET state = 'done', finished_at = now(), lease_token = NULL,"
+        " lease_until = NULL WHERE id = %(running)s",
+    "edit an attempt record (error)":
+        "UPDATE receipt_attempts SET error = 'rewritten' WHERE job_id = %(ready)s",
+    "delete an attempt record": "DELETE FROM receipt_attempts WHERE job_id = %(ready)s",
+    "insert into the history directly":
+        "INSERT INTO receipt_attempts (job_id, slot, seq, attempt, reason)"
+        " VALUES (%(ready)s, 1, 2, 1, 'forged')",
+    "delete a ready job": "DELETE FROM receipt_jobs WHERE id = %(ready)s",
+    "delete a running job": "DELETE FROM receipt_jobs WHERE id = %(running)s",
+    # allowed to some: each checks that nothing pending went
+    "prune through receipts_prune() (retention 0)":
+        "SELECT count(*) FROM receipts_prune(0, 1000)",
+    "append a record through receipts_record_attempts()":
+        "SELECT receipts_record_attempts(ARRAY[%(ready)s]::uuid[], ARRAY[1], ARRAY['rejected'],"
+        " ARRAY[422], ARRAY['appended'], ARRAY[0.1]::float8[], ARRAY['role test'])",
+    "enqueue a valid order (INSERT)":
+        "INSERT INTO receipt_jobs (id, order_id) VALUES (gen_random_uuid(), 'fw-valid')"
+        " ON CONFLICT DO NOTHING RETURNING id",
+    "enqueue a valid order (receipts_enqueue())": "SELECT receipts_enqueue('fw-valid-fn')",
+}
+
+_P, _C, _A = "refused (no right)", "refused (check)", "allowed"
+#: What each kind gets, in the order of :data:`WRITES`.
+EXPECTED: dict[str, list[str]] = {
+    "enqueue":        [_C, _C, _C, _C, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _A, _A],
+    "enqueue-python": [_C, _C, _C, _C, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _A, _P],
+    "worker":         [_P, _P, _P, _P, _P, _A, _P, _C, _C, _P, _P, _P, _P, _P, _P, _A, _P, _P],
+    "recover":        [_P, _P, _P, _P, _P, _A, _P, _C, _C, _P, _P, _P, _P, _P, _A, _A, _P, _P],
+    "review":         [_P, _P, _P, _P, _P, _A, _P, _C, _C, _P, _P, _P, _P, _P, _P, _A, _P, _P],
+}
+
+
+def _attempt_write(dsn: str, sql: str, params: dict[str, Any], *, reads_jobs: bool) -> str:
+    """Run *sql* as the role of *dsn* and roll back: refused (why) or allowed. An allowed
+    write by a role that may read the jobs must leave the two pending fixture jobs as they
+    were, seen inside its own transaction (the enqueue kinds' allowed writes are inserts)."""
+    with psycopg.connect(dsn) as conn:
+        try:
+            with conn.transaction(force_rollback=True):
+                conn.execute(sql, params)
+                if reads_jobs:
+                    after = conn.execute("SELECT order_id, state FROM receipt_jobs"
+                                         " WHERE id IN (%(ready)s, %(running)s) ORDER BY 1",
+                                         params).fetchall()
+                    assert after == [("fw-ready", "ready"), ("fw-running", "running")], sql
+        except psycopg.errors.InsufficientPrivilege:
+            return _P
+        except psycopg.errors.CheckViolation:
+            return _C
+    return _A
+
+
+def test_each_role_is_refused_each_forbidden_write(install):
+    """The roles table of docs/design.md ("Every rule in the database, for every role"):
+    every kind's printed grants, each write tried in a transaction rolled back."""
+    admin = install.admin
+    ((ready,),) = fetch_rows(admin, "INSERT INTO receipt_jobs (id, order_id)"
+                                    " VALUES (gen_random_uuid(), 'fw-ready') RETURNING id")
+    ((running,),) = fetch_rows(admin, "INSERT INTO receipt_jobs (id, order_id, state, attempts,"
+                                      " lease_token, lease_until) VALUES (gen_random_uuid(),"
+                                      " 'fw-running', 'running', 1, gen_random_uuid(),"
+                                      " now() + interval '1 hour') RETURNING id")
+    fetch_rows(admin, "SELECT receipts_record_attempts(ARRAY[%s]::uuid[], ARRAY[1],"
+                      " ARRAY['provider_5xx'], ARRAY[503], ARRAY['kept'], ARRAY[0.2]::float8[],"
+                      " ARRAY['t'])", (ready,))
+    params = {"ready": ready, "running": running}
+    try:
+        seen = {kind: [_attempt_write(install.dsn(kind), sql, params,
+                                      reads_jobs=not kind.startswith("enqueue"))
+                       for sql in WRITES.values()]
+                for kind in EXPECTED}
+        table = ["| attempted write | " + " | ".join(EXPECTED) + " |",
+                 "|---|" + "---|" * len(EXPECTED)]
+        table += [f"| {name} | " + " | ".join(seen[kind][i] for kind in EXPECTED) + " |"
+                  for i, name in enumerate(WRITES)]
+        print("\n".join(table))
+        assert seen == EXPECTED
+        history = fetch_rows(admin, "SELECT seq, error FROM receipt_attempts WHERE job_id = %s",
+                             (ready,))
+        assert history == [(1, "kept")]
+        rows = fetch_rows(admin, "SELECT order_id, state FROM receipt_jobs"
+                                 " WHERE id IN (%s, %s) ORDER BY 1", (ready, running))
+        assert rows == [("fw-ready", "ready"), ("fw-running", "running")]
+    finally:
+        fetch_rows(admin, "DELETE FROM receipt_attempts WHERE job_id IN (%s, %s) RETURNING 1",
+                   (ready, running))
+        fetch_rows(admin, "DELETE FROM receipt_jobs WHERE id IN (%s, %s) RETURNING 1",
+                   (ready, running))
+
+
+def test_the_ack_guard_lets_a_worker_mark_its_own_running_job_done(install):
+    """The trigger's WHEN clause is the ack's guard: the worker's own ack passes it."""
+    ((job, token),) = fetch_rows(
+        install.admin, "INSERT INTO receipt_jobs (id, order_id, state, attempts, lease_token,"
+                       " lease_until) VALUES (gen_random_uuid(), 'fw-own', 'running', 1,"
+                       " gen_random_uuid(), now() + interval '1 hour') RETURNING id, lease_token")
+    try:
+        with psycopg.connect(install.dsn("worker")) as conn:
+            done = conn.execute(query("ack", SCHEMA), {"ids": str(job), "tokens": str(token)})
+            assert done.fetchall() == [(job,)]
+        assert fetch_rows(install.admin, "SELECT state, last_token FROM receipt_jobs"
+                                         " WHERE id = %s", (job,)) == [("done", token)]
+    finally:
+        fetch_rows(install.admin, "DELETE FROM receipt_jobs WHERE id = %s RETURNING 1", (job,))
 
 
 # ------------------------------------------------------- every command, each role

@@ -17,7 +17,7 @@
 -- bench/README.md, "Checkout".
 INSERT INTO {schema}.receipt_jobs (id, order_id, run_at)
 VALUES (%(id)s, %(order_id)s, coalesce(%(run_at)s::timestamptz, now()))
-ON CONFLICT (order_id) DO NOTHING
+ON CONFLICT DO NOTHING
 RETURNING id;
 
 -- name: enqueue_one_traced
@@ -25,7 +25,7 @@ RETURNING id;
 -- 0004); used only while a trace is active. Identical otherwise (tests/unit checks).
 INSERT INTO {schema}.receipt_jobs (id, order_id, run_at, traceparent)
 VALUES (%(id)s, %(order_id)s, coalesce(%(run_at)s::timestamptz, now()), %(traceparent)s)
-ON CONFLICT (order_id) DO NOTHING
+ON CONFLICT DO NOTHING
 RETURNING id;
 
 -- name: enqueue
@@ -72,7 +72,7 @@ WITH seed AS MATERIALIZED (
        (SELECT unnest(string_to_array(%(order_ids)s::text, chr(31))) AS order_id,
                generate_series(1, %(count)s::int8) AS n
         LIMIT %(count)s) AS o
-  ON CONFLICT (order_id) DO NOTHING
+  ON CONFLICT DO NOTHING
   RETURNING id
 )
 SELECT array_agg(new.id ORDER BY new.id), (SELECT start FROM seed)
@@ -96,7 +96,7 @@ WITH seed AS MATERIALIZED (
        (SELECT unnest(string_to_array(%(order_ids)s::text, chr(31))) AS order_id,
                generate_series(1, %(count)s::int8) AS n
         LIMIT %(count)s) AS o
-  ON CONFLICT (order_id) DO NOTHING
+  ON CONFLICT DO NOTHING
   RETURNING id
 )
 SELECT array_agg(new.id ORDER BY new.id), (SELECT start FROM seed)

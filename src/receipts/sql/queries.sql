@@ -344,8 +344,11 @@ RETURNING 1;
 -- name: recover_expired
 -- One bounded batch of abandoned attempts; the caller commits each batch.
 -- Each returned row also gets a `lease_expired` record in its attempt history
--- (the ring of record_attempts; worker = this session's application_name;
--- no status or duration: nobody saw the attempt end).
+-- (through receipts_record_attempts, as record_attempts; worker = this session's
+-- application_name; no status or duration: nobody saw the attempt end). The
+-- function runs once per batch (recorded is one row, referenced by the final
+-- SELECT so that it runs); when nothing moved its arrays are NULL and it writes
+-- nothing.
 WITH expired AS (
   SELECT id
   FROM {schema}.receipt_jobs
@@ -367,21 +370,13 @@ WITH expired AS (
   WHERE j.id = e.id
   RETURNING j.id, j.state, j.attempts
 ), recorded AS (
-  INSERT INTO {schema}.receipt_attempts AS h (job_id, slot, seq, attempt, reason, error, worker)
-  SELECT m.id, mod(s.seq - 1, 20), s.seq, m.attempts, 'lease_expired', 'lease expired',
-         left(current_setting('application_name'), 100)
+  SELECT {schema}.receipts_record_attempts(
+    array_agg(m.id), array_agg(m.attempts), array_agg('lease_expired'::text),
+    array_agg(NULL::int), array_agg('lease expired'::text), array_agg(NULL::float8),
+    array_agg(left(current_setting('application_name'), 100))) AS written
   FROM moved AS m
-  CROSS JOIN LATERAL (
-    SELECT coalesce(max(p.seq), 0) + 1 AS seq
-    FROM {schema}.receipt_attempts AS p WHERE p.job_id = m.id
-  ) AS s
-  ON CONFLICT (job_id, slot) DO UPDATE
-  SET seq = excluded.seq, attempt = excluded.attempt, at = excluded.at,
-      reason = excluded.reason, status = NULL, error = excluded.error,
-      duration_seconds = NULL, worker = excluded.worker
-  WHERE h.seq < excluded.seq
 )
-SELECT state FROM moved;
+SELECT m.state FROM moved AS m CROSS JOIN recorded AS r;
 
 -- name: fail_exhausted
 -- Ready rows that can never be claimed (max attempts was lowered): fail them
@@ -405,41 +400,17 @@ RETURNING j.id;
 -- name: prune
 -- One bounded batch of finished rows older than the retention window: up to
 -- %(batch)s done/failed rows and up to %(batch)s discarded rows (each kind
--- through its own partial index), with their attempt histories.
--- No FOR UPDATE SKIP LOCKED: locking a row before deleting it wrote one more
--- WAL record per job, as large as the delete's own (bench/README.md, "The
--- database's bill"), and the delete locks the row anyway. The DELETE itself
--- repeats the retention condition, so a row that changed after the CTEs read
--- it (an operator's retry: ready again, finished_at NULL) is re-checked under
--- its lock and left alone. Two sweeps at once (the chart forbids it) wait on
--- each other's rows for a batch instead of skipping them.
-WITH old AS (
-  SELECT id
-  FROM {schema}.receipt_jobs
-  WHERE state IN ('done', 'failed')
-    AND finished_at < statement_timestamp() - make_interval(secs => %(retention_seconds)s)
-  ORDER BY finished_at, id
-  LIMIT %(batch)s
-), old_discarded AS (
-  SELECT id
-  FROM {schema}.receipt_jobs
-  WHERE state = 'discarded'
-    AND finished_at < statement_timestamp() - make_interval(secs => %(retention_seconds)s)
-  ORDER BY finished_at, id
-  LIMIT %(batch)s
-), deleted AS (
-  DELETE FROM {schema}.receipt_jobs AS j
-  USING (SELECT id FROM old UNION ALL SELECT id FROM old_discarded) AS o
-  WHERE j.id = o.id
-    AND j.state IN ('done', 'failed', 'discarded')
-    AND j.finished_at < statement_timestamp() - make_interval(secs => %(retention_seconds)s)
-  RETURNING j.id
-), history AS (
-  DELETE FROM {schema}.receipt_attempts AS h
-  USING deleted AS d
-  WHERE h.job_id = d.id
-)
-SELECT id FROM deleted;
+-- through its own partial index), with their attempt histories, deleted by
+-- receipts_prune() (migration 0009, its text there): a SECURITY DEFINER
+-- function, so the recover role holds no DELETE and cannot remove a ready or
+-- running job. No FOR UPDATE SKIP LOCKED: locking a row before deleting it
+-- wrote one more WAL record per job, as large as the delete's own
+-- (bench/README.md, "The database's bill"), and the delete locks the row
+-- anyway. The DELETE repeats the retention condition, so a row that changed
+-- after it was read (an operator's retry: ready again, finished_at NULL) is
+-- re-checked under its lock and left alone. Two sweeps at once (the chart
+-- forbids it) wait on each other's rows for a batch instead of skipping them.
+SELECT id FROM {schema}.receipts_prune(%(retention_seconds)s::float8, %(batch)s::int) AS id;
 
 -- name: queue_stats
 -- The gauges, in one statement that walks each small partial index once
@@ -536,38 +507,18 @@ WHERE seen_at < statement_timestamp() - make_interval(secs => %(seconds)s);
 
 -- name: record_attempts
 -- Many attempt records (parallel arrays, one element per attempt) in one
--- statement, after the attempts' acks or reschedules. Each job keeps its last
--- 20 records in a ring: seq = the job's previous highest seq + 1 (several
--- records of one job in a batch get consecutive numbers, in array order),
--- slot = (seq - 1) % 20, and a newer record overwrites the slot's older one.
--- Records of jobs that no longer exist (pruned) are dropped. Two writers that
--- race on the same job and slot keep the first record.
-WITH given AS (
-  SELECT a.*,
-         row_number() OVER (PARTITION BY a.job_id ORDER BY a.ord) AS k,
-         count(*) OVER (PARTITION BY a.job_id) AS n
-  FROM unnest(%(job_ids)s::uuid[], %(attempts)s::int[], %(reasons)s::text[],
-              %(statuses)s::int[], %(errors)s::text[], %(durations)s::float8[],
-              %(workers)s::text[])
-       WITH ORDINALITY AS a(job_id, attempt, reason, status, error, duration_seconds,
-                            worker, ord)
-  WHERE EXISTS (SELECT 1 FROM {schema}.receipt_jobs AS j WHERE j.id = a.job_id)
-)
-INSERT INTO {schema}.receipt_attempts AS h
-  (job_id, slot, seq, attempt, reason, status, error, duration_seconds, worker)
-SELECT g.job_id, mod(s.seq - 1, 20), s.seq, greatest(g.attempt, 0), left(g.reason, 64),
-       g.status, left(g.error, 500), greatest(g.duration_seconds, 0), left(g.worker, 100)
-FROM given AS g
-CROSS JOIN LATERAL (
-  SELECT g.k + coalesce(max(p.seq), 0) AS seq
-  FROM {schema}.receipt_attempts AS p WHERE p.job_id = g.job_id
-) AS s
-WHERE g.k > g.n - 20
-ON CONFLICT (job_id, slot) DO UPDATE
-SET seq = excluded.seq, attempt = excluded.attempt, at = excluded.at,
-    reason = excluded.reason, status = excluded.status, error = excluded.error,
-    duration_seconds = excluded.duration_seconds, worker = excluded.worker
-WHERE h.seq < excluded.seq;
+-- statement, after the attempts' acks or reschedules, appended through
+-- receipts_record_attempts() (migration 0009): the history is append-only for
+-- every service role, which may call the function and holds no write on the
+-- table. Each job keeps its last 20 records in a ring: seq = the job's previous
+-- highest seq + 1 (several records of one job in a batch get consecutive
+-- numbers, in array order), slot = (seq - 1) % 20, and a newer record
+-- overwrites the slot's older one. Records of jobs that no longer exist
+-- (pruned) are dropped. Two writers that race on the same job and slot keep the
+-- first record.
+SELECT {schema}.receipts_record_attempts(
+  %(job_ids)s::uuid[], %(attempts)s::int[], %(reasons)s::text[], %(statuses)s::int[],
+  %(errors)s::text[], %(durations)s::float8[], %(workers)s::text[]);
 
 -- name: commit_probe
 -- Admission control's sample of what a small durable commit costs now, the
