@@ -515,6 +515,14 @@ def _scrape_total(children: Children, name: str) -> float:
     return total
 
 
+def claim_counts(claims: Sequence[tuple[float, float, int]], delivered: int) -> dict[str, Any]:
+    """Claims per delivered job and the share of claims that came back empty."""
+    empty = sum(1 for _, _, n in claims if n == 0)
+    return {"claims": len(claims), "empty_claims": empty,
+            "claims_per_job": round(len(claims) / max(delivered, 1), 3),
+            "empty_claim_share": round(empty / max(len(claims), 1), 3)}
+
+
 def run(plan: SoakPlan, out_dir: Path, *, log: Any = print) -> dict[str, Any]:
     """One soak (see the module doc); returns the document also written as ``soak.json``."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -601,9 +609,9 @@ def run(plan: SoakPlan, out_dir: Path, *, log: Any = print) -> dict[str, Any]:
                         f"claim p99={row['claim_p99_ms']} ms load={os.getloadavg()[0]:.2f}")
             left = samples[-1]["ready"] + samples[-1]["running"]
             statements = conn.execute(
-                "SELECT calls, total_exec_time, rows, wal_bytes, left(query, 80)"
+                "SELECT calls, total_exec_time, rows, wal_bytes, left(query, 120)"
                 " FROM pg_stat_statements WHERE dbid = (SELECT oid FROM pg_database WHERE"
-                " datname = current_database()) ORDER BY total_exec_time DESC LIMIT 15"
+                " datname = current_database()) ORDER BY total_exec_time DESC LIMIT 25"
             ).fetchall()
         failures = _scrape_total(children, "receipts_failures_total")
         stale = _scrape_total(children, "receipts_stale_acks_total")
@@ -630,6 +638,7 @@ def run(plan: SoakPlan, out_dir: Path, *, log: Any = print) -> dict[str, Any]:
                 "recovery_failures": recovery.failures,
                 "pruned": sum(int(s.get("pruned", 0)) for s in recovery.sweeps),
                 "db_cpu_us_per_job": round(cpu / max(delivered, 1) * 1e6, 1),
+                **claim_counts(claim_logs.claims, delivered),
                 "wal_bytes_per_job": round(wal / max(delivered, 1), 1),
             },
             "statements": [{"calls": int(c), "exec_ms": float(e), "rows": int(r),
@@ -688,11 +697,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--retention-seconds", type=float, help="retention (default 1800)")
     p.add_argument("--rate-limit", type=float,
                    help="fleet-wide rate limit, jobs/s (default 10 × --rate; 0: none)")
+    p.add_argument("--hold-first-seconds", type=float,
+                   help="when the first held snapshot starts, seconds (default 2400)")
+    p.add_argument("--hold-seconds", type=float,
+                   help="how long each snapshot is held (default 600)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT,
                    help=f"folder for soak.json and the PNGs (default {DEFAULT_OUT})")
     args = p.parse_args(argv)
     plan = SoakPlan.smoke() if args.smoke else SoakPlan()
-    for name in ("hours", "rate", "workers", "retention_seconds", "rate_limit"):
+    for name in ("hours", "rate", "workers", "retention_seconds", "rate_limit",
+                 "hold_first_seconds", "hold_seconds"):
         value = getattr(args, name)
         if value is not None:
             setattr(plan, name, value)

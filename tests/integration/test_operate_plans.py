@@ -78,8 +78,8 @@ def big_dsn(pg18: Server) -> Iterator[str]:
             conn.execute(f'ALTER TABLE receipt_jobs ADD CONSTRAINT "{name}" {definition}')
         for _, definition in indexes:
             conn.execute(definition)
-        conn.execute(CLAIM, {"max_attempts": 5, "lease_seconds": 60.0,
-                            "probe": False})  # some running rows
+        conn.execute(CLAIM, {"max_attempts": 5, "lease_seconds": 60.0, "probe": False,
+                             "after_run_at": None, "after_id": None})  # some running rows
         conn.execute("VACUUM (ANALYZE) receipt_jobs")
     print(f"\n[bench] generated {DONE_ROWS:,} done + {READY_ROWS:,} ready rows"
           f" (+ VACUUM ANALYZE) in {time.perf_counter() - started:.1f}s")

@@ -108,7 +108,10 @@ class FakeQueue:
             due = self.probe_until
         return FlowState(self.pause_reason, due - now)
 
-    async def claim(self, limit: int, *, probe: bool = False) -> ClaimResult:
+    async def claim(self, limit: int, *, probe: bool = False,
+                    after: tuple[datetime, uuid.UUID] | None = None,
+                    shared_bucket: bool = True) -> ClaimResult:
+        # The fake has no index to walk: a watermark changes nothing here.
         if self.fail_claims:
             self.fail_claims -= 1
             raise DatabaseUnavailable("database unavailable: fake outage")
