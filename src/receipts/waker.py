@@ -86,7 +86,7 @@ log = get_logger("waker")
 WAKER_CHANNEL = "receipts_waker"
 #: How often the elected waker probes the ready index, seconds. Pickup is this
 #: plus a round trip or two (the bench's pickup figures: p99 ≈ 60 ms).
-PROBE_SECONDS = 0.05
+PROBE_SECONDS = 0.07
 #: How often the waker tells the other pods it is alive, seconds.
 HEARTBEAT_SECONDS = 1.0
 #: A waker unheard for this long is presumed gone; the others try the lock.
@@ -113,15 +113,13 @@ MEMBER_CHANNEL_PREFIX = "receipts_ready_"
 MARGIN_SECONDS = 1.0
 #: A due head that has waited this long (seconds) wakes more pods.
 STUCK_SECONDS = 0.15
-#: The most due jobs a probe counts (they decide how many pods to wake).
-DUE_CAP = 1000
 #: How often the waker sweeps below the watermark at most, seconds.
-SWEEP_SECONDS = 0.5
+SWEEP_SECONDS = 0.25
 #: ...and at least (seconds), however slow the sweep is.
 SWEEP_MAX_SECONDS = 10.0
 #: The sweep's share of the waker's time: after a sweep that took t seconds
 #: the next waits at least t / SWEEP_BUSY_SHARE (a long reader makes it slow).
-SWEEP_BUSY_SHARE = 0.005
+SWEEP_BUSY_SHARE = 0.02
 #: While a waker is heard, the fleet's pods together poll about once per this
 #: many seconds (each pod every pods × this), so an idle fleet's polls do not
 #: grow with its size.
@@ -421,7 +419,7 @@ class Wakeups:
             "max_attempts": self.settings.max_attempts,
             "seen_run_at": seen_run_at, "seen_id": seen_id,
             "from_run_at": from_run_at, "from_id": from_id,
-            "margin_seconds": MARGIN_SECONDS, "stuck_seconds": STUCK_SECONDS, "cap": DUE_CAP,
+            "margin_seconds": MARGIN_SECONDS, "stuck_seconds": STUCK_SECONDS,
             "channels": channels, "free": free,
             "channel": NOTIFY_CHANNEL, "heartbeat": heartbeat,
             "waker_channel": WAKER_CHANNEL, "schema_name": self.schema,

@@ -128,7 +128,10 @@ FROM (SELECT pg_try_advisory_lock(%(key)s) AS won) AS attempt;
 --   (with the nil id): a job that becomes ready from a statement that began
 --   less than the margin ago is never below it. Claims start their scan
 --   there (claim); the caller sweeps below it now and then (waker_sweep).
--- * due: how many due jobs wait from the watermark on, counted up to %(cap)s.
+-- * due: how many due jobs wait from the watermark on, counted up to 256 (a
+--   literal: a bind LIMIT lets the generic plan fall to a bitmap scan of the
+--   whole due part, docs/design.md §10; 256 jobs fill 8 pods of 32 slots, and
+--   a longer backlog keeps the head stuck, which wakes the next pods).
 -- * stuck: the head is due and has waited %(stuck_seconds)s or more.
 -- Wake-ups come from this statement's own short transaction, never an
 -- order's, and only when not paused (the claim's pause rule). With pods
@@ -176,7 +179,8 @@ WITH tail AS (
       AND attempts < %(max_attempts)s
       AND (run_at, id) >= (coalesce(%(from_run_at)s::timestamptz, '-infinity'),
                            coalesce(%(from_id)s::uuid, '00000000-0000-0000-0000-000000000000'))
-    LIMIT %(cap)s
+    ORDER BY run_at, id
+    LIMIT 256
   ) AS d
 ), decided AS (
   SELECT t.run_at, t.id, m.run_at AS mark_run_at, m.id AS mark_id, d.n AS due,
