@@ -125,7 +125,8 @@ def choose(*, shares: Mapping[str, float] | None, tag: str | None, shares_age: f
         tag: this pod's tag (None: it cannot be a member).
         shares_age: seconds since *shares* were announced.
         member_age: seconds since this pod's LISTEN session took its member
-            lock (None: it holds none).
+            lock, or since the pod started while it has not taken one yet
+            (None: it can hold none).
     """
     if tag is not None and shares is not None and shares_age < SHARE_FRESH_SECONDS:
         share = shares.get(tag)

@@ -213,6 +213,7 @@ class Wakeups:
         self._mark: tuple[datetime | None, UUID | None] = (None, None)
         self._members: deque[tuple[str, int]] = deque()
         self._next_sweep = clock()
+        self._started = clock()
         self._probe_seconds = metrics.statement_duration.labels("waker_probe")
         self._sweep_seconds = metrics.statement_duration.labels("waker_sweep")
         metrics.waker_elected.set(0)
@@ -229,8 +230,12 @@ class Wakeups:
         return 1
 
     def member_age(self) -> float | None:
-        """Seconds since this pod's member lock was taken (None: it holds none)."""
-        return None if self.member_since is None else self._clock() - self.member_since
+        """Seconds since this pod's member lock was taken, or, before its LISTEN
+        session first took one, since this pod started (None: it has no tag)."""
+        if self.tag is None:
+            return None
+        return self._clock() - (self._started if self.member_since is None
+                                else self.member_since)
 
     def waker_alive(self) -> bool:
         """True while this pod is the waker or has heard one within ``SILENT_SECONDS``."""
@@ -275,14 +280,13 @@ class Wakeups:
         Raises :class:`QueueError` when the session fails; on cancellation a
         waker steps down first (at most ``STEP_DOWN_SECONDS``).
         """
-        self.member_since = None
         await session.listen(NOTIFY_CHANNEL, WAKER_CHANNEL, FLEET_CHANNEL,
                              *([self.channel] if self.channel else []))
         if self.tag is not None:
             row = await session.fetchone(query("member_lock"), {
                 "key": member_key(self.schema), "tag": tag_number(self.tag)})
-            if row and row[0]:
-                self.member_since = self._clock()
+            # A session that lost its lock (a reconnect) counts from its new one.
+            self.member_since = self._clock() if row and row[0] else None
         self._wake()  # anything enqueued while nobody listened here
         try:
             await self._loop(session)
