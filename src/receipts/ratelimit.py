@@ -4,7 +4,7 @@
 ``RECEIPTS_PROVIDER_BURST`` (the fleet's bucket capacity, jobs) keep their
 meaning. A shared bucket row charged by every claim (``claim_limited``) is a
 fleet-wide mutex on the claim path, and while any snapshot is held its row
-versions pile up (docs/design.md, "The rate limit without a shared row").
+versions pile up (docs/design.md, "A fleet-wide rate limit").
 Instead each pod runs a token bucket of its own at
 
     rate × share,  capacity burst × share,

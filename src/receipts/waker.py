@@ -33,7 +33,7 @@ polls :data:`receipts.worker.WAKER_POLL_FACTOR` times less often: polling stays
 the safety net, and an idle fleet's cost to the database does not grow with
 its pod count.
 
-Round 4 made the calm day cheap (docs/design.md, "Calm-day wake-ups"):
+What keeps a calm day cheap (docs/design.md, "Calm-day wake-ups"):
 
 * **Members.** A pod with a tag (its ``receipt_workers`` row's) holds a
   second advisory lock on its LISTEN session (``member_lock``) and LISTENs

@@ -281,7 +281,7 @@ SELECT 1;
 -- NULLs: from the index's start). Below it lie only the entries of jobs
 -- claimed since, which vacuum has not removed yet and which a long reader's
 -- snapshot keeps alive; the claim no longer steps over them one by one
--- (docs/design.md, "The watermark"). A row that becomes ready below the
+-- (docs/design.md, "Calm-day wake-ups"). A row that becomes ready below the
 -- watermark is found by the waker's sweep, which lowers it.
 WITH flow AS (
   -- The effective reason (docs/design.md §11): a Retry-After (or operator's)
