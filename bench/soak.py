@@ -11,8 +11,9 @@ the shipped migrations' own settings), and for the whole run:
   commit) through the public API; its latency is the checkout figure;
 * **workers**: ``--workers`` worker processes (``run_worker``: the default
   settings, and a fleet-wide rate limit of 10 × the order rate, which never
-  binds but makes every claim update ``receipt_flow``'s bucket row: the hot
-  row at its busiest; ``--rate-limit 0`` for none) delivering over HTTP to the reference
+  binds; each pod charges its own bucket at its announced share, and a pod
+  without one would charge ``receipt_flow``'s row, so the row's versions
+  show which; ``--rate-limit 0`` for none) delivering over HTTP to the reference
   provider (``--provider-latency-ms`` × U(0.5, 1.5)), which answers a few
   percent 503 (``--error-rate``) and drops a few connections after recording
   (``--reset-rate``): retries, attempt history, unknown outcomes;
@@ -23,6 +24,9 @@ the shipped migrations' own settings), and for the whole run:
 * **a reporting query** holding a REPEATABLE READ snapshot for 10 minutes once
   an hour, the first at 40 minutes (once retention prunes as fast as orders
   arrive, so every hold meets the same churn).
+
+``--hold-first-seconds`` and ``--hold-seconds`` shorten the holds for a
+short run (e.g. 5 minutes with a 2-minute hold from the second minute).
 
 Every ``--sample-seconds`` (10 s) it records claim p50/p99 (every claim of
 every worker, timed in the worker process), checkout p50/p99, table and index
@@ -95,7 +99,7 @@ class SoakPlan:
     hold_recovery_seconds: float = 120.0
     retry_base_seconds: float | None = None  # None: the worker's default (10 s)
     #: The fleet-wide provider rate limit, jobs/s (None: 10 × the order rate, which
-    #: never binds but makes every claim update receipt_flow's bucket row; 0: none).
+    #: never binds; 0: none).
     rate_limit: float | None = None
     drain_timeout_seconds: float = 900.0
     seed: int = 1
@@ -674,6 +678,8 @@ def summary(doc: dict[str, Any]) -> str:
              f"{e['failed_for_good']}, lost {e['lost']}, left at end {e['left']}, pruned "
              f"{e['pruned']:,}; DB CPU {e['db_cpu_us_per_job']} µs and WAL "
              f"{e['wal_bytes_per_job']} B per job"]
+    lines.append(f"  claims {e.get('claims')}: {e.get('claims_per_job')} per job delivered, "
+                 f"{e.get('empty_claim_share')} of them empty")
     for c in v["sizes"]:
         lines.append(f"  size {c['key']}: peak {c.get('previous_peak')} -> "
                      f"{c.get('last_peak')} ({c.get('ratio')}) ok={c['ok']}")
