@@ -53,8 +53,11 @@ What keeps a calm day cheap (docs/design.md, "Calm-day wake-ups"):
   :data:`STUCK_SECONDS`, wakes only the members whose free slots add up to
   the due jobs, in turn, on their own channels, with the watermark as
   payload. With no member known, every pod is woken on ``receipts_ready`` as
-  before. A pod not woken keeps a slow, jittered poll whose fleet-wide rate
-  does not grow with the pod count (:meth:`Wakeups.fleet_size`).
+  before; with members, new work still notifies ``receipts_ready``, with
+  payload :data:`MEMBERS_PAYLOAD`, which wakes released workers and pods
+  without a tag and which members ignore. A pod not woken keeps a slow,
+  jittered poll whose fleet-wide rate does not grow with the pod count
+  (:meth:`Wakeups.fleet_size`).
 """
 
 from __future__ import annotations
@@ -105,6 +108,9 @@ OUTAGE_BACKOFF_MAX_SECONDS = 30.0
 STEP_DOWN_SECONDS = 1.0
 #: The channel of the waker's fleet announcement (JSON: schema, shares, watermark).
 FLEET_CHANNEL = "receipts_fleet"
+#: The payload of a wake-up on ``receipts_ready`` that members ignore (the waker
+#: woke the ones the work needs on their own channels).
+MEMBERS_PAYLOAD = "members"
 #: A member pod's own wake-up channel is this prefix and its tag.
 MEMBER_CHANNEL_PREFIX = "receipts_ready_"
 #: The watermark is never above now minus this (seconds): a row made ready by a
@@ -338,7 +344,10 @@ class Wakeups:
         """Act on one notification: a wake-up (the fleet's, or this pod's own with the
         watermark), the waker's announcement, heartbeat or step-down."""
         if channel == NOTIFY_CHANNEL:
-            self._wake()
+            # 'members': the waker woke the members it chose on their own channels;
+            # this one is for released workers and pods without a tag.
+            if payload != MEMBERS_PAYLOAD or self.channel is None:
+                self._wake()
         elif channel == self.channel:
             mark = decode_mark(payload)
             if mark is not None and not self.is_waker:

@@ -139,8 +139,10 @@ FROM (SELECT pg_try_advisory_lock(%(key)s) AS won) AS attempt;
 -- %(free)s, each one's free slots), new work or a stuck head wakes the first
 -- pods whose free slots add up to the due jobs, each with the watermark as
 -- payload ('<microseconds since 1970> <id>'), and returns how many it woke.
--- With no pod named, new work wakes every listening pod on %(channel)s
--- (receipts_ready), released workers included, as before. %(heartbeat)s
+-- New work also notifies %(channel)s (receipts_ready), as before, for every
+-- listener that is no member (released workers, pods without a tag): with
+-- no pod named the payload is empty and every pod wakes; with pods named it
+-- is 'members', which members ignore (they were woken on their own channels). %(heartbeat)s
 -- also notifies the waker channel (payload: the schema, what released pods
 -- listen for) and, with %(shares)s, the fleet channel: a JSON object with the
 -- schema, each pod's share of the rate limit and the watermark.
@@ -206,8 +208,9 @@ WITH tail AS (
 SELECT d.run_at, d.id, d.open AND d.fresh AND coalesce(cardinality(%(channels)s::text[]), 0) = 0
          OR w.n > 0 AS wake,
        d.mark_run_at, d.mark_id, d.due, w.n,
-       CASE WHEN d.open AND d.fresh AND coalesce(cardinality(%(channels)s::text[]), 0) = 0
-            THEN pg_notify(%(channel)s, '') END,
+       CASE WHEN d.open AND d.fresh
+            THEN pg_notify(%(channel)s, CASE WHEN coalesce(cardinality(%(channels)s::text[]), 0) = 0
+                                             THEN '' ELSE 'members' END) END,
        CASE WHEN %(heartbeat)s THEN pg_notify(%(waker_channel)s, %(schema_name)s) END,
        CASE WHEN %(heartbeat)s AND %(shares)s::jsonb IS NOT NULL
             THEN pg_notify(%(fleet_channel)s, jsonb_build_object(
