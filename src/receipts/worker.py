@@ -330,17 +330,9 @@ class Worker:
         state = FlowState()
         limit = min(free, self.settings.claim_batch_max)
         bucket: TokenBucket | None = None
-        if self.queue.rate > 0 and not gate.paused:
-            choice = self.rate_choice()
-            if choice.mode == "wait":
-                return choice.wait_seconds, False
-            if choice.mode == "local":
-                bucket = self.bucket
-                bucket.resize(self.queue.rate * choice.share,
-                              self.settings.burst * choice.share)
-                limit, wait = bucket.allowance(limit)
-                if limit == 0:
-                    return wait, False
+        choice = self.rate_choice() if self.queue.rate > 0 and not gate.paused else None
+        if choice is not None and choice.mode == "wait":
+            return choice.wait_seconds, False
         # Admission control meters claims only while the provider is not paused.
         admission = None if gate.paused else self.admission
         if admission is not None:
@@ -348,6 +340,18 @@ class Worker:
             self.metrics.claim_rate_limit.set(admission.limit)
             if limit == 0:
                 return wait, False
+        if choice is not None and choice.mode == "local":
+            # The pod's own share of the fleet's rate limit (receipts.ratelimit).
+            bucket = self.bucket
+            bucket.resize(self.queue.rate * choice.share, self.settings.burst * choice.share)
+            granted, wait = bucket.allowance(limit)
+            if granted == 0:
+                if admission is not None:
+                    admission.refund(limit)
+                return wait, False
+            if admission is not None:
+                admission.refund(limit - granted)
+            limit = granted
         self._busy_since = time.monotonic()
         try:
             if gate.paused and not recheck:
