@@ -148,9 +148,9 @@ def _log_claims(path: str) -> None:
     original = JobQueue.claim
     out = open(path, "a", buffering=1)  # noqa: SIM115 - open for the process's lifetime
 
-    async def claim(self: Any, limit: int, *, probe: bool = False) -> Any:
+    async def claim(self: Any, limit: int, **kwargs: Any) -> Any:
         start = time.perf_counter()
-        result = await original(self, limit, probe=probe)
+        result = await original(self, limit, **kwargs)
         out.write(f"{time.time():.3f} {(time.perf_counter() - start) * 1000:.3f} "
                   f"{len(result.attempts)}\n")
         return result

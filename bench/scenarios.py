@@ -358,7 +358,8 @@ def _explain(dsn: str, batch: int) -> str:
         with conn.transaction(force_rollback=True):
             rows = conn.execute(
                 "EXPLAIN (ANALYZE, BUFFERS) " + text,
-                {"max_attempts": 5, "lease_seconds": 60.0, "probe": False},
+                {"max_attempts": 5, "lease_seconds": 60.0, "probe": False,
+                 "after_run_at": None, "after_id": None},
             ).fetchall()
     return "\n".join(r[0] for r in rows)
 

@@ -274,6 +274,20 @@ class ListenSession:
         except psycopg.Error as exc:
             raise translate(exc) from exc
 
+    async def fetchall(self, statement: sql.SQL | sql.Composed,
+                       params: dict[str, Any] | None = None) -> list[tuple[Any, ...]]:
+        """Run one autocommit statement; all its rows (errors as :meth:`fetchone`)."""
+        try:
+            async with asyncio.timeout(self.deadline_seconds):
+                cur = await self.conn.execute(statement, params)
+                return await cur.fetchall() if cur.rownumber is not None else []
+        except TimeoutError as exc:
+            raise DatabaseUnavailable(
+                f"database unavailable: LISTEN session silent for {self.deadline_seconds:g}s"
+            ) from exc
+        except psycopg.Error as exc:
+            raise translate(exc) from exc
+
     async def notifications(self, timeout_seconds: float) -> list[tuple[str, str]]:
         """(channel, payload) of the notifications that arrive within *timeout_seconds*.
 

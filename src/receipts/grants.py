@@ -211,6 +211,9 @@ STATEMENTS: dict[str, Need] = {
     # set_config are any role's; the probe reads the ready index and the pause.
     "waker_lock": Need(_W),
     "waker_probe": Need(_W, select=(JOBS, FLOW)),
+    "waker_sweep": Need(_W, select=(JOBS,)),
+    "member_lock": Need(_W),  # a session advisory lock: any role's
+    "fleet_members": Need(_W, select=(WORKERS,)),  # pg_locks: any role's
     "waker_step_down": Need(_W),
     "listen_check": Need(_W),
     "queue_stats": Need(_by(WORKER, REVIEW), select=(JOBS,), member_of=(READ_ALL_STATS,)),

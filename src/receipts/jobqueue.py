@@ -119,7 +119,9 @@ class WorkerQueue(Protocol):
     lease_seconds: float
     rate: float
 
-    async def claim(self, limit: int, *, probe: bool = False) -> ClaimResult:
+    async def claim(self, limit: int, *, probe: bool = False,
+                    after: tuple[datetime, uuid.UUID] | None = None,
+                    shared_bucket: bool = True) -> ClaimResult:
         """See :meth:`JobQueue.claim`."""
         ...
 
@@ -275,24 +277,32 @@ class JobQueue:
             # on every call (bench/README.md has what that cost the claim).
             return await cur.fetchall() if cur.rownumber is not None else []
 
-    async def claim(self, limit: int, *, probe: bool = False) -> ClaimResult:
+    async def claim(self, limit: int, *, probe: bool = False,
+                    after: tuple[datetime, uuid.UUID] | None = None,
+                    shared_bucket: bool = True) -> ClaimResult:
         """Claim up to *limit* due ready jobs (≥1) in one statement.
 
         Rows locked by other claimants are skipped, so an empty or short result
         does not prove the queue is empty. Nothing is claimed while the fleet
-        is paused, unless *probe* (the caller won :meth:`begin_probe`). Under a
-        rate limit the statement also takes one token per job it returns.
+        is paused, unless *probe* (the caller won :meth:`begin_probe`).
+        *after* is the watermark, the ``(run_at, id)`` the scan of the ready
+        index starts from (None: its start; :meth:`receipts.waker.Wakeups.claim_bound`).
+        Under a rate limit the statement also takes one token per job it
+        returns from the fleet's shared bucket row, unless not *shared_bucket*
+        (the caller charged its own share: :mod:`receipts.ratelimit`).
         Raises ``ValueError`` for limit < 1.
         """
         if limit < 1:
             raise ValueError("claim limit must be at least 1")
         params: dict[str, Any] = {
             "max_attempts": self.max_attempts, "lease_seconds": self.lease_seconds,
-            "probe": probe,
+            "probe": probe, "after_run_at": after[0] if after else None,
+            "after_id": after[1] if after else None,
         }
-        if self.rate > 0:
+        limited = self.rate > 0 and shared_bucket
+        if limited:
             params |= {"rate": self.rate, "burst": self.burst}
-        statement = claim_query(limit, limited=self.rate > 0, schema=self.schema,
+        statement = claim_query(limit, limited=limited, schema=self.schema,
                                 tag=self.worker_tag)
         sent_at = time.monotonic()
         rows = await self._rows(statement, params)

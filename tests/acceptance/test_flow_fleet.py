@@ -56,10 +56,10 @@ def answers(provider: Child) -> list[tuple[float, int]]:
     return [(t, s) for t, s in provider.get_json("/answers")]
 
 
-def start_workers(sup: Supervisor, dsn: str, provider: Child, n: int,
+def start_workers(sup: Supervisor, dsn: str, provider: Child, n: int, *, name_from: int = 0,
                   **settings: str) -> list[Child]:
     workers = []
-    for i in range(n):
+    for i in range(name_from, name_from + n):
         port = free_port()
         env = {"RECEIPTS_DATABASE_URL": dsn, "RECEIPTS_PROVIDER_URL": provider.url("/receipts"),
                "RECEIPTS_METRICS_PORT": str(port),
@@ -146,6 +146,53 @@ def test_a_fleet_rate_limit_holds_across_processes_retries_included(dsn, sup, pr
           f"{failures} answered 503 (retried)")
     assert failures > 0
     assert all(450 <= w <= 550 for w in windows), windows
+
+
+def _windows(times: list[float], start: float, count: int) -> list[int]:
+    """Requests in each of *count* consecutive 10 s windows from *start*."""
+    return [sum(1 for t in times if start + 10 * k <= t < start + 10 * (k + 1))
+            for k in range(count)]
+
+
+def _waker(workers: list[Child]) -> Child | None:
+    for worker in workers:
+        if worker.scrape().value("receipts_waker_elected") == 1:
+            return worker
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pods", [1, 4])
+def test_the_rate_limit_holds_within_10_percent_at_each_pods_share_as_pods_join_and_die(
+        dsn, sup, provider, pods):
+    """Each pod claims from its own bucket at its announced share; no claim writes
+    receipt_flow. With 4 pods, a fifth joins after 12 s and a pod that is not the
+    waker is killed with SIGKILL after 24 s: every 10 s window stays within ±10 %."""
+    limit = 60.0
+    enqueue_many(dsn, [f"order-{i}" for i in range(4000)])
+    workers = start_workers(sup, dsn, provider, pods, provider_rate_limit_per_second=str(limit))
+    until(lambda: len(answers(provider)) > 0, "the first request", 30)
+    first = min(t for t, _ in answers(provider))
+    updates_before = fetch_rows(dsn, "SELECT n_tup_upd FROM pg_stat_user_tables"
+                                     " WHERE relname = 'receipt_flow'")[0][0]
+    if pods > 1:
+        until(lambda: time.monotonic() >= first + 12, "12 s of deliveries", 30)
+        workers += start_workers(sup, dsn, provider, 1, name_from=pods,
+                                 provider_rate_limit_per_second=str(limit))
+        until(lambda: time.monotonic() >= first + 24, "24 s of deliveries", 30)
+        waker = _waker(workers)
+        victim = next(w for w in workers if w is not waker)
+        assert victim.kill() == -9
+    until(lambda: time.monotonic() >= first + 44, "44 s of deliveries", 60)
+    times = sorted(t for t, _ in answers(provider))
+    windows = _windows(times, first + 2.0, 4)  # past the initial burst (one second's worth)
+    updates = fetch_rows(dsn, "SELECT n_tup_upd FROM pg_stat_user_tables"
+                              " WHERE relname = 'receipt_flow'")[0][0]
+    print(f"\n[figures] {pods} pod(s), limit {limit:g}/s: requests per 10 s window {windows};"
+          f" receipt_flow updates during the run: {updates} (before the first request:"
+          f" {updates_before})")
+    assert all(0.9 * limit * 10 <= w <= 1.1 * limit * 10 for w in windows), windows
+    assert updates == 0  # every pod waited for its share: no claim charged the shared row
 
 
 def failed_count(dsn: str) -> int:

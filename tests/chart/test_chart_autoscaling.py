@@ -135,7 +135,8 @@ def big_dsn(pg18: Server) -> Iterator[str]:
         for _, definition in indexes:
             conn.execute(definition)
         conn.execute(statements()["claim"].format(limit=1000),
-                     {"max_attempts": MAX_ATTEMPTS, "lease_seconds": 600.0, "probe": False})
+                     {"max_attempts": MAX_ATTEMPTS, "lease_seconds": 600.0, "probe": False,
+                      "after_run_at": None, "after_id": None})
         conn.execute("VACUUM (ANALYZE) receipt_jobs")
     try:
         yield dsn

@@ -47,6 +47,7 @@ NOT_METRICS = {
     "receipts_refuse_unguarded_done",  # the done guard's trigger function
     "receipts_ready",  # the LISTEN/NOTIFY channel
     "receipts_waker",  # the waker's heartbeat channel
+    "receipts_fleet",  # the waker's announcement channel (members' shares, watermark)
     "receipts_schema_migrations",  # the migrations' tracking table
     "receipts_drain",  # bench.procs' drain
     "receipts_jobs_due_or_in_flight",  # the External metric an adapter serves to the HPA

@@ -711,8 +711,16 @@ def exercises(role: Role) -> dict[str, Callable[[], Awaitable[Any]]]:
             "key": 4242, "idle_timeout_ms": "5000"}),
         "waker_probe": lambda: _on_listen_session(role.dsn, "waker_probe", {
             "max_attempts": 5, "seen_run_at": None, "seen_id": None,
+            "from_run_at": None, "from_id": None, "margin_seconds": 1.0,
+            "stuck_seconds": 0.15, "channels": ["receipts_ready_role"], "free": [1],
             "channel": "receipts_ready", "heartbeat": True, "waker_channel": "receipts_waker",
-            "schema_name": SCHEMA}),
+            "schema_name": SCHEMA, "fleet_channel": "receipts_fleet",
+            "shares": '{"0000abcd": 1.0}'}),
+        "waker_sweep": lambda: _on_listen_session(role.dsn, "waker_sweep", {
+            "max_attempts": 5, "below_run_at": datetime.now(UTC), "below_id": uuid.uuid4()}),
+        "member_lock": lambda: _on_listen_session(role.dsn, "member_lock", {
+            "key": 4243, "tag": 0xabcd}),
+        "fleet_members": lambda: _on_listen_session(role.dsn, "fleet_members", {"key": 4243}),
         "waker_step_down": lambda: _on_listen_session(role.dsn, "waker_step_down", {
             "key": 4242, "waker_channel": "receipts_waker", "payload": f"{SCHEMA} left"}),
         "listen_check": lambda: _on_listen_session(role.dsn, "listen_check", {}),

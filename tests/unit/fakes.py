@@ -109,7 +109,10 @@ class FakeQueue:
             due = self.probe_until
         return FlowState(self.pause_reason, due - now)
 
-    async def claim(self, limit: int, *, probe: bool = False) -> ClaimResult:
+    async def claim(self, limit: int, *, probe: bool = False,
+                    after: tuple[datetime, uuid.UUID] | None = None,
+                    shared_bucket: bool = True) -> ClaimResult:
+        # The fake has no index to walk: a watermark changes nothing here.
         if limit < 1:  # as JobQueue.claim (tests/contract holds the two to one contract)
             raise ValueError("claim limit must be at least 1")
         if self.fail_claims:

@@ -20,19 +20,37 @@ SELECT won,
 FROM (SELECT pg_try_advisory_lock(%(key)s) AS won) AS attempt;
 
 -- name: waker_probe
--- The elected waker's look at the queue, every few tens of milliseconds: the
--- newest due, claimable ready job (the tail of the due part of the ready
--- index, read backwards from now: one index probe however long the queue).
--- When it differs from the tail the previous probe saw (%(seen_run_at)s,
--- %(seen_id)s), new due work has appeared (a job committed, or a scheduled or
--- retried one became due) and this statement notifies %(channel)s
--- (receipts_ready) from its own short transaction, never an order's: every
--- listening pod wakes, released 0.2.0 workers included. A tail that stays (a
--- backlog being worked, a paused fleet) wakes nobody again; a paused fleet
--- (the claim's pause rule) is not woken at all, its pods sleep until the
--- pause ends. %(heartbeat)s also notifies the waker channel with the schema
--- as payload, so the other pods know a waker is alive. Returns the tail
--- (NULLs when nothing is due) and whether it woke the fleet.
+-- The elected waker's look at the queue, every few tens of milliseconds
+-- (receipts/waker.py). Four index probes, each a few pages however long the
+-- queue:
+-- * tail: the newest due, claimable ready job (the due part of the ready
+--   index read backwards from now). When it differs from the tail the
+--   previous probe saw (%(seen_run_at)s, %(seen_id)s), new due work appeared
+--   (a job committed, or a scheduled or retried one became due).
+-- * head: the oldest ready job at or after the previous watermark
+--   (%(from_run_at)s, %(from_id)s; NULLs: the index's start). The new
+--   watermark is the head, or now - %(margin_seconds)s when that is lower
+--   (with the nil id): a job that becomes ready from a statement that began
+--   less than the margin ago is never below it. Claims start their scan
+--   there (claim); the caller sweeps below it now and then (waker_sweep).
+-- * due: how many due jobs wait from the watermark on, counted up to 256 (a
+--   literal: a bind LIMIT lets the generic plan fall to a bitmap scan of the
+--   whole due part, docs/design.md §10; 256 jobs fill 8 pods of 32 slots, and
+--   a longer backlog keeps the head stuck, which wakes the next pods).
+-- * stuck: the head is due and has waited %(stuck_seconds)s or more.
+-- Wake-ups come from this statement's own short transaction, never an
+-- order's, and only when not paused (the claim's pause rule). With pods
+-- named (%(channels)s, their own channels in the order to wake them, and
+-- %(free)s, each one's free slots), new work or a stuck head wakes the first
+-- pods whose free slots add up to the due jobs, each with the watermark as
+-- payload ('<microseconds since 1970> <id>'), and returns how many it woke.
+-- New work also notifies %(channel)s (receipts_ready), as before, for every
+-- listener that is no member (released workers, pods without a tag): with
+-- no pod named the payload is empty and every pod wakes; with pods named it
+-- is 'members', which members ignore (they were woken on their own channels). %(heartbeat)s
+-- also notifies the waker channel (payload: the schema, what released pods
+-- listen for) and, with %(shares)s, the fleet channel: a JSON object with the
+-- schema, each pod's share of the rate limit and the watermark.
 WITH tail AS (
   SELECT run_at, id
   FROM {schema}.receipt_jobs
@@ -41,23 +59,111 @@ WITH tail AS (
     AND attempts < %(max_attempts)s
   ORDER BY run_at DESC, id DESC
   LIMIT 1
+), head AS (
+  SELECT run_at, id
+  FROM {schema}.receipt_jobs
+  WHERE state = 'ready'
+    AND attempts < %(max_attempts)s
+    AND (run_at, id) >= (coalesce(%(from_run_at)s::timestamptz, '-infinity'),
+                         coalesce(%(from_id)s::uuid, '00000000-0000-0000-0000-000000000000'))
+  ORDER BY run_at, id
+  LIMIT 1
+), mark AS (
+  SELECT CASE WHEN h.run_at < c.at THEN h.run_at ELSE c.at END AS run_at,
+         CASE WHEN h.run_at < c.at THEN h.id
+              ELSE '00000000-0000-0000-0000-000000000000'::uuid END AS id,
+         coalesce(h.run_at <= statement_timestamp()
+                  - make_interval(secs => %(stuck_seconds)s), false) AS stuck
+  FROM (SELECT statement_timestamp() - make_interval(secs => %(margin_seconds)s) AS at) AS c
+  LEFT JOIN head AS h ON true
+), due AS (
+  SELECT count(*) AS n
+  FROM (
+    SELECT 1
+    FROM {schema}.receipt_jobs
+    WHERE state = 'ready'
+      AND run_at <= statement_timestamp()
+      AND attempts < %(max_attempts)s
+      AND (run_at, id) >= (coalesce(%(from_run_at)s::timestamptz, '-infinity'),
+                           coalesce(%(from_id)s::uuid, '00000000-0000-0000-0000-000000000000'))
+    ORDER BY run_at, id
+    LIMIT 256
+  ) AS d
 ), decided AS (
-  SELECT t.run_at, t.id,
+  SELECT t.run_at, t.id, m.run_at AS mark_run_at, m.id AS mark_id, d.n AS due,
+         m.stuck,
          t.id IS NOT NULL
          AND (t.run_at, t.id) IS DISTINCT FROM (%(seen_run_at)s::timestamptz, %(seen_id)s::uuid)
-         AND NOT EXISTS (
+           AS fresh,
+         NOT EXISTS (
            SELECT 1 FROM {schema}.receipt_flow
            WHERE id = 1
              AND {schema}.receipts_pause_reason(pause_reason, paused_until, pause_cause,
                                                 pause_cause_until, statement_timestamp())
                  IS NOT NULL
-         ) AS wake
-  FROM (SELECT 1) AS one LEFT JOIN tail AS t ON true
+         ) AS open,
+         (extract(epoch FROM m.run_at) * 1000000)::int8 || ' ' || m.id AS payload
+  FROM (SELECT 1) AS one LEFT JOIN tail AS t ON true CROSS JOIN mark AS m CROSS JOIN due AS d
+), targets AS (
+  SELECT g.channel, sum(g.free) OVER (ORDER BY g.ord) - g.free AS before
+  FROM unnest(%(channels)s::text[], %(free)s::int[]) WITH ORDINALITY AS g(channel, free, ord)
+), woken AS (
+  SELECT count(pg_notify(g.channel, d.payload)) AS n
+  FROM targets AS g, decided AS d
+  WHERE d.open AND (d.fresh OR d.stuck) AND d.due > 0 AND g.before < d.due
 )
-SELECT run_at, id, wake,
-       CASE WHEN wake THEN pg_notify(%(channel)s, '') END,
-       CASE WHEN %(heartbeat)s THEN pg_notify(%(waker_channel)s, %(schema_name)s) END
-FROM decided;
+SELECT d.run_at, d.id, d.open AND d.fresh AND coalesce(cardinality(%(channels)s::text[]), 0) = 0
+         OR w.n > 0 AS wake,
+       d.mark_run_at, d.mark_id, d.due, w.n,
+       CASE WHEN d.open AND d.fresh
+            THEN pg_notify(%(channel)s, CASE WHEN coalesce(cardinality(%(channels)s::text[]), 0) = 0
+                                             THEN '' ELSE 'members' END) END,
+       CASE WHEN %(heartbeat)s THEN pg_notify(%(waker_channel)s, %(schema_name)s) END,
+       CASE WHEN %(heartbeat)s AND %(shares)s::jsonb IS NOT NULL
+            THEN pg_notify(%(fleet_channel)s, jsonb_build_object(
+                   'schema', %(schema_name)s::text, 'shares', %(shares)s::jsonb,
+                   'after', d.payload)::text) END
+FROM decided AS d, woken AS w;
+
+-- name: waker_sweep
+-- The backstop below the watermark, run by the waker now and then: the oldest
+-- claimable ready job before (%(below_run_at)s, %(below_id)s), if any. A row
+-- gets there when it becomes visible after the watermark passed it: a
+-- back-dated run_at, a transaction that commits long after it began (its
+-- now() is its start). The waker then lowers the watermark to it and wakes a
+-- pod. It walks what the claims skip (entries of claimed jobs a long reader
+-- keeps alive), so it runs every SWEEP_SECONDS at most, and less
+-- often while it is slow (receipts/waker.py).
+SELECT run_at, id
+FROM {schema}.receipt_jobs
+WHERE state = 'ready'
+  AND attempts < %(max_attempts)s
+  AND (run_at, id) < (%(below_run_at)s::timestamptz, %(below_id)s::uuid)
+ORDER BY run_at, id
+LIMIT 1;
+
+-- name: member_lock
+-- A pod says it is alive on its LISTEN session: a session advisory lock on
+-- (%(key)s, the pod's tag as a 32-bit number), held until the session ends,
+-- so a pod killed with kill -9 drops out of the fleet at once. Read by
+-- fleet_members; written nowhere.
+SELECT pg_try_advisory_lock(%(key)s::int4, %(tag)s::int4);
+
+-- name: fleet_members
+-- The live pods, for the waker (once per heartbeat): every member_lock held
+-- in this database for this queue (%(key)s), with what the pod's last
+-- heartbeat row says of its slots and deliveries in flight (NULLs: no row
+-- yet). No table is written; pg_locks is readable by every role.
+SELECT m.tag, w.slots, w.inflight
+FROM (
+  SELECT lpad(to_hex(l.objid::int8), 8, '0') AS tag
+  FROM pg_locks AS l
+  WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
+    AND l.classid = %(key)s::int8::oid
+    AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+) AS m
+LEFT JOIN {schema}.receipt_workers AS w ON w.tag = m.tag
+ORDER BY m.tag;
 
 -- name: waker_step_down
 -- A waker that stops cleanly: release the lock (at once) and say so (the
@@ -80,6 +186,13 @@ SELECT 1;
 -- Every row returned carries the flow state; with no job claimed one row
 -- comes back whose job columns are NULL. A worker's claims end each token in
 -- its tag (receipts.statements.claim_query), naming the lease's holder.
+-- The scan starts at the watermark (%(after_run_at)s, %(after_id)s): the
+-- oldest ready (run_at, id) as the fleet's waker last saw it (receipts.waker;
+-- NULLs: from the index's start). Below it lie only the entries of jobs
+-- claimed since, which vacuum has not removed yet and which a long reader's
+-- snapshot keeps alive; the claim no longer steps over them one by one
+-- (docs/design.md, "Calm-day wake-ups"). A row that becomes ready below the
+-- watermark is found by the waker's sweep, which lowers it.
 WITH flow AS (
   -- The effective reason (receipts_pause_reason, migration 0008; inlined by
   -- the planner): a Retry-After (or operator's) pause ends by itself when its
@@ -100,6 +213,8 @@ WITH flow AS (
   WHERE state = 'ready'
     AND run_at <= statement_timestamp()
     AND attempts < %(max_attempts)s
+    AND (run_at, id) >= (coalesce(%(after_run_at)s::timestamptz, '-infinity'),
+                         coalesce(%(after_id)s::uuid, '00000000-0000-0000-0000-000000000000'))
     AND (%(probe)s OR NOT EXISTS (SELECT 1 FROM flow WHERE pause_reason IS NOT NULL))
   ORDER BY run_at, id
   FOR UPDATE SKIP LOCKED
@@ -119,11 +234,15 @@ SELECT c.id, c.order_id, c.lease_token, c.attempts, c.created_at,
 FROM flow AS f LEFT JOIN claimed AS c ON true;
 
 -- name: claim_limited
--- The claim under the fleet-wide rate limit: the token bucket row is locked,
+-- The claim under the fleet-wide rate limit when the pod has no share of its
+-- own (no waker heard: behind PgBouncer, RECEIPTS_LISTEN_NOTIFY off, or while
+-- a new waker is elected; receipts.ratelimit): the token bucket row is locked,
 -- refilled by rate x elapsed (capped at the burst), and charged exactly one
 -- token per job this statement returns, in the same transaction: never a
 -- token for an unclaimed job, never a job without a token. At most
 -- floor(tokens) of the locked candidates are claimed; the others stay ready.
+-- It writes the one shared row on every call, so a fleet that hears its
+-- waker claims with `claim` and a local bucket instead.
 WITH flow AS MATERIALIZED (
   SELECT {schema}.receipts_pause_reason(pause_reason, paused_until, pause_cause,
                                         pause_cause_until, statement_timestamp())
@@ -142,6 +261,8 @@ WITH flow AS MATERIALIZED (
   WHERE state = 'ready'
     AND run_at <= statement_timestamp()
     AND attempts < %(max_attempts)s
+    AND (run_at, id) >= (coalesce(%(after_run_at)s::timestamptz, '-infinity'),
+                         coalesce(%(after_id)s::uuid, '00000000-0000-0000-0000-000000000000'))
     AND (%(probe)s OR NOT EXISTS (SELECT 1 FROM flow WHERE pause_reason IS NOT NULL))
   ORDER BY run_at, id
   FOR UPDATE SKIP LOCKED
