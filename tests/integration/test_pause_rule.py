@@ -52,11 +52,16 @@ def test_the_function_answers_every_case_of_the_rule(dsn: str) -> None:
 def test_the_claims_plans_carry_the_rule_inlined_not_a_call(
         dsn: str, limited: bool, plan_mode: str) -> None:
     claim = claim_query(10, limited=limited).as_string(None)  # type: ignore[arg-type]
-    for key, n in (("max_attempts", 1), ("lease_seconds", 2), ("probe", 3), ("rate", 4),
-                   ("burst", 5)):
+    params = [("max_attempts", "int", "5"), ("lease_seconds", "float8", "60.0"),
+              ("probe", "bool", "false"), ("after_run_at", "timestamptz", "NULL"),
+              ("after_id", "uuid", "NULL")]
+    if limited:
+        params += [("rate", "float8", "10"), ("burst", "float8", "10")]
+    for n, (key, _, _) in enumerate(params, 1):
         claim = claim.replace(f"%({key})s", f"${n}")
-    types = "int, float8, bool" + (", float8, float8" if limited else "")
-    args = "5, 60.0, false" + (", 10, 10" if limited else "")
+    assert "%(" not in claim, claim
+    types = ", ".join(t for _, t, _ in params)
+    args = ", ".join(a for _, _, a in params)
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(f"SET plan_cache_mode = {plan_mode}")
         conn.execute(f"PREPARE claim_stmt({types}) AS {claim}")

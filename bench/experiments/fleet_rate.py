@@ -1,6 +1,6 @@
 """The fleet-wide rate limit's accuracy with many pods, pods joining and pods killed.
 
-``python -m bench.fleet_rate`` (``--pods 16 --limit 200 --seconds 60``): one
+``python -m bench.experiments.fleet_rate`` (``--pods 16 --limit 200 --seconds 60``): one
 embedded PostgreSQL 18, the reference provider (``receipts provider``) and
 ``--pods`` ``receipts worker`` processes with
 ``RECEIPTS_PROVIDER_RATE_LIMIT_PER_SECOND`` = ``--limit`` and a backlog far
@@ -122,7 +122,7 @@ def run(*, pods: int, limit: float, seconds: float, kill_waker: bool,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.fleet_rate",
+    p = argparse.ArgumentParser(prog="python -m bench.experiments.fleet_rate",
                                 description=(__doc__ or "").splitlines()[0])
     p.add_argument("--pods", type=int, default=16)
     p.add_argument("--limit", type=float, default=200.0, help="jobs/s for the whole fleet")

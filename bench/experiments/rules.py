@@ -1,6 +1,6 @@
 """What the database rules of migration 0009 cost the worker's claim and ack.
 
-``python -m bench.rules`` (``--rounds``, ``--seconds``, ``--batch``, ``--clients``).
+``python -m bench.experiments.rules`` (``--rounds``, ``--seconds``, ``--batch``, ``--clients``).
 
 pgbench running the project's own claim and batched ack (:func:`bench.raw.pgbench_script`,
 the raw-limit scenario's script: claim *batch* jobs, ``\\gset``, one ack of them all, with
@@ -81,7 +81,7 @@ def run_once(bench: Bench, ddl: str, *, batch: int, clients: int, seconds: float
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.rules", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.experiments.rules", description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--batch", type=int, default=10, help="jobs per claim (10)")
