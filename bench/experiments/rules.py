@@ -81,7 +81,8 @@ def run_once(bench: Bench, ddl: str, *, batch: int, clients: int, seconds: float
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.experiments.rules", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.experiments.rules",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=float, default=10.0)
     p.add_argument("--batch", type=int, default=10, help="jobs per claim (10)")
