@@ -759,6 +759,8 @@ class ReviewFilter:
         since, until: the time column (``finished_at``; ``run_at`` for ready
             jobs) within [since, until).
         order_contains: a plain substring of the order id.
+        error_prefix: a failure group's key: the first 60 characters of
+            ``last_error`` (``failure_groups``).
 
     None means "any" for every field but ``state``.
     """
@@ -771,6 +773,7 @@ class ReviewFilter:
     order_contains: str | None = None
     cutoff: datetime | None = None
     expired: bool | None = None
+    error_prefix: str | None = None
 
     @property
     def key(self) -> str:
@@ -788,7 +791,8 @@ class ReviewFilter:
         """The statement parameters of ``review_matching``."""
         return {"reason": self.reason, "status": self.status, "since": self.since,
                 "until": self.until, "order_contains": self.order_contains or None,
-                "cutoff": self.cutoff, "expired": self.expired}
+                "cutoff": self.cutoff, "expired": self.expired,
+                "error_prefix": self.error_prefix}
 
 
 #: The time column each state's list is ordered by (its partial index's key).

@@ -85,7 +85,10 @@ async def test_a_pause_from_the_page_stops_two_worker_processes_and_a_resume_res
             holders = await page.eval(
                 "[...document.querySelectorAll('table.jobs td[data-label=\"Held by\"]')]"
                 ".map(e => e.innerText)")
-            assert holders and set(holders) == {socket.gethostname()}
+            # Each holder names its pod and its process (host name, pid and tag).
+            pids = {str(w.pid) for w in workers}
+            assert holders and all(h.startswith(socket.gethostname() + " pid ")
+                                   and h.split("pid ")[1].split()[0] in pids for h in holders)
 
             # Pause from the page.
             await page.goto(ui.url + "/login")

@@ -161,10 +161,11 @@ WITH old AS (
   WHERE finished_at < statement_timestamp() - interval '90 days'
 )
 INSERT INTO {schema}.receipt_bulk_actions
-  (id, action, job_state, reason, http_status, since, until, order_contains, cutoff,
-   expected, status, runner, created_by)
+  (id, action, job_state, reason, http_status, since, until, order_contains, error_prefix,
+   cutoff, expected, status, runner, created_by)
 VALUES (%(id)s, %(action)s, %(job_state)s, %(reason)s, %(http_status)s, %(since)s, %(until)s,
-        %(order_contains)s, %(cutoff)s, %(expected)s, 'running', %(runner)s, %(created_by)s)
+        %(order_contains)s, %(error_prefix)s, %(cutoff)s, %(expected)s, 'running', %(runner)s,
+        %(created_by)s)
 RETURNING *;
 
 -- name: bulk_get
@@ -180,17 +181,57 @@ ORDER BY created_at DESC
 LIMIT 10;
 
 -- name: bulk_take
--- Take over an action to run it: one that was stopped or failed, or one whose
--- runner has written nothing for %(stale_seconds)s (its process died). The
--- new runner token fences the old runner out: its next batch changes nothing.
+-- Take over an action to run it: one that was stopped or failed, one whose
+-- runner released it (bulk_release: the nil runner), or one whose runner has
+-- written nothing for %(stale_seconds)s (its process died). The new runner
+-- token fences the old runner out: its next batch changes nothing.
 UPDATE {schema}.receipt_bulk_actions
 SET status = 'running', runner = %(runner)s, updated_at = statement_timestamp(),
     finished_at = NULL, error = NULL
 WHERE id = %(id)s
   AND (status IN ('stopped', 'failed')
        OR (status = 'running'
-           AND updated_at < statement_timestamp() - make_interval(secs => %(stale_seconds)s)))
+           AND (runner = '00000000-0000-0000-0000-000000000000'::uuid
+                OR updated_at < statement_timestamp()
+                                - make_interval(secs => %(stale_seconds)s))))
 RETURNING *;
+
+-- name: bulk_release
+-- A page that shuts down hands its running action over: it stays running,
+-- owned by the nil runner, which no process holds, so the next page (this one
+-- restarted, or another replica) takes it over at once (bulk_take) instead of
+-- after the stale time. The old runner token is fenced out as by bulk_take.
+UPDATE {schema}.receipt_bulk_actions
+SET runner = '00000000-0000-0000-0000-000000000000'::uuid
+WHERE id = %(id)s AND runner = %(runner)s AND status = 'running'
+RETURNING id;
+
+-- name: bulk_orphans
+-- Running actions nobody runs: released by a page that shut down, or silent
+-- for %(stale_seconds)s (the page that ran them was killed). A page takes them
+-- over by itself (bulk_take decides which page wins).
+SELECT id FROM {schema}.receipt_bulk_actions
+WHERE status = 'running'
+  AND (runner = '00000000-0000-0000-0000-000000000000'::uuid
+       OR updated_at < statement_timestamp() - make_interval(secs => %(stale_seconds)s))
+ORDER BY created_at
+LIMIT 10;
+
+-- name: bulk_find
+-- The action an operator already confirmed with this very form (the same
+-- action, filter and confirmation time): a form sent twice (a reload, a
+-- replay) finds it instead of starting an empty second action.
+SELECT *, extract(epoch FROM statement_timestamp() - updated_at)::float8 AS idle_seconds
+FROM {schema}.receipt_bulk_actions
+WHERE action = %(action)s AND job_state = %(job_state)s AND cutoff = %(cutoff)s
+  AND reason IS NOT DISTINCT FROM %(reason)s::text
+  AND http_status IS NOT DISTINCT FROM %(http_status)s::int
+  AND since IS NOT DISTINCT FROM %(since)s::timestamptz
+  AND until IS NOT DISTINCT FROM %(until)s::timestamptz
+  AND order_contains IS NOT DISTINCT FROM %(order_contains)s::text
+  AND error_prefix IS NOT DISTINCT FROM %(error_prefix)s::text
+ORDER BY created_at
+LIMIT 1;
 
 -- name: bulk_stop
 -- Stop an action between two batches (a batch in flight commits first: it
@@ -290,3 +331,93 @@ last_error = 'manual retry after: ' || coalesce(j.last_error, 'unknown')
 -- A fragment of bulk_step: what a discard does (as discard_jobs).
 state = 'discarded',
 finished_at = statement_timestamp()
+
+-- name: failure_groups
+-- Failed jobs grouped by cause: the first 60 characters of last_error (the
+-- key of receipt_jobs_failed_cause, so 1,000,000 failed rows are grouped from
+-- that index alone), with the count and when the first and last of them
+-- failed. Ready jobs that carry an error (waiting for a retry, or a held
+-- rejection) are grouped too, from at most %(ready_cap)s of them (the ready
+-- set has no such index; `capped` says when the cap was reached). Each
+-- group's reason and HTTP status are those of the latest attempt of its most
+-- recent job (one probe per group). At most %(limit)s groups, largest first.
+WITH failed AS (
+  SELECT 'failed'::text AS state, left(j.last_error, 60) AS prefix, count(*) AS jobs,
+         min(j.finished_at) AS first_at, max(j.finished_at) AS last_at, false AS capped
+  FROM {schema}.receipt_jobs AS j
+  WHERE j.state = 'failed'
+  GROUP BY left(j.last_error, 60)
+), ready_rows AS (
+  SELECT j.last_error, j.run_at
+  FROM {schema}.receipt_jobs AS j
+  WHERE j.state = 'ready' AND j.last_error IS NOT NULL
+  LIMIT %(ready_cap)s
+), ready AS (
+  SELECT 'ready'::text AS state, left(r.last_error, 60) AS prefix, count(*) AS jobs,
+         min(r.run_at) AS first_at, max(r.run_at) AS last_at,
+         (SELECT count(*) FROM ready_rows) >= %(ready_cap)s AS capped
+  FROM ready_rows AS r
+  GROUP BY left(r.last_error, 60)
+), groups AS (
+  SELECT * FROM failed UNION ALL SELECT * FROM ready
+  ORDER BY jobs DESC, prefix
+  LIMIT %(limit)s
+)
+SELECT g.state, g.prefix, g.jobs, g.first_at, g.last_at, g.capped, la.reason, la.status
+FROM groups AS g
+LEFT JOIN LATERAL (
+  SELECT j.id FROM {schema}.receipt_jobs AS j
+  WHERE g.state = 'failed' AND j.state = 'failed'
+    AND left(j.last_error, 60) = g.prefix
+  ORDER BY left(j.last_error, 60), j.finished_at DESC
+  LIMIT 1
+) AS newest ON true
+LEFT JOIN LATERAL (
+  SELECT h.reason, h.status FROM {schema}.receipt_attempts AS h
+  WHERE h.job_id = newest.id ORDER BY h.seq DESC LIMIT 1
+) AS la ON true
+ORDER BY g.jobs DESC, g.prefix;
+
+-- name: attempt_rates
+-- Attempts per minute since %(since)s (at most the last hour): how many,
+-- how many delivered, and the median and 95th percentile of their time
+-- (seconds). Read from receipt_attempts (its BRIN index on at), so a page
+-- that restarts draws the same hour again.
+SELECT date_trunc('minute', h.at) AS minute,
+       count(*) AS attempts,
+       count(*) FILTER (WHERE h.reason = 'delivered') AS delivered,
+       percentile_cont(0.5) WITHIN GROUP (ORDER BY h.duration_seconds) AS p50,
+       percentile_cont(0.95) WITHIN GROUP (ORDER BY h.duration_seconds) AS p95
+FROM {schema}.receipt_attempts AS h
+WHERE h.at >= greatest(%(since)s::timestamptz, statement_timestamp() - interval '1 hour')
+GROUP BY 1
+ORDER BY 1;
+
+-- name: attempt_percentiles
+-- The median and 95th percentile of the attempt time (seconds) and the
+-- deliveries over the last hour, as one row.
+SELECT count(*) FILTER (WHERE h.reason = 'delivered') AS delivered,
+       count(*) AS attempts,
+       percentile_cont(0.5) WITHIN GROUP (ORDER BY h.duration_seconds) AS p50,
+       percentile_cont(0.95) WITHIN GROUP (ORDER BY h.duration_seconds) AS p95
+FROM {schema}.receipt_attempts AS h
+WHERE h.at >= statement_timestamp() - interval '1 hour';
+
+-- name: ui_sample
+-- The queue-depth chart's sample of this minute (the first page to write it
+-- wins; the others' rows are the same minute's). Samples older than two hours
+-- go in the same statement.
+WITH old AS (
+  DELETE FROM {schema}.receipt_ui_samples
+  WHERE minute < statement_timestamp() - interval '2 hours'
+)
+INSERT INTO {schema}.receipt_ui_samples (minute, ready, running, failed)
+VALUES (date_trunc('minute', %(at)s::timestamptz), %(ready)s, %(running)s, %(failed)s)
+ON CONFLICT (minute) DO NOTHING;
+
+-- name: ui_samples
+-- The queue-depth chart's samples of the last hour, oldest first.
+SELECT minute, ready, running, failed
+FROM {schema}.receipt_ui_samples
+WHERE minute >= statement_timestamp() - interval '1 hour'
+ORDER BY minute;

@@ -719,7 +719,8 @@ ORDER BY seq DESC;
 -- bulk action's confirmation time bounds (finished_at; created_at for ready
 -- and running jobs: a job that reaches the state after the confirmation is
 -- never part of it). A NULL parameter means "any"; order_contains is a plain
--- substring (no patterns); expired picks running jobs whose lease has (true)
+-- substring (no patterns); error_prefix is a failure group's key (the first
+-- 60 characters of last_error, as failure_groups and its index); expired picks running jobs whose lease has (true)
 -- or has not (false) run out.
 j.state = {state}
 AND (%(reason)s::text IS NULL OR la.reason = %(reason)s::text)
@@ -727,6 +728,7 @@ AND (%(status)s::int IS NULL OR la.status = %(status)s::int)
 AND (%(since)s::timestamptz IS NULL OR j.{key} >= %(since)s::timestamptz)
 AND (%(until)s::timestamptz IS NULL OR j.{key} < %(until)s::timestamptz)
 AND (%(order_contains)s::text IS NULL OR strpos(j.order_id, %(order_contains)s::text) > 0)
+AND (%(error_prefix)s::text IS NULL OR left(j.last_error, 60) = %(error_prefix)s::text)
 AND (%(cutoff)s::timestamptz IS NULL OR j.{cutoff_key} <= %(cutoff)s::timestamptz)
 AND (%(expired)s::bool IS NULL
      OR (j.lease_until <= statement_timestamp()) = %(expired)s::bool)
@@ -740,7 +742,8 @@ AND (%(expired)s::bool IS NULL
 -- a token written by a worker that sends no heartbeat.
 SELECT j.id, j.order_id, j.state, j.attempts, j.run_at, j.last_error, j.created_at,
        j.finished_at, j.lease_until, j.lease_until <= statement_timestamp() AS expired,
-       j.{key} AS sort_at, la.reason, la.status, w.pod AS holder
+       j.{key} AS sort_at, la.reason, la.status, w.pod AS holder, w.pid AS holder_pid,
+       right(j.lease_token::text, 8) AS holder_tag
 FROM {schema}.receipt_jobs AS j
 LEFT JOIN LATERAL (
   SELECT h.reason, h.status FROM {schema}.receipt_attempts AS h

@@ -45,16 +45,24 @@ from receipts.logs import get_logger
 from receipts.model import JobState, Reason
 from receipts.operations import Operations, bulk_view
 from receipts.settings import Settings
-from receipts.ui.chart import depth_chart, legend
-from receipts.ui.monitor import Monitor, Snapshot
+from receipts.ui.chart import (
+    depth_chart,
+    latency_chart,
+    latency_legend,
+    legend,
+    throughput_chart,
+)
+from receipts.ui.monitor import LIVE_SECONDS, Monitor, Snapshot
 from receipts.ui.session import (
     COOKIE,
     Session,
     Sessions,
     SignInThrottle,
+    UserHeader,
     host_allowed,
     is_loopback,
     keeps_secure_cookie,
+    parse_networks,
     same_origin,
 )
 
@@ -76,6 +84,13 @@ PAUSE_CHOICES = (("15m", "15 minutes"), ("30m", "30 minutes"), ("1h", "1 hour"),
                  ("2h", "2 hours"), ("4h", "4 hours"), ("8h", "8 hours"), ("24h", "24 hours"))
 #: Expired leases one "recover now" returns at most (batches of the recovery batch size).
 RECOVER_MAX_BATCHES = 100
+#: How long (seconds) the page waits at start for the database's list of signed-out
+#: sessions and the chart's kept samples before it serves (a request with a session
+#: reads the list itself if this did not finish).
+STARTUP_READ_SECONDS = 3.0
+#: Failure groups shown at most, and ready jobs with an error grouped at most.
+GROUPS_SHOWN = 200
+GROUPS_READY_CAP = 100_000
 # C0/C1 controls and the bidirectional overrides/isolates (text that reorders itself).
 _UNPRINTABLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
 CSP = ("default-src 'none'; script-src 'self'; connect-src 'self'; style-src 'self'; "
@@ -127,10 +142,13 @@ class UiConfig:
     Attributes:
         sessions: the token sessions, or None (read-only, and reading is open).
         loopback_only: serve only loopback ``Host`` names (a loopback bind).
+        user_header: the header an authenticating proxy names the user in, and
+            the proxies believed (None: no such proxy; sessions name actors).
     """
 
     sessions: Sessions | None
     loopback_only: bool
+    user_header: UserHeader | None = None
 
     @property
     def actions_enabled(self) -> bool:
@@ -196,6 +214,8 @@ class Console:
     lists: ListCache
     throttle: SignInThrottle
     runners: set[asyncio.Task[Any]] = field(default_factory=set)
+    #: The runner token of each bulk action this process runs (to release it at the end).
+    tokens: dict[uuid.UUID, uuid.UUID] = field(default_factory=dict)
 
 
 CONSOLE: web.AppKey[Console] = web.AppKey("console", Console)
@@ -304,8 +324,9 @@ def parse_filter(data: Any) -> ReviewFilter:
     Fields: ``state`` (ready, running, done, failed, discarded), ``reason``
     (a reason label), ``status`` (100–599), ``since``/``until`` (ISO times,
     UTC unless they say otherwise), ``q`` (order id substring, ≤ 200
-    characters) and, for running jobs, ``expired`` (1: leases that ran out,
-    0: live ones).
+    characters), ``error`` (a failure group's key: the first 60 characters
+    of the last error, exactly) and, for running jobs, ``expired`` (1: leases
+    that ran out, 0: live ones).
     """
     state_text = str(data.get("state") or JobState.FAILED)
     try:
@@ -324,6 +345,9 @@ def parse_filter(data: Any) -> ReviewFilter:
     query = str(data.get("q") or "").strip()
     if len(query) > 200:
         raise BadInput("the order id search is at most 200 characters")
+    error = str(data.get("error") or "")
+    if len(error) > 60:
+        raise BadInput("a failure group's error is at most 60 characters")
     expired_text = str(data.get("expired") or "")
     if expired_text not in ("", "0", "1"):
         raise BadInput("expired is 1 (leases that ran out) or 0 (live leases)")
@@ -331,7 +355,8 @@ def parse_filter(data: Any) -> ReviewFilter:
     return ReviewFilter(state=state, reason=reason, status=status,
                         since=_parse_time(str(data.get("since") or ""), "since"),
                         until=_parse_time(str(data.get("until") or ""), "until"),
-                        order_contains=query or None, expired=expired)
+                        order_contains=query or None, expired=expired,
+                        error_prefix=error or None)
 
 
 def filter_fields(view: ReviewFilter) -> dict[str, str]:
@@ -343,6 +368,7 @@ def filter_fields(view: ReviewFilter) -> dict[str, str]:
         "until": view.until.isoformat() if view.until else "",
         "q": view.order_contains or "",
         "expired": "" if view.expired is None else str(int(view.expired)),
+        "error": view.error_prefix or "",
     }
     return {k: v for k, v in fields.items() if v}
 
@@ -376,9 +402,30 @@ def _parse_uuid(text: str, what: str) -> uuid.UUID:
 # ------------------------------------------------------------------ pages
 
 
-def _author(session: Session | None) -> str:
-    """Who acts, for ``paused_by`` and bulk actions: ``ui:<session id prefix>``."""
+def _user(request: web.Request) -> str | None:
+    """The user an authenticating proxy named in the trusted header, or None (no such
+    header, or the request did not come from a configured proxy)."""
+    header = request.app[CONSOLE].config.user_header
+    if header is None:
+        return None
+    return header.user(request.remote, request.headers.get(header.name))
+
+
+def _author(request: web.Request) -> str:
+    """Who acts, for ``paused_by`` and bulk actions: ``ui:<user>`` when a trusted proxy
+    names the user, else ``ui:<session id prefix>``."""
+    user = _user(request)
+    if user:
+        return f"ui:{user}"
+    session = _SESSION.get()
     return f"ui:{session.short_id}" if session else "ui:anonymous"
+
+
+def _who(request: web.Request) -> dict[str, Any]:
+    """The audit fields of an action: the session, the proxy-named user, the peer."""
+    session = _SESSION.get()
+    return {"session": session.short_id if session else None, "user": _user(request),
+            "peer": request.remote}
 
 
 def _render(request: web.Request, name: str, status: int = 200, **context: Any) -> web.Response:
@@ -394,6 +441,7 @@ def _render(request: web.Request, name: str, status: int = 200, **context: Any) 
         reader=bool(session and session.reader),
         viewer_required=bool(config.sessions and config.sessions.viewer_required),
         csrf=config.sessions.csrf_token(session) if config.sessions and session else "",
+        user=_user(request),
         refresh_seconds=console.options.refresh_seconds,
         now_ms=int(time.time() * 1000),
         path_qs=request.path_qs,
@@ -452,9 +500,45 @@ async def index(request: web.Request) -> web.Response:
         legend=legend(), history_since=(console.monitor.history[0].at
                                         if console.monitor.history else None),
         done_value=done_value, done_note=done_note, monitor_error=console.monitor.error,
+        rates=console.monitor.rates,
+        per_minute=console.monitor.rates.per_minute(snapshot.as_of),
+        throughput=throughput_chart(console.monitor.rates.minutes, snapshot.as_of),
+        latency=latency_chart(console.monitor.rates.minutes, snapshot.as_of),
+        latency_legend=latency_legend(), live_seconds=LIVE_SECONDS,
         sample_seconds=console.monitor.interval(),
         rate=console.options.rate, burst=console.options.burst, live=True,
         title=f"receipts console · {view.state}")
+
+
+async def failures(request: web.Request) -> web.Response:
+    """Failures grouped by cause: failed jobs (and ready ones carrying an error, held
+    rejections among them) by the first 60 characters of the error, each group with its
+    count, first and last time, reason and status, and its retry / discard (a bulk action
+    over exactly that group). ``?q=`` keeps groups whose error contains the text,
+    ``?state=failed|ready`` one state's groups."""
+    console = request.app[CONSOLE]
+    snapshot = await console.monitor.current()
+    state = request.query.get("state", "")
+    if state not in ("", "failed", "ready"):
+        raise BadInput("state is failed or ready")
+    query = request.query.get("q", "").strip()
+    if len(query) > 200:
+        raise BadInput("the error search is at most 200 characters")
+
+    async def load() -> list[dict[str, Any]]:
+        return await console.operations.failure_groups(limit=GROUPS_SHOWN,
+                                                       ready_cap=GROUPS_READY_CAP)
+
+    groups = await console.lists.get("failure-groups", load)
+    needle = query.casefold()
+    shown = [g for g in groups if (not state or g["state"] == state)
+             and (not needle or needle in (g["prefix"] or "").casefold())]
+    return _render(request, "failures.html", groups=shown, total=len(groups), state=state,
+                   q=query, snapshot=snapshot, as_of=snapshot.as_of, live=True,
+                   capped=any(g["capped"] for g in groups), shown_max=GROUPS_SHOWN,
+                   ready_cap=GROUPS_READY_CAP, action_states=ACTION_STATES,
+                   monitor_error=console.monitor.error, current_state="failures",
+                   title="receipts console · failures by cause")
 
 
 async def job_page(request: web.Request) -> web.Response:
@@ -547,19 +631,25 @@ async def act(request: web.Request) -> web.Response:
     """Do a confirmed action: named jobs all or nothing; a filter as a bulk action."""
     console = request.app[CONSOLE]
     do, target, expected = await _action_form(request)
-    session = _SESSION.get()
     if isinstance(target, ReviewFilter):
         form = await request.post()
         cutoff = _parse_time(str(form.get("cutoff", "")), "cutoff")
         if cutoff is None:
             raise BadInput("confirm the action first")
-        row, runner = await bulk.start(
-            console.operations, action=do, view=dataclasses.replace(target, cutoff=cutoff),
-            expected=expected, created_by=_author(session))
+        view = dataclasses.replace(target, cutoff=cutoff)
+        already = await console.operations.bulk_find(action=do, view=view)
+        if already is not None:  # the same form again (a reload, a replay): the same action
+            log.info("ui_action", extra={
+                "action": do, "scope": "filter", "filter": bulk.describe_filter(target),
+                "cutoff": cutoff.isoformat(), "bulk_action": str(already["id"]),
+                "again": True, **_who(request)})
+            raise web.HTTPSeeOther(f"/bulk/{already['id']}?again=1")
+        row, runner = await bulk.start(console.operations, action=do, view=view,
+                                       expected=expected, created_by=_author(request))
         log.info("ui_action", extra={
             "action": do, "scope": "filter", "filter": bulk.describe_filter(target),
             "cutoff": cutoff.isoformat(), "expected": expected, "bulk_action": str(row["id"]),
-            "session": session.short_id if session else None, "peer": request.remote})
+            **_who(request)})
         _start_runner(console, row, runner)
         raise web.HTTPSeeOther(f"/bulk/{row['id']}")
     if expected is None:
@@ -570,7 +660,7 @@ async def act(request: web.Request) -> web.Response:
     log.info("ui_action", extra={
         "action": do, "scope": "selected", "ids": [str(i) for i in target],
         "expected": expected, "changed": len(changed),
-        "session": session.short_id if session else None, "peer": request.remote})
+        **_who(request)})
     if expected == 0 or len(changed) != expected:
         return _message(
             request, 409, "Nothing changed",
@@ -588,11 +678,36 @@ def _start_runner(console: Console, row: dict[str, Any], runner: uuid.UUID) -> N
     def step(_: Any) -> None:
         console.lists.clear()
 
+    action_id = row["id"]
     task = asyncio.create_task(
         bulk.run(console.operations, row, runner, policy=console.options.bulk_policy,
-                 on_step=step), name=f"bulk-{row['id']}")
+                 on_step=step), name=f"bulk-{action_id}")
     console.runners.add(task)
-    task.add_done_callback(console.runners.discard)
+    console.tokens[action_id] = runner
+
+    def done(finished: asyncio.Task[Any]) -> None:
+        console.runners.discard(finished)
+        if console.tokens.get(action_id) == runner:
+            del console.tokens[action_id]
+
+    task.add_done_callback(done)
+
+
+def progress_rate(action: dict[str, Any]) -> tuple[float | None, float | None]:
+    """(jobs examined per second, seconds left) of a bulk action's row, from its counts and
+    times: the rate over its life so far, and the time the rest of its confirmed count
+    takes at that rate (None when unknown: no batch yet, or no confirmed count)."""
+    if action["status"] != "running" and action["finished_at"] is None:
+        return None, None
+    end = action["finished_at"] or action["updated_at"]
+    seconds = (end - action["created_at"]).total_seconds()
+    if seconds <= 0 or not action["examined"]:
+        return None, None
+    rate = action["examined"] / seconds
+    if action["status"] != "running" or action["expected"] is None:
+        return rate, None
+    left = max(0, int(action["expected"]) - int(action["changed"]))
+    return rate, left / rate if rate > 0 else None
 
 
 async def bulk_page(request: web.Request) -> web.Response:
@@ -605,8 +720,11 @@ async def bulk_page(request: web.Request) -> web.Response:
                         f"No bulk action has the id {action_id}.")
     abandoned = (row["status"] == "running"
                  and row["idle_seconds"] > console.options.bulk_policy.stale_seconds)
+    rate, eta = progress_rate(row)
     return _render(request, "bulk.html", action=row, abandoned=abandoned,
                    filter_text=bulk.describe_filter(bulk_view(row)), live=True,
+                   rate=rate, eta=eta, again=request.query.get("again") == "1",
+                   stale_seconds=console.options.bulk_policy.stale_seconds,
                    title=f"bulk {row['action']} · {row['status']}")
 
 
@@ -615,11 +733,9 @@ async def bulk_stop(request: web.Request) -> web.Response:
     console = request.app[CONSOLE]
     action_id = _parse_uuid(request.match_info["id"], "a bulk action id")
     stopped = await console.operations.bulk_stop(action_id)
-    session = _SESSION.get()
     log.info("ui_action", extra={"action": "bulk_stop", "bulk_action": str(action_id),
                                  "stopped": stopped,
-                                 "session": session.short_id if session else None,
-                                 "peer": request.remote})
+                                 **_who(request)})
     raise web.HTTPSeeOther(f"/bulk/{action_id}")
 
 
@@ -629,11 +745,9 @@ async def bulk_resume(request: web.Request) -> web.Response:
     action_id = _parse_uuid(request.match_info["id"], "a bulk action id")
     taken = await bulk.resume(console.operations, action_id,
                               policy=console.options.bulk_policy)
-    session = _SESSION.get()
     log.info("ui_action", extra={"action": "bulk_resume", "bulk_action": str(action_id),
                                  "resumed": taken is not None,
-                                 "session": session.short_id if session else None,
-                                 "peer": request.remote})
+                                 **_who(request)})
     if taken is None:
         return _message(request, 409, "Not resumed",
                         "This bulk action is done, or another page is running it (it can be "
@@ -647,18 +761,16 @@ async def fleet_pause(request: web.Request) -> web.Response:
     """Pause every worker's deliveries for a while, with a reason."""
     console = request.app[CONSOLE]
     form = await request.post()
-    session = _SESSION.get()
     try:
         seconds = fleet.parse_duration(str(form.get("duration", "")))
         outcome = await fleet.pause(console.operations, seconds=seconds,
-                                    note=str(form.get("reason", "")), author=_author(session),
+                                    note=str(form.get("reason", "")), author=_author(request),
                                     replace=form.get("replace") == "1")
     except fleet.PauseError as exc:
         raise BadInput(str(exc)) from None
     log.info("ui_action", extra={"action": "pause", "seconds": seconds,
                                  "paused": outcome.paused, "replace": form.get("replace") == "1",
-                                 "session": session.short_id if session else None,
-                                 "peer": request.remote})
+                                 **_who(request)})
     await _reread(console)
     if not outcome.paused:
         return _message(request, 409, "Not paused", fleet.refusal(outcome) + ".")
@@ -669,14 +781,12 @@ async def fleet_resume(request: web.Request) -> web.Response:
     """Lift the pause the page showed (not one that started since)."""
     console = request.app[CONSOLE]
     form = await request.post()
-    session = _SESSION.get()
     expected = _parse_time(str(form.get("expected_until", "")), "expected_until")
-    outcome = await fleet.resume(console.operations, author=_author(session),
+    outcome = await fleet.resume(console.operations, author=_author(request),
                                  expected_until=expected)
     log.info("ui_action", extra={"action": "resume", "lifted": outcome.lifted,
                                  "reason": outcome.reason,
-                                 "session": session.short_id if session else None,
-                                 "peer": request.remote})
+                                 **_who(request)})
     await _reread(console)
     if not outcome.lifted:
         return _message(request, 409, "Not resumed",
@@ -706,11 +816,9 @@ async def recover(request: web.Request) -> web.Response:
         if batch.to_ready + batch.to_failed < min(options.recovery_batch_size, 100):
             break
     console.lists.clear()
-    session = _SESSION.get()
     log.info("ui_action", extra={"action": "recover", "to_ready": to_ready,
                                  "to_failed": to_failed,
-                                 "session": session.short_id if session else None,
-                                 "peer": request.remote})
+                                 **_who(request)})
     await _reread(console)
     return _message(request, 200, "Recovered expired leases",
                     f"{to_ready} expired lease(s) went back to ready (due after the recovery "
@@ -863,6 +971,11 @@ async def _guarded(request: web.Request, handler: Handler,
     new_cookie = None
     if sessions is not None:
         session = sessions.verify(request.cookies.get(COOKIE))
+        if session is not None and session.role != "guest" and not sessions.revocations_loaded:
+            # The start's read did not finish (the database was away): read the list now,
+            # or answer 503 (QueueError), rather than trust a cookie that may be signed out.
+            await _load_revocations(request.app[CONSOLE])
+            session = sessions.verify(request.cookies.get(COOKIE))
         if session is None:
             session, new_cookie = sessions.issue("guest")
         _SESSION.set(session)
@@ -918,23 +1031,21 @@ async def _refuse_post(request: web.Request, sessions: Sessions | None
     if token:
         throttle = request.app[CONSOLE].throttle
         client = request.remote or "unknown"
-        wait = throttle.retry_after(client)
-        if wait > 0:
+        if not throttle.may_check(client):  # throttled, and a token was checked this second
             log.warning("ui_refused", extra={"why": "throttled", "path": request.path,
                                              "peer": request.remote})
-            refusal = _message(request, 429, "Too many attempts",
-                               f"Too many wrong tokens from your address; try again in "
-                               f"{int(wait) + 1} s.")
-            refusal.headers["Retry-After"] = str(int(wait) + 1)
-            return refusal, None
+            return _throttled(request, throttle.check_seconds), None
         role = sessions.role_for(token)
         if role is None:
+            throttled = throttle.retry_after(client) > 0
             throttle.failed(client)
-            log.warning("ui_refused", extra={"why": "token", "path": request.path,
-                                             "peer": request.remote})
+            log.warning("ui_refused", extra={"why": "throttled" if throttled else "token",
+                                             "path": request.path, "peer": request.remote})
+            if throttled:
+                return _throttled(request, throttle.retry_after(client)), None
             return _message(request, 403, "Wrong token",
                             "That token is neither the admin nor the viewer token."), None
-        throttle.succeeded(client)
+        # The right token passes even while this address is throttled (see SignInThrottle).
         if role == "admin" or not session.admin:
             upgraded, cookie = sessions.issue(role)  # a new session id: no fixation
             _SESSION.set(upgraded)
@@ -945,6 +1056,17 @@ async def _refuse_post(request: web.Request, sessions: Sessions | None
             cookie = None
         return _needs_admin(request, session, sessions), cookie
     return _needs_admin(request, session, sessions), None
+
+
+def _throttled(request: web.Request, wait: float) -> web.Response:
+    """The 429 of a throttled address (*wait*: seconds until it is worth trying again)."""
+    seconds = max(1, round(wait))
+    refusal = _message(request, 429, "Too many attempts",
+                       "Too many wrong tokens from your address: its tokens are checked at "
+                       "most once a second, and wrong ones are refused for a while; the right "
+                       f"token still signs you in. Try again in {seconds} s.")
+    refusal.headers["Retry-After"] = str(seconds)
+    return refusal
 
 
 def _needs_admin(request: web.Request, session: Session,
@@ -969,15 +1091,19 @@ def _needs_admin(request: web.Request, session: Session,
 
 def make_app(queue: JobQueue, *, admin_token: str | None, loopback_only: bool,
              viewer_token: str | None = None, options: UiOptions | None = None,
-             operations: Operations | None = None) -> web.Application:
+             operations: Operations | None = None,
+             user_header: UserHeader | None = None) -> web.Application:
     """The review page as an aiohttp application on an open :class:`JobQueue`.
 
     *admin_token* None makes it read-only (every action is refused);
     *viewer_token* makes reading need a token too; *loopback_only* serves
-    only loopback ``Host`` names (see :func:`receipts.ui.session.host_allowed`).
-    The shared reading (:class:`Monitor`) samples in the background while
-    the application runs; bulk actions it started are stopped (resumable)
-    when it shuts down.
+    only loopback ``Host`` names (see :func:`receipts.ui.session.host_allowed`);
+    *user_header* names the user from an authenticating proxy. Before it
+    serves, it reads the signed-out sessions and the chart's kept samples
+    (:func:`_startup`). While it runs, the shared reading (:class:`Monitor`)
+    samples in the background and running bulk actions nobody runs are taken
+    over (:func:`receipts.bulk.adopt`); at the end, the bulk actions it runs
+    are released for the next page to take over at once.
     """
     options = options or UiOptions()
     sessions = Sessions(admin_token, viewer_token) if (admin_token or viewer_token) else None
@@ -986,14 +1112,17 @@ def make_app(queue: JobQueue, *, admin_token: str | None, loopback_only: bool,
     monitor = Monitor(queue, operations, refresh_seconds=options.refresh_seconds,
                       rate=options.rate, burst=options.burst, sessions=sessions,
                       idle_refresh_seconds=options.idle_refresh_seconds)
-    console = Console(queue, operations, monitor, UiConfig(sessions, loopback_only), options,
+    console = Console(queue, operations, monitor,
+                      UiConfig(sessions, loopback_only, user_header), options,
                       ListCache(options.refresh_seconds), SignInThrottle())
     app = web.Application(middlewares=[guard], client_max_size=256 * 1024)
     app[CONSOLE] = console
     app[TEMPLATES] = _environment()
+    app.on_startup.append(_startup)
     app.cleanup_ctx.append(_background)
     app.router.add_get("/", index)
     app.router.add_get("/find", find)
+    app.router.add_get("/failures", failures)
     app.router.add_get("/jobs/{key}", job_page)
     app.router.add_post("/confirm", confirm)
     app.router.add_post("/act", act)
@@ -1012,22 +1141,64 @@ def make_app(queue: JobQueue, *, admin_token: str | None, loopback_only: bool,
     return app
 
 
+async def _load_revocations(console: Console) -> None:
+    """Read the signed-out sessions every replica recorded (raises the queue's errors)."""
+    if console.config.sessions is not None:
+        console.config.sessions.update_revoked(await console.operations.revoked_sessions())
+
+
+async def _startup(app: web.Application) -> None:
+    """Before the first request: the signed-out sessions (so a revoked cookie replayed
+    right after a restart is refused) and the chart's kept hour, each within
+    :data:`STARTUP_READ_SECONDS`. A database that does not answer in time delays
+    neither: a request with a session then reads the list itself (or gets 503)."""
+    console = app[CONSOLE]
+    if console.queue.pool.closed:
+        return
+    for read in (_load_revocations(console), console.monitor.load_history()):
+        try:
+            async with asyncio.timeout(STARTUP_READ_SECONDS):
+                await read
+        except (QueueError, TimeoutError) as exc:
+            log.warning("ui_database_error", extra={"error": str(exc) or "timed out",
+                                                    "path": "(start)"})
+
+
 async def _background(app: web.Application) -> Any:
-    """The monitor's sampling while the app runs; at the end, stop it and the bulk runners."""
+    """While the app runs: the monitor's sampling, and taking over orphaned bulk actions.
+    At the end: stop both, and release the bulk actions this process ran, so that the
+    next page (this one restarted, or another replica) takes them over at once."""
     console = app[CONSOLE]
     sampling = asyncio.create_task(console.monitor.run(), name="ui-monitor")
+    adopting = asyncio.create_task(_adopt_orphans(console), name="ui-bulk-adopt")
     yield
-    sampling.cancel()
     runners = list(console.runners)
-    for task in runners:
+    tokens = dict(console.tokens)
+    for task in (sampling, adopting, *runners):
         task.cancel()
-    for task in (sampling, *runners):
+    for task in (sampling, adopting, *runners):
         with contextlib.suppress(asyncio.CancelledError, Exception):
             await task
-    for task in runners:  # leave them resumable at once, not after the stale time
-        action_id = uuid.UUID(task.get_name().removeprefix("bulk-"))
+    for action_id, runner in tokens.items():
         with contextlib.suppress(QueueError):
-            await console.operations.bulk_stop(action_id)
+            if await console.operations.bulk_release(action_id, runner=runner):
+                log.info("bulk_action_released", extra={"action_id": str(action_id)})
+
+
+async def _adopt_orphans(console: Console) -> None:
+    """Take over running bulk actions nobody runs, now and then, without a click
+    (:func:`receipts.bulk.adopt`): one released by a page that shut down at once, one
+    whose page was killed once it has been silent for the policy's stale time."""
+    policy = console.options.bulk_policy
+    every = max(0.5, min(15.0, policy.stale_seconds / 4))
+    while True:
+        if not console.queue.pool.closed:
+            with contextlib.suppress(QueueError):
+                running = set(console.tokens)
+                for row, runner in await bulk.adopt(console.operations, policy=policy,
+                                                    running=running):
+                    _start_runner(console, row, runner)
+        await asyncio.sleep(every)
 
 
 async def run_ui(settings: Settings) -> None:
@@ -1035,7 +1206,10 @@ async def run_ui(settings: Settings) -> None:
 
     One pool of ``ui_pool_max_size`` connections (application name
     ``<name>-ui``): one for the shared reading, one for a bulk action, the
-    rest for viewers' lists. Raises ``OSError`` when the port is taken.
+    rest for viewers' lists. The pool opens (without waiting) before the page
+    binds, so the start can read the signed-out sessions; it is closed on
+    any way out, a taken port included. Raises ``OSError`` when the port is
+    taken.
     """
     import signal
 
@@ -1048,24 +1222,26 @@ async def run_ui(settings: Settings) -> None:
                      deadline_seconds=statement_deadline(settings))
     admin = settings.ui_admin_token.get_secret_value() if settings.ui_admin_token else None
     viewer = settings.ui_viewer_token.get_secret_value() if settings.ui_viewer_token else None
+    proxies = parse_networks(settings.ui_trusted_proxies)
     app = make_app(queue, admin_token=admin, viewer_token=viewer,
                    loopback_only=is_loopback(settings.ui_host),
-                   options=UiOptions.from_settings(settings))
-    # Bind first: a taken port or a bad host raises OSError before any pool
-    # task or signal handler exists (the pool's reconnect task once kept a
-    # failed start from ever ending, deaf to SIGTERM).
-    runner = await start_server(app, settings.ui_port, host=settings.ui_host)
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stop.set)
+                   options=UiOptions.from_settings(settings),
+                   user_header=UserHeader(settings.ui_user_header, proxies) if proxies else None)
     await pool.open(wait=False)
-    log.info("ui_started", extra={"host": settings.ui_host, "port": settings.ui_port,
-                                  "mode": "admin" if admin else "read-only",
-                                  "reading": "token" if viewer else "open",
-                                  "database": settings.safe_dsn})
     try:
-        await stop.wait()
+        runner = await start_server(app, settings.ui_port, host=settings.ui_host)
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        log.info("ui_started", extra={"host": settings.ui_host, "port": settings.ui_port,
+                                      "mode": "admin" if admin else "read-only",
+                                      "reading": "token" if viewer else "open",
+                                      "user_header": settings.ui_user_header if proxies else None,
+                                      "database": settings.safe_dsn})
+        try:
+            await stop.wait()
+        finally:
+            await runner.cleanup()
     finally:
-        await runner.cleanup()
         await pool.close(timeout=5.0)
