@@ -215,6 +215,7 @@ STATEMENTS: dict[str, Need] = {
     "bulk_recent": Need(_V, select=(BULK_ACTIONS,)),
     "bulk_take": Need(_V, select=(BULK_ACTIONS,), update=(BULK_ACTIONS,)),
     "bulk_stop": Need(_V, select=(BULK_ACTIONS,), update=(BULK_ACTIONS,)),
+    "wake_fleet": Need(_V),
     "bulk_release": Need(_V, select=(BULK_ACTIONS,), update=(BULK_ACTIONS,)),
     "bulk_orphans": Need(_V, select=(BULK_ACTIONS,)),
     "bulk_find": Need(_V, select=(BULK_ACTIONS,)),

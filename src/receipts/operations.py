@@ -194,6 +194,11 @@ class Operations:
             "replace": bool(replace)})
         return PauseOutcome(row["paused_until"], row["previous_reason"], row["previous_until"])
 
+    async def wake_fleet(self, *, channel: str) -> None:
+        """Notify *channel* (the workers' wake-up channel) from this short transaction."""
+        async with self._conn() as conn:
+            await conn.execute(self._q("wake_fleet"), {"channel": channel})
+
     async def resume_fleet(self, *, expected_until: datetime | None = None) -> ResumeOutcome:
         """Lift the fleet's pause, whatever its reason (``resume_fleet``).
 

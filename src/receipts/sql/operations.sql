@@ -72,6 +72,15 @@ SELECT (SELECT paused_until FROM paused) AS paused_until,
        old.effective_reason AS previous_reason, old.paused_until AS previous_until
 FROM old;
 
+-- name: wake_fleet
+-- After an operator's pause: wake every worker's LISTEN session
+-- (%(channel)s is receipts_ready), so each claims once now, learns of the
+-- pause from the claim and says so on /metrics (receipts_provider_paused
+-- {reason="manual"}, which silences the lag alerts) within a moment instead
+-- of its next poll, seconds later. An operator's own short transaction, never
+-- an order's.
+SELECT pg_notify(%(channel)s, '');
+
 -- name: resume_fleet
 -- An operator lifts the pause, whatever its reason: every pause column is
 -- cleared and the next claim of every worker claims again (no probe). With
