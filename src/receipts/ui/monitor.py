@@ -211,9 +211,11 @@ class Monitor:
         return self.snapshot
 
     async def refresh(self) -> Snapshot:
-        """Read now, done rows included (one reading for whoever waits on the lock meanwhile)."""
+        """Read now, done rows and rates included (one reading for whoever waits on the
+        lock meanwhile)."""
         async with self._lock:
             self._done_at = -1e9
+            self._rates_at = -1e9
             return await self._refresh()
 
     async def _refresh(self) -> Snapshot:
