@@ -342,14 +342,15 @@ class Operations:
 
     # ------------------------------------------------------- the console
 
-    async def failure_groups(self, *, limit: int = 200,
+    async def failure_groups(self, *, limit: int = 200, failed_cap: int = 100_000,
                              ready_cap: int = 100_000) -> list[dict[str, Any]]:
-        """Failed jobs (and ready jobs carrying an error, at most *ready_cap* of them)
-        grouped by the first 60 characters of ``last_error``: dicts of ``state``,
-        ``prefix``, ``jobs``, ``first_at``, ``last_at``, ``capped``, ``reason``,
-        ``status`` (of the group's most recent job); at most *limit*, largest first."""
-        return await self._dicts(self._q("failure_groups"), {"limit": int(limit),
-                                                              "ready_cap": int(ready_cap)})
+        """The most recent *failed_cap* failed jobs and at most *ready_cap* ready jobs
+        carrying an error, grouped by the first 60 characters of ``last_error``: dicts
+        of ``state``, ``prefix``, ``jobs``, ``first_at``, ``last_at``, ``capped`` (a
+        bound was reached), ``reason`` and ``status`` (of the group's most recent
+        job); at most *limit*, largest first."""
+        return await self._dicts(self._q("failure_groups"), {
+            "limit": int(limit), "failed_cap": int(failed_cap), "ready_cap": int(ready_cap)})
 
     async def attempt_rates(self, *, since: datetime | None = None) -> list[dict[str, Any]]:
         """Attempts per minute since *since* (at most the last hour): dicts of ``minute``,

@@ -616,7 +616,7 @@ def exercises(role: Role) -> dict[str, Callable[[], Awaitable[Any]]]:
         "bulk_orphans": lambda: ops.bulk_orphans(stale_seconds=60),
         "bulk_find": lambda: ops.bulk_find(action="discard", view=matches_nothing),
         "wake_fleet": lambda: ops.wake_fleet(channel="receipts_role_test"),
-        "failure_groups": lambda: ops.failure_groups(limit=1, ready_cap=1),
+        "failure_groups": lambda: ops.failure_groups(limit=1, failed_cap=1, ready_cap=1),
         "attempt_rates": lambda: ops.attempt_rates(),
         "attempt_percentiles": lambda: ops.attempt_percentiles(),
         # A sample of the year 2000: the next one deletes it (older than two hours).

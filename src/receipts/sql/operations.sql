@@ -342,48 +342,50 @@ state = 'discarded',
 finished_at = statement_timestamp()
 
 -- name: failure_groups
--- Failed jobs grouped by cause: the first 60 characters of last_error (the
--- key of receipt_jobs_failed_cause, so 1,000,000 failed rows are grouped from
--- that index alone), with the count and when the first and last of them
--- failed. Ready jobs that carry an error (waiting for a retry, or a held
--- rejection) are grouped too, from at most %(ready_cap)s of them (the ready
--- set has no such index; `capped` says when the cap was reached). Each
--- group's reason and HTTP status are those of the latest attempt of its most
--- recent job (one probe per group). At most %(limit)s groups, largest first.
-WITH failed AS (
-  SELECT 'failed'::text AS state, left(j.last_error, 60) AS prefix, count(*) AS jobs,
-         min(j.finished_at) AS first_at, max(j.finished_at) AS last_at, false AS capped
+-- Failures grouped by cause: the first 60 characters of last_error (an
+-- error's status and message; what varies, an order id or a time, comes
+-- later). Bounded work whatever the table holds: the %(failed_cap)s most
+-- recent failed jobs (a range of receipt_jobs_failed, newest first) and at
+-- most %(ready_cap)s ready jobs that carry an error (waiting for a retry, or
+-- a held rejection; a range of the ready index), so a million failed rows
+-- cost what a hundred thousand do. `capped` says a side reached its bound
+-- (the counts are then of those rows). Each group has the count, when its
+-- first and last job failed (ready: their due times), and the reason and
+-- HTTP status of its most recent job's latest attempt (one probe per group).
+-- At most %(limit)s groups, largest first.
+WITH recent AS MATERIALIZED (
+  SELECT j.id, j.last_error, j.finished_at AS at
   FROM {schema}.receipt_jobs AS j
   WHERE j.state = 'failed'
-  GROUP BY left(j.last_error, 60)
-), ready_rows AS (
-  SELECT j.last_error, j.run_at
+  ORDER BY j.finished_at DESC, j.id DESC
+  LIMIT %(failed_cap)s
+), ready_rows AS MATERIALIZED (
+  SELECT j.id, j.last_error, j.run_at AS at
   FROM {schema}.receipt_jobs AS j
   WHERE j.state = 'ready' AND j.last_error IS NOT NULL
+  ORDER BY j.run_at, j.id
   LIMIT %(ready_cap)s
-), ready AS (
-  SELECT 'ready'::text AS state, left(r.last_error, 60) AS prefix, count(*) AS jobs,
-         min(r.run_at) AS first_at, max(r.run_at) AS last_at,
-         (SELECT count(*) FROM ready_rows) >= %(ready_cap)s AS capped
+), groups AS (
+  SELECT 'failed'::text AS state, left(r.last_error, 60) AS prefix, count(*) AS jobs,
+         min(r.at) AS first_at, max(r.at) AS last_at,
+         (SELECT count(*) FROM recent) >= %(failed_cap)s AS capped,
+         (array_agg(r.id ORDER BY r.at DESC))[1] AS newest
+  FROM recent AS r
+  GROUP BY left(r.last_error, 60)
+  UNION ALL
+  SELECT 'ready'::text, left(r.last_error, 60), count(*), min(r.at), max(r.at),
+         (SELECT count(*) FROM ready_rows) >= %(ready_cap)s,
+         (array_agg(r.id ORDER BY r.at DESC))[1]
   FROM ready_rows AS r
   GROUP BY left(r.last_error, 60)
-), groups AS (
-  SELECT * FROM failed UNION ALL SELECT * FROM ready
   ORDER BY jobs DESC, prefix
   LIMIT %(limit)s
 )
 SELECT g.state, g.prefix, g.jobs, g.first_at, g.last_at, g.capped, la.reason, la.status
 FROM groups AS g
 LEFT JOIN LATERAL (
-  SELECT j.id FROM {schema}.receipt_jobs AS j
-  WHERE g.state = 'failed' AND j.state = 'failed'
-    AND left(j.last_error, 60) = g.prefix
-  ORDER BY left(j.last_error, 60), j.finished_at DESC
-  LIMIT 1
-) AS newest ON true
-LEFT JOIN LATERAL (
   SELECT h.reason, h.status FROM {schema}.receipt_attempts AS h
-  WHERE h.job_id = newest.id ORDER BY h.seq DESC LIMIT 1
+  WHERE h.job_id = g.newest ORDER BY h.seq DESC LIMIT 1
 ) AS la ON true
 ORDER BY g.jobs DESC, g.prefix;
 

@@ -88,8 +88,10 @@ RECOVER_MAX_BATCHES = 100
 #: sessions and the chart's kept samples before it serves (a request with a session
 #: reads the list itself if this did not finish).
 STARTUP_READ_SECONDS = 3.0
-#: Failure groups shown at most, and ready jobs with an error grouped at most.
+#: Failure groups shown at most; the most recent failed jobs, and the ready jobs carrying
+#: an error, grouped at most (bounded work: 1,000,000 failed rows cost what these do).
 GROUPS_SHOWN = 200
+GROUPS_FAILED_CAP = 100_000
 GROUPS_READY_CAP = 100_000
 # C0/C1 controls and the bidirectional overrides/isolates (text that reorders itself).
 _UNPRINTABLE = re.compile("[\x00-\x08\x0b-\x1f\x7f-\x9f\u202a-\u202e\u2066-\u2069]")
@@ -526,8 +528,8 @@ async def failures(request: web.Request) -> web.Response:
         raise BadInput("the error search is at most 200 characters")
 
     async def load() -> list[dict[str, Any]]:
-        return await console.operations.failure_groups(limit=GROUPS_SHOWN,
-                                                       ready_cap=GROUPS_READY_CAP)
+        return await console.operations.failure_groups(
+            limit=GROUPS_SHOWN, failed_cap=GROUPS_FAILED_CAP, ready_cap=GROUPS_READY_CAP)
 
     groups = await console.lists.get("failure-groups", load)
     needle = query.casefold()
@@ -535,8 +537,11 @@ async def failures(request: web.Request) -> web.Response:
              and (not needle or needle in (g["prefix"] or "").casefold())]
     return _render(request, "failures.html", groups=shown, total=len(groups), state=state,
                    q=query, snapshot=snapshot, as_of=snapshot.as_of, live=True,
-                   capped=any(g["capped"] for g in groups), shown_max=GROUPS_SHOWN,
-                   ready_cap=GROUPS_READY_CAP, action_states=ACTION_STATES,
+                   failed_capped=any(g["capped"] for g in groups if g["state"] == "failed"),
+                   ready_capped=any(g["capped"] for g in groups if g["state"] == "ready"),
+                   shown_max=GROUPS_SHOWN, failed_cap=GROUPS_FAILED_CAP,
+                   ready_cap=GROUPS_READY_CAP, failed_total=snapshot.stats.failed,
+                   action_states=ACTION_STATES,
                    monitor_error=console.monitor.error, current_state="failures",
                    title="receipts console · failures by cause")
 
