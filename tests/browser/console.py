@@ -18,8 +18,8 @@ from receipts.metrics import start_server
 from receipts.model import AttemptRecord, Job, Reason
 from receipts.operations import Operations
 from receipts.ui import make_app
-from receipts.ui.app import CONSOLE, UiOptions
 from receipts.ui.session import UserHeader
+from receipts.ui.state import CONSOLE, UiOptions
 from tests.conftest import (
     Server,
     claim_jobs,

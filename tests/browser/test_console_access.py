@@ -38,7 +38,7 @@ def session_cookie(cookies: list[dict[str, object]]) -> str:
 
 async def test_signing_out_revokes_the_session_on_every_replica(
         ui: Served, page: Page) -> None:
-    from receipts.ui.app import CONSOLE
+    from receipts.ui.state import CONSOLE
 
     await sign_in(page, ui.url, TOKEN)
     # What someone copying the operator's session would hold: the cookie and a form's CSRF.
@@ -78,7 +78,7 @@ async def recover_with(url: str, cookie: str, csrf: str) -> httpx.Response:
 
 async def test_wrong_tokens_are_throttled_but_the_right_one_still_signs_in(
         ui: Served, page: Page) -> None:
-    from receipts.ui.app import CONSOLE
+    from receipts.ui.state import CONSOLE
 
     # Checks of a throttled address are paced (one a second, tests/unit covers it): not here.
     ui.app[CONSOLE].throttle.check_seconds = 0.0

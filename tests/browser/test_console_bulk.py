@@ -13,7 +13,7 @@ import httpx
 import psycopg
 
 from receipts.bulk import BulkPolicy
-from receipts.ui.app import UiOptions
+from receipts.ui.state import UiOptions
 from tests.browser.cdp import Page
 from tests.browser.console import TOKEN, serve
 from tests.conftest import Server, fetch_rows

@@ -14,7 +14,7 @@ import pytest
 
 from receipts.embedded import free_port
 from receipts.supervisor import Child, MetricSamples, Supervisor
-from receipts.ui.app import UiOptions
+from receipts.ui.state import UiOptions
 from receipts.worker import PAUSE_RECHECK_SECONDS
 from tests.browser.cdp import Page
 from tests.browser.console import TOKEN, serve

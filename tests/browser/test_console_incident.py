@@ -22,8 +22,8 @@ from receipts.bulk import BulkPolicy
 from receipts.embedded import free_port
 from receipts.metrics import start_server
 from receipts.ui import make_app
-from receipts.ui.app import CONSOLE, UiOptions
 from receipts.ui.chart import Sample
+from receipts.ui.state import CONSOLE, UiOptions
 from tests.browser.cdp import Page
 from tests.browser.console import SHOTS, TOKEN, Served, serve
 from tests.conftest import Server, claim_jobs, enqueue_many, fetch_rows

@@ -13,8 +13,8 @@ import pytest
 from receipts.db import make_pool
 from receipts.jobqueue import JobQueue
 from receipts.model import PauseReason
-from receipts.ui.app import CONSOLE, UiOptions
 from receipts.ui.chart import Sample
+from receipts.ui.state import CONSOLE, UiOptions
 from tests.browser.cdp import Page
 from tests.browser.console import TOKEN, Served, serve
 from tests.conftest import Server, claim_jobs, enqueue_many, fetch_rows, make_settings

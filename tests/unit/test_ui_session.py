@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from receipts.ui.app import clip, parse_filter
+from receipts.ui.display import clip
+from receipts.ui.form import parse_filter
 from receipts.ui.session import Sessions, host_allowed, is_loopback, same_origin
 
 TOKEN = "a-long-enough-admin-token"
@@ -73,7 +74,7 @@ def test_display_text_is_one_clipped_line_without_control_or_bidi_characters() -
 def test_filter_input_is_validated() -> None:
     import pytest
 
-    from receipts.ui.app import BadInput
+    from receipts.ui.form import BadInput
 
     view = parse_filter({"state": "failed", "status": "422", "q": " ord ",
                          "since": "2026-01-31T09:00"})
@@ -201,7 +202,7 @@ def test_the_chart_breaks_its_lines_over_gaps_and_describes_itself() -> None:
 
 
 def test_an_estimate_is_rounded_and_labelled() -> None:
-    from receipts.ui.app import rounded
+    from receipts.ui.display import rounded
 
     assert [rounded(v) for v in (42, 10_150, 123_456, 1_234_567)] == [
         "42", "10,000", "120,000", "1.2 million"]
