@@ -183,6 +183,7 @@ async def test_a_manual_pause_reaches_metrics_at_once_and_keeps_the_lag_alerts_s
                 await page.click("#pause-fleet")
                 took = await until("manual pause on /metrics", lambda: _all(
                     [worker], lambda s: manual(s) == 1), 10)
+                print(f"\n[measure] manual pause on the worker's /metrics after {took:.2f} s")
                 assert took <= GAUGE_SECONDS, f"the gauge took {took:.1f} s"
 
                 # Receipts pile up behind the pause: the lag passes the scaled threshold...
