@@ -26,7 +26,9 @@ actions"):
   one database session's time.
 
 :func:`start` records a confirmed action and :func:`run` drives it;
-:func:`resume` takes over a stopped or abandoned one.
+:func:`resume` takes over a stopped or abandoned one on an operator's click,
+and :func:`adopt` takes over, by itself, one that a page shutting down
+released or a killed page abandoned.
 """
 
 from __future__ import annotations
@@ -205,10 +207,38 @@ async def run(operations: Operations, action: dict[str, Any], runner: uuid.UUID,
     return progress
 
 
+async def adopt(operations: Operations, *, policy: BulkPolicy,
+                running: set[uuid.UUID]) -> list[tuple[dict[str, Any], uuid.UUID]]:
+    """Take over the running actions nobody runs, without a click.
+
+    An action is orphaned when the page that ran it released it as it shut
+    down (``bulk_release``: taken at once) or was killed (no batch for
+    ``policy.stale_seconds``). *running* are the ids this process runs
+    already (skipped). ``bulk_take`` lets one page win each action. Returns
+    (row, new runner) of each action taken; logs ``bulk_action_adopted``.
+    Raises the queue's errors.
+    """
+    taken = []
+    for action_id in await operations.bulk_orphans(stale_seconds=policy.stale_seconds):
+        if action_id in running:
+            continue
+        runner = uuid.uuid4()
+        row = await operations.bulk_take(action_id, runner=runner,
+                                         stale_seconds=policy.stale_seconds)
+        if row is None:  # another page took it first
+            continue
+        log.info("bulk_action_adopted", extra={
+            "action_id": str(action_id), "action": row["action"], "examined": row["examined"],
+            "changed": row["changed"], "expected": row["expected"], "by": row["created_by"]})
+        taken.append((row, runner))
+    return taken
+
+
 def describe_filter(view: ReviewFilter) -> str:
     """The filter as one line of ``name=value`` pairs (for logs and pages)."""
     parts = [f"state={view.state}"]
-    for name in ("reason", "status", "since", "until", "order_contains", "cutoff"):
+    for name in ("reason", "status", "since", "until", "order_contains", "error_prefix",
+                 "cutoff"):
         value = getattr(view, name)
         if value is not None:
             parts.append(f"{name}={value.isoformat() if isinstance(value, datetime) else value}")

@@ -78,7 +78,8 @@ COMMAND_SETTINGS: dict[str, tuple[str, ...]] = {
     "enqueue": _CONNECTION,
     "jobs": (*_CONNECTION, "provider_rate_limit_per_second", "provider_burst"),
     "ui": (*_CONNECTION, "ui_host", "ui_port", "ui_admin_token", "ui_viewer_token",
-           "ui_anonymous_read", "ui_pool_max_size", "ui_refresh_seconds", "max_attempts",
+           "ui_anonymous_read", "ui_pool_max_size", "ui_refresh_seconds", "ui_user_header",
+           "ui_trusted_proxies", "max_attempts",
            "lease_seconds", "recovery_delay_seconds", "recovery_batch_size",
            "provider_rate_limit_per_second", "provider_burst"),
 }

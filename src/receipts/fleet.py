@@ -26,11 +26,14 @@ The rules:
 
 from __future__ import annotations
 
+import contextlib
 import getpass
 import re
 import socket
 from datetime import datetime
 
+from receipts.enqueue import NOTIFY_CHANNEL
+from receipts.errors import QueueError
 from receipts.logs import get_logger
 from receipts.operations import Operations, PauseOutcome, ResumeOutcome
 
@@ -120,6 +123,12 @@ async def pause(operations: Operations, *, seconds: float, note: str, author: st
     checked = check_note(note)
     outcome = await operations.pause_fleet(seconds, note=checked, paused_by=author[:100],
                                            replace=replace)
+    if outcome.paused:
+        # Workers learn of a pause from their next claim; wake them for one now, so their
+        # gauges (and the alerts that read them) follow within a moment. Best effort: the
+        # pause holds anyway, and they see it at their next poll.
+        with contextlib.suppress(QueueError):
+            await operations.wake_fleet(channel=NOTIFY_CHANNEL)
     log.warning("fleet_paused" if outcome.paused else "fleet_pause_refused", extra={
         "by": author[:100], "note": checked, "seconds": seconds, "replace": replace,
         "until": outcome.paused_until.isoformat() if outcome.paused_until else None,

@@ -72,8 +72,9 @@ MIGRATIONS = "receipts_schema_migrations"
 WORKERS = "receipt_workers"
 BULK_ACTIONS = "receipt_bulk_actions"
 UI_REVOKED = "receipt_ui_revoked"
+UI_SAMPLES = "receipt_ui_samples"
 #: Every table the migrations create, in creation order.
-TABLES = (MIGRATIONS, JOBS, FLOW, ATTEMPTS, WORKERS, BULK_ACTIONS, UI_REVOKED)
+TABLES = (MIGRATIONS, JOBS, FLOW, ATTEMPTS, WORKERS, BULK_ACTIONS, UI_REVOKED, UI_SAMPLES)
 #: The SQL function of the enqueue API (migrations 0004, 0006, 0009), by signature.
 ENQUEUE_FUNCTION = "receipts_enqueue(text, timestamptz, text)"
 #: The effective pause reason (migration 0008), which the statements that read the
@@ -251,6 +252,15 @@ STATEMENTS: dict[str, Need] = {
     "bulk_recent": Need(_V, select=(BULK_ACTIONS,)),
     "bulk_take": Need(_V, select=(BULK_ACTIONS,), update=(BULK_ACTIONS,)),
     "bulk_stop": Need(_V, select=(BULK_ACTIONS,), update=(BULK_ACTIONS,)),
+    "wake_fleet": Need(_V),
+    "bulk_release": Need(_V, select=(BULK_ACTIONS,), update=(BULK_ACTIONS,)),
+    "bulk_orphans": Need(_V, select=(BULK_ACTIONS,)),
+    "bulk_find": Need(_V, select=(BULK_ACTIONS,)),
+    "failure_groups": Need(_V, select=(JOBS, ATTEMPTS)),
+    "attempt_rates": Need(_V, select=(ATTEMPTS,)),
+    "attempt_percentiles": Need(_V, select=(ATTEMPTS,)),
+    "ui_sample": Need(_V, select=(UI_SAMPLES,), insert=(UI_SAMPLES,), delete=(UI_SAMPLES,)),
+    "ui_samples": Need(_V, select=(UI_SAMPLES,)),
     "bulk_fail": Need(_V, select=(BULK_ACTIONS,), update=(BULK_ACTIONS,)),
     # One batch: the jobs get retry_effect (_RETRIED) or discard_effect (_DISCARDED).
     "bulk_step": Need(_V, select=(BULK_ACTIONS, JOBS, ATTEMPTS), update=(BULK_ACTIONS,),

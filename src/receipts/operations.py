@@ -60,6 +60,8 @@ class ReviewFilter:
         since, until: the time column (``finished_at``; ``run_at`` for ready
             jobs) within [since, until).
         order_contains: a plain substring of the order id.
+        error_prefix: a failure group's key: the first 60 characters of
+            ``last_error`` (``failure_groups``).
 
     None means "any" for every field but ``state``.
     """
@@ -72,6 +74,7 @@ class ReviewFilter:
     order_contains: str | None = None
     cutoff: datetime | None = None
     expired: bool | None = None
+    error_prefix: str | None = None
 
     @property
     def key(self) -> str:
@@ -89,7 +92,8 @@ class ReviewFilter:
         """The statement parameters of ``review_matching``."""
         return {"reason": self.reason, "status": self.status, "since": self.since,
                 "until": self.until, "order_contains": self.order_contains or None,
-                "cutoff": self.cutoff, "expired": self.expired}
+                "cutoff": self.cutoff, "expired": self.expired,
+                "error_prefix": self.error_prefix}
 
 
 #: The time column each state's list is ordered by (its partial index's key).
@@ -212,6 +216,7 @@ def bulk_view(action: dict[str, Any]) -> ReviewFilter:
     return ReviewFilter(state=JobState(action["job_state"]), reason=action["reason"],
                         status=action["http_status"], since=action["since"],
                         until=action["until"], order_contains=action["order_contains"],
+                        error_prefix=action.get("error_prefix"),
                         cutoff=action["cutoff"])
 
 
@@ -478,6 +483,11 @@ class Operations:
             "replace": bool(replace)})
         return PauseOutcome(row["paused_until"], row["previous_reason"], row["previous_until"])
 
+    async def wake_fleet(self, *, channel: str) -> None:
+        """Notify *channel* (the workers' wake-up channel) from this short transaction."""
+        async with self._conn() as conn:
+            await conn.execute(self._q("wake_fleet"), {"channel": channel})
+
     async def resume_fleet(self, *, expected_until: datetime | None = None) -> ResumeOutcome:
         """Lift the fleet's pause, whatever its reason (``resume_fleet``).
 
@@ -522,7 +532,8 @@ class Operations:
         (row,) = await self._dicts(self._q("bulk_create"), {
             "id": uuid.uuid4(), "action": action, "job_state": str(view.state),
             "reason": view.reason, "http_status": view.status, "since": view.since,
-            "until": view.until, "order_contains": view.order_contains, "cutoff": view.cutoff,
+            "until": view.until, "order_contains": view.order_contains,
+            "error_prefix": view.error_prefix, "cutoff": view.cutoff,
             "expected": expected, "runner": runner, "created_by": created_by[:100]})
         return row
 
@@ -540,6 +551,28 @@ class Operations:
         """Make *runner* the owner of a stopped, failed or abandoned action; its row, or None."""
         rows = await self._dicts(self._q("bulk_take"), {
             "id": action_id, "runner": runner, "stale_seconds": float(stale_seconds)})
+        return rows[0] if rows else None
+
+    async def bulk_release(self, action_id: uuid.UUID, *, runner: uuid.UUID) -> bool:
+        """Hand *runner*'s running action to whichever page takes it next (at once, not
+        after the stale time); False when *runner* no longer owned it running."""
+        return bool(await self._dicts(self._q("bulk_release"), {"id": action_id,
+                                                                "runner": runner}))
+
+    async def bulk_orphans(self, *, stale_seconds: float) -> list[uuid.UUID]:
+        """Ids of running actions nobody runs: released, or silent for *stale_seconds*
+        (≤ 10, oldest first)."""
+        rows = await self._dicts(self._q("bulk_orphans"), {"stale_seconds": float(stale_seconds)})
+        return [r["id"] for r in rows]
+
+    async def bulk_find(self, *, action: str, view: ReviewFilter) -> dict[str, Any] | None:
+        """The action already confirmed with this action, filter and ``view.cutoff``, or None
+        (a form sent twice finds the first one's action)."""
+        rows = await self._dicts(self._q("bulk_find"), {
+            "action": action, "job_state": str(view.state), "reason": view.reason,
+            "http_status": view.status, "since": view.since, "until": view.until,
+            "order_contains": view.order_contains, "error_prefix": view.error_prefix,
+            "cutoff": view.cutoff})
         return rows[0] if rows else None
 
     async def bulk_stop(self, action_id: uuid.UUID) -> bool:
@@ -576,3 +609,35 @@ class Operations:
         r = rows[0]
         return BulkStep(int(r["examined"]), int(r["changed"]), r["status"], r["cursor_at"],
                         r["cursor_id"], int(r["batch_changed"]), list(r["changed_ids"] or []))
+
+    # ------------------------------------------------------- the console
+
+    async def failure_groups(self, *, limit: int = 200, failed_cap: int = 100_000,
+                             ready_cap: int = 100_000) -> list[dict[str, Any]]:
+        """The most recent *failed_cap* failed jobs and at most *ready_cap* ready jobs
+        carrying an error, grouped by the first 60 characters of ``last_error``: dicts
+        of ``state``, ``prefix``, ``jobs``, ``first_at``, ``last_at``, ``capped`` (a
+        bound was reached), ``reason`` and ``status`` (of the group's most recent
+        job); at most *limit*, largest first."""
+        return await self._dicts(self._q("failure_groups"), {
+            "limit": int(limit), "failed_cap": int(failed_cap), "ready_cap": int(ready_cap)})
+
+    async def attempt_rates(self, *, since: datetime | None = None) -> list[dict[str, Any]]:
+        """Attempts per minute since *since* (at most the last hour): dicts of ``minute``,
+        ``attempts``, ``delivered``, ``p50`` and ``p95`` (attempt time, seconds)."""
+        return await self._dicts(self._q("attempt_rates"), {"since": since})
+
+    async def attempt_percentiles(self) -> dict[str, Any]:
+        """The last hour's ``delivered``, ``attempts``, ``p50`` and ``p95`` (seconds)."""
+        (row,) = await self._dicts(self._q("attempt_percentiles"))
+        return row
+
+    async def ui_sample(self, *, at: datetime, ready: int, running: int, failed: int) -> None:
+        """Keep the queue-depth sample of *at*'s minute (the first writer of a minute wins)."""
+        async with self._conn() as conn:
+            await conn.execute(self._q("ui_sample"), {"at": at, "ready": ready,
+                                                      "running": running, "failed": failed})
+
+    async def ui_samples(self) -> list[dict[str, Any]]:
+        """The kept queue-depth samples of the last hour, oldest first."""
+        return await self._dicts(self._q("ui_samples"))

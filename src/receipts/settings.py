@@ -291,6 +291,30 @@ class Settings(BaseSettings):
         description="How often the review page refreshes itself and its shared summary "
                     "(every viewer shares one reading per interval).",
     )
+    ui_user_header: str = Field(
+        default="X-Forwarded-User", min_length=1, max_length=100,
+        pattern=r"^[A-Za-z0-9-]+$",
+        description="Header in which an authenticating proxy (oauth2-proxy, an Ingress with "
+                    "external auth) names the signed-in user, for the pause's author, bulk "
+                    "actions and the audit log; believed only from "
+                    "RECEIPTS_UI_TRUSTED_PROXIES (e.g. X-Auth-Request-User).",
+    )
+    ui_trusted_proxies: str = Field(
+        default="",
+        description="Comma-separated addresses or CIDR networks of the authenticating proxy "
+                    "whose RECEIPTS_UI_USER_HEADER the review page believes (e.g. "
+                    "10.0.0.0/8); empty: the header is ignored and sessions name the actor.",
+    )
+
+    @field_validator("ui_trusted_proxies")
+    @classmethod
+    def _valid_proxies(cls, value: str) -> str:
+        # The page's rule, in one place; receipts.ui pulls in aiohttp and jinja2, which
+        # the base install (enqueue only) leaves out, so only when a value is checked.
+        from receipts.ui.session import parse_networks
+
+        parse_networks(value)
+        return value
 
     @field_validator("database_url")
     @classmethod

@@ -18,7 +18,8 @@ from receipts.metrics import start_server
 from receipts.model import AttemptRecord, Job, Reason
 from receipts.operations import Operations
 from receipts.ui import make_app
-from receipts.ui.app import CONSOLE, UiOptions
+from receipts.ui.session import UserHeader
+from receipts.ui.state import CONSOLE, UiOptions
 from tests.conftest import (
     Server,
     claim_jobs,
@@ -96,7 +97,8 @@ async def seed(dsn: str, queue: JobQueue) -> dict[str, Job]:
 async def serve(pg18: Server, admin_token: str | None, *, viewer_token: str | None = None,
                 options: UiOptions | None = None, loopback_only: bool = True,
                 seeded: bool = True, pool_size: int = 4,
-                settings: dict[str, object] | None = None) -> AsyncIterator[Served]:
+                settings: dict[str, object] | None = None,
+                user_header: UserHeader | None = None) -> AsyncIterator[Served]:
     """The console over a fresh database (seeded with :func:`seed` unless told not to);
     *settings* override the test settings of its pool (say, the statement timeout)."""
     dsn = pg18.new_database()
@@ -106,7 +108,8 @@ async def serve(pg18: Server, admin_token: str | None, *, viewer_token: str | No
     jobs = await seed(dsn, queue) if seeded else {}
     port = free_port()
     app = make_app(queue, Operations(pool), admin_token=admin_token,
-                   viewer_token=viewer_token, loopback_only=loopback_only, options=options)
+                   viewer_token=viewer_token, loopback_only=loopback_only, options=options,
+                   user_header=user_header)
     runner = await start_server(app, port, host="127.0.0.1")
     try:
         yield Served(dsn, queue, port, jobs, app)

@@ -14,7 +14,7 @@ import psycopg
 import pytest
 
 from receipts.bulk import BulkPolicy
-from receipts.ui.app import UiOptions
+from receipts.ui.state import UiOptions
 from tests.browser.cdp import Page
 from tests.browser.console import TOKEN, serve
 from tests.conftest import Server, fetch_rows

@@ -14,10 +14,11 @@ import pytest
 
 from receipts.embedded import free_port
 from receipts.supervisor import Child, MetricSamples, Supervisor
-from receipts.ui.app import UiOptions
+from receipts.ui.state import UiOptions
 from receipts.worker import PAUSE_RECHECK_SECONDS
 from tests.browser.cdp import Page
 from tests.browser.console import TOKEN, serve
+from tests.browser.prometheus import Prometheus, scaled_rules
 from tests.conftest import Server, enqueue_many, fetch_rows
 
 #: How long past its recheck interval a worker may take to notice (a claim in flight, a
@@ -88,7 +89,10 @@ async def test_a_pause_from_the_page_stops_two_worker_processes_and_a_resume_res
             holders = await page.eval(
                 "[...document.querySelectorAll('table.jobs td[data-label=\"Held by\"]')]"
                 ".map(e => e.innerText)")
-            assert holders and set(holders) == {socket.gethostname()}
+            # Each holder names its pod and its process (host name, pid and tag).
+            pids = {str(w.pid) for w in workers}
+            assert holders and all(h.startswith(socket.gethostname() + " pid ")
+                                   and h.split("pid ")[1].split()[0] in pids for h in holders)
 
             # Pause from the page.
             await page.goto(ui.url + "/login")
@@ -135,3 +139,62 @@ async def _all(workers: list[Child], check: Callable[[MetricSamples], bool]) -> 
 async def _all_pairs(workers: list[Child], values: list[float],
                      check: Callable[[MetricSamples, float], bool]) -> bool:
     return all(check(s, v) for s, v in zip(await scrape_all(workers), values, strict=True))
+
+
+# ------------------------------------------------ a manual pause, its gauge and the alerts
+
+#: How soon (seconds) a worker's /metrics must say a manual pause is in force.
+GAUGE_SECONDS = 2.5
+#: The shipped rules with their durations and thresholds divided by this (queueLagSeconds
+#: 300 → 5 s, queueLagFor 5m → 5 s, manualPauseGrace 15m → 15 s).
+RULE_SCALE = 60
+
+
+def manual(samples: MetricSamples) -> float:
+    return samples.value("receipts_provider_paused", reason="manual")
+
+
+@pytest.mark.slow
+async def test_a_manual_pause_reaches_metrics_at_once_and_keeps_the_lag_alerts_silent(
+        pg18: Server, page: Page, tmp_path: Path) -> None:
+    async with serve(pg18, TOKEN, options=UiOptions(refresh_seconds=1.0), seeded=False) as ui:
+        with Supervisor(tmp_path) as sup:
+            port = free_port()
+            provider = sup.start("provider", ["provider", "--port", str(port)], port=port)
+            await asyncio.to_thread(provider.wait_healthy)
+            metrics_port = free_port()
+            worker = sup.start("worker", ["worker"], {
+                "RECEIPTS_DATABASE_URL": ui.dsn, "RECEIPTS_PROVIDER_URL": provider.url("/r"),
+                "RECEIPTS_METRICS_PORT": str(metrics_port)}, port=metrics_port)
+            await asyncio.to_thread(worker.wait_healthy)
+            await until("the worker polls", lambda: _all(
+                [worker], lambda s: s.total("receipts_claims_total") >= 2), 30)
+            rules = tmp_path / "rules.yaml"
+            rules.write_text(scaled_rules(RULE_SCALE))
+            with Prometheus(tmp_path, rules, [f"127.0.0.1:{metrics_port}"]) as prometheus:
+                await asyncio.to_thread(prometheus.wait_ready)
+
+                # An idle worker (its waker heard, so it polls every few seconds) learns of
+                # the pause at once: the pause wakes the fleet.
+                await page.goto(ui.url + "/login")
+                await page.type("input[name=token]", TOKEN)
+                await page.click("form.confirm button")
+                await page.goto(ui.url + "/")
+                await page.type("#pause-note-input", "provider maintenance")
+                await page.click("#pause-fleet")
+                took = await until("manual pause on /metrics", lambda: _all(
+                    [worker], lambda s: manual(s) == 1), 10)
+                print(f"\n[measure] manual pause on the worker's /metrics after {took:.2f} s")
+                assert took <= GAUGE_SECONDS, f"the gauge took {took:.1f} s"
+
+                # Receipts pile up behind the pause: the lag passes the scaled threshold...
+                enqueue_many(ui.dsn, [f"held-back-{i}" for i in range(20)])
+                await until("lag above the threshold in Prometheus", lambda: prometheus.value(
+                    "max(receipts_queue_lag_seconds) > 5") is not None, 60)
+                # ... for longer than the alert's `for:`, and no lag alert fires or waits.
+                seen = await prometheus.evaluations_after(12.0)
+                assert seen["evaluations"] >= 5
+                assert not {"ReceiptsQueueLagHigh", "ReceiptsOldestUndeliveredTooOld"} & set(
+                    seen["alerts"]), seen
+                assert prometheus.value(
+                    'max(receipts_provider_paused{reason="manual"}) == 1') is not None

@@ -56,7 +56,7 @@ async def ui(request: pytest.FixtureRequest, pg18: Server) -> AsyncIterator[Serv
 async def check_page(page: Page, name: str, mode: str, width: int, axe_source: str) -> None:
     """Photograph the page and check its layout, title and accessibility."""
     await page.screenshot(SHOTS / f"{name}-{mode}-{width}.png")
-    assert await page.overflow() == 0, f"{name} ({mode}, {width} px) scrolls sideways"
+    assert await page.overflow() <= 0, f"{name} ({mode}, {width} px) scrolls sideways"
     tallest = await page.eval("Math.max(0, ...[...document.querySelectorAll('tbody tr')]"
                               ".map(r => r.getBoundingClientRect().height))")
     assert tallest <= MAX_ROW_PX, f"{name} ({mode}, {width} px): a row is {tallest} px tall"
@@ -104,6 +104,32 @@ async def test_every_page_is_readable_at_both_widths(
             fetch_rows(ui.dsn, "UPDATE receipt_jobs SET state = 'failed', finished_at = now()"
                                " WHERE state = 'discarded' RETURNING 1")
             await ui.reread()
+
+
+@pytest.mark.slow
+async def test_every_page_is_readable_in_the_dark_scheme(
+        ui: Served, page: Page, axe_source: str) -> None:
+    """The same checks with the system asking for dark colours (prefers-color-scheme)."""
+    mode = ui.mode  # type: ignore[attr-defined]
+    await page.send("Emulation.setEmulatedMedia", features=[
+        {"name": "prefers-color-scheme", "value": "dark"}])
+    if mode == "admin":
+        await page.goto(ui.url + "/login")
+        await page.type("input[name=token]", TOKEN)
+        await page.click("form.confirm button")
+    pages = {"console-failed": "/?state=failed", "console-running": "/?state=running",
+             "failures": "/failures", "job-long-order": f"/jobs/{ui_job_id(ui, LONG_ORDER)}"}
+    for width in WIDTHS:
+        await page.viewport(width)
+        for name, path in pages.items():
+            await page.goto(ui.url + path)
+            assert await page.eval("getComputedStyle(document.body).backgroundColor"
+                                   ) == "rgb(20, 24, 29)"
+            await check_page(page, f"{name}-dark", mode, width, axe_source)
+        if mode == "admin":
+            await page.goto(ui.url + "/?state=failed")
+            await page.click("button[value='discard:filter']")
+            await check_page(page, "confirm-dark", mode, width, axe_source)
 
 
 @pytest.mark.slow

@@ -13,8 +13,8 @@ import pytest
 from receipts.db import make_pool
 from receipts.jobqueue import JobQueue
 from receipts.model import PauseReason
-from receipts.ui.app import CONSOLE, UiOptions
 from receipts.ui.chart import Sample
+from receipts.ui.state import CONSOLE, UiOptions
 from tests.browser.cdp import Page
 from tests.browser.console import TOKEN, Served, serve
 from tests.conftest import Server, claim_jobs, enqueue_many, fetch_rows, make_settings
@@ -255,6 +255,7 @@ async def test_the_chart_draws_the_sampled_hour_on_the_server(ui: Served, page: 
     assert "exceptionDetails" not in lines
     doc = await page.send("DOM.getDocument", depth=-1)
     html = (await page.send("DOM.getOuterHTML", nodeId=doc["root"]["nodeId"]))["outerHTML"]
-    svg = html[html.index("<svg class=\"depth\""):html.index("</svg>")]
+    start = html.index("<svg class=\"depth\"")
+    svg = html[start:html.index("</svg>", start)]
     assert svg.count("<polyline") == 3
     assert "over the last 60 minutes: ready 1 to 1 (highest 60)" in svg

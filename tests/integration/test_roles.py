@@ -524,7 +524,7 @@ def _review_page_reads_and_acts(install: Install) -> None:
             running = http.get("/?state=running", headers=session)
             assert running.status_code == 200 and "cmd-003" in running.text
             # The lease's holder, from receipt_workers by the tag the token ends in.
-            assert f'<td data-label="Held by"><bdi>{pod}</bdi></td>' in running.text
+            assert f'<td data-label="Held by" class="holder"><bdi>{pod}</bdi>' in running.text
             assert http.get(f"/jobs/{expired}", headers=session).status_code == 200
             live = http.get("/?state=running", headers=session | {"X-Receipts-Live": "1"})
             assert live.status_code == 200 and "cmd-003" in live.text
@@ -763,6 +763,17 @@ def exercises(role: Role) -> dict[str, Callable[[], Awaitable[Any]]]:
         "bulk_fail": lambda: ops.bulk_fail(nobody, runner=nobody, error="role test"),
         "bulk_step": lambda: ops.bulk_step(_unowned_action(), runner=nobody, batch=1,
                                            after=None),
+        "bulk_release": lambda: ops.bulk_release(nobody, runner=nobody),
+        "bulk_orphans": lambda: ops.bulk_orphans(stale_seconds=60),
+        "bulk_find": lambda: ops.bulk_find(action="discard", view=matches_nothing),
+        "wake_fleet": lambda: ops.wake_fleet(channel="receipts_role_test"),
+        "failure_groups": lambda: ops.failure_groups(limit=1, failed_cap=1, ready_cap=1),
+        "attempt_rates": lambda: ops.attempt_rates(),
+        "attempt_percentiles": lambda: ops.attempt_percentiles(),
+        # A sample of the year 2000: the next one deletes it (older than two hours).
+        "ui_sample": lambda: ops.ui_sample(at=datetime(2000, 1, 1, tzinfo=UTC), ready=0,
+                                           running=0, failed=0),
+        "ui_samples": lambda: ops.ui_samples(),
     }
 
 

@@ -12,8 +12,8 @@ from receipts.db import make_pool
 from receipts.errors import DatabaseUnavailable
 from receipts.jobqueue import JobQueue
 from receipts.operations import Operations
-from receipts.ui.app import ListCache
 from receipts.ui.monitor import Monitor
+from receipts.ui.state import ListCache
 from tests.conftest import enqueue_many, make_settings
 
 

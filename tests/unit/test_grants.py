@@ -17,6 +17,7 @@ from receipts.grants import (
     KINDS,
     STATEMENTS,
     UI_REVOKED,
+    UI_SAMPLES,
     WORKERS,
     GrantsError,
     Right,
@@ -105,7 +106,7 @@ def test_the_enqueue_roles_get_column_rights_that_leave_state_and_lease_alone():
 
 def test_no_kind_may_delete_jobs_or_history_and_no_service_may_insert_jobs():
     """Pruning goes through receipts_prune() (finished rows past retention only)."""
-    own = {"worker": {WORKERS}, "review": {BULK_ACTIONS, UI_REVOKED}}
+    own = {"worker": {WORKERS}, "review": {BULK_ACTIONS, UI_REVOKED, UI_SAMPLES}}
     for kind in set(KINDS) - {"owner"}:
         deletes = {r.obj for r in rights(kind) if r.privilege == "DELETE"}
         assert deletes == own.get(kind, set()), kind
@@ -143,7 +144,7 @@ def test_the_review_role_updates_only_the_columns_its_actions_write():
     # Recover now: the history record of an expired lease, through the function.
     assert Right(grants.RECORD_FUNCTION, "EXECUTE") in review
     assert {r.obj for r in review if r.privilege == "SELECT"} == {
-        JOBS, FLOW, ATTEMPTS, WORKERS, BULK_ACTIONS, UI_REVOKED}
+        JOBS, FLOW, ATTEMPTS, WORKERS, BULK_ACTIONS, UI_REVOKED, UI_SAMPLES}
 
 
 def test_the_worker_alone_writes_heartbeats_and_nothing_of_the_console():
@@ -163,7 +164,8 @@ def test_the_printed_text_revokes_first_then_grants_each_table_once():
     assert lines[1] == ('REVOKE ALL ON TABLE "shop".receipts_schema_migrations, '
                         '"shop".receipt_jobs, "shop".receipt_flow, "shop".receipt_attempts, '
                         '"shop".receipt_workers, "shop".receipt_bulk_actions, '
-                        '"shop".receipt_ui_revoked FROM "receipts_worker";')
+                        '"shop".receipt_ui_revoked, "shop".receipt_ui_samples '
+                        'FROM "receipts_worker";')
     assert ('GRANT SELECT, UPDATE (attempts, finished_at, in_progress_count, last_error, '
             'last_token, lease_token, lease_until, run_at, state) ON TABLE "shop".receipt_jobs '
             'TO "receipts_worker";') in lines

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
-from receipts.ui.app import clip, parse_filter
+import pytest
+
+from receipts.ui.display import clip
+from receipts.ui.form import parse_filter
 from receipts.ui.session import Sessions, host_allowed, is_loopback, same_origin
 
 TOKEN = "a-long-enough-admin-token"
@@ -71,7 +74,7 @@ def test_display_text_is_one_clipped_line_without_control_or_bidi_characters() -
 def test_filter_input_is_validated() -> None:
     import pytest
 
-    from receipts.ui.app import BadInput
+    from receipts.ui.form import BadInput
 
     view = parse_filter({"state": "failed", "status": "422", "q": " ord ",
                          "since": "2026-01-31T09:00"})
@@ -140,6 +143,36 @@ def test_wrong_tokens_are_throttled_per_client_within_a_window() -> None:
     assert "c" not in throttle._seen and len(throttle._seen) == 2
 
 
+def test_a_throttled_address_gets_one_check_a_second_not_a_lock() -> None:
+    from receipts.ui.session import SignInThrottle
+
+    now = [1000.0]
+    throttle = SignInThrottle(failures=2, window_seconds=60, check_seconds=1.0,
+                              clock=lambda: now[0])
+    assert throttle.may_check("a") and throttle.may_check("a")  # not throttled: always
+    throttle.failed("a")
+    throttle.failed("a")
+    assert throttle.may_check("a")  # throttled: the first check of this second
+    assert not throttle.may_check("a")  # a second one within it is not checked
+    now[0] += 1.0
+    assert throttle.may_check("a")
+    assert throttle.may_check("b")  # another address is not paced
+
+
+def test_a_trusted_header_names_the_user_only_from_a_configured_proxy() -> None:
+    from receipts.ui.session import UserHeader, parse_networks
+
+    header = UserHeader("X-Forwarded-User", parse_networks("10.0.0.0/8, 127.0.0.2"))
+    assert header.user("10.1.2.3", "alice@example.com") == "alice@example.com"
+    assert header.user("127.0.0.2", " bob ") == "bob"
+    assert header.user("127.0.0.1", "mallory") is None  # not the proxy: a client could send it
+    assert header.user("10.1.2.3", None) is None and header.user(None, "x") is None
+    assert header.user("10.1.2.3", "eve\u202e\x07" + "e" * 100) == "eve" + "e" * 61
+    assert UserHeader("X-Forwarded-User", ()).user("10.1.2.3", "alice") is None
+    with pytest.raises(ValueError, match="not an IP address"):
+        parse_networks("10.0.0.0/8, proxy.internal")
+
+
 def test_a_secure_cookie_sticks_over_https_behind_a_proxy_and_on_localhost_only() -> None:
     from receipts.ui.session import keeps_secure_cookie
 
@@ -169,7 +202,7 @@ def test_the_chart_breaks_its_lines_over_gaps_and_describes_itself() -> None:
 
 
 def test_an_estimate_is_rounded_and_labelled() -> None:
-    from receipts.ui.app import rounded
+    from receipts.ui.display import rounded
 
     assert [rounded(v) for v in (42, 10_150, 123_456, 1_234_567)] == [
         "42", "10,000", "120,000", "1.2 million"]

@@ -62,7 +62,9 @@ ORDER BY seq DESC;
 -- bulk action's confirmation time bounds (finished_at; created_at for ready
 -- and running jobs: a job that reaches the state after the confirmation is
 -- never part of it). A NULL parameter means "any"; order_contains is a plain
--- substring (no patterns); expired picks running jobs whose lease has (true)
+-- substring (no patterns); error_prefix is a failure group's key (the first
+-- 60 characters of last_error, as failure_groups); expired picks running jobs
+-- whose lease has (true)
 -- or has not (false) run out.
 j.state = {state}
 AND (%(reason)s::text IS NULL OR la.reason = %(reason)s::text)
@@ -70,6 +72,7 @@ AND (%(status)s::int IS NULL OR la.status = %(status)s::int)
 AND (%(since)s::timestamptz IS NULL OR j.{key} >= %(since)s::timestamptz)
 AND (%(until)s::timestamptz IS NULL OR j.{key} < %(until)s::timestamptz)
 AND (%(order_contains)s::text IS NULL OR strpos(j.order_id, %(order_contains)s::text) > 0)
+AND (%(error_prefix)s::text IS NULL OR left(j.last_error, 60) = %(error_prefix)s::text)
 AND (%(cutoff)s::timestamptz IS NULL OR j.{cutoff_key} <= %(cutoff)s::timestamptz)
 AND (%(expired)s::bool IS NULL
      OR (j.lease_until <= statement_timestamp()) = %(expired)s::bool)
@@ -83,7 +86,8 @@ AND (%(expired)s::bool IS NULL
 -- a token written by a worker that sends no heartbeat.
 SELECT j.id, j.order_id, j.state, j.attempts, j.run_at, j.last_error, j.created_at,
        j.finished_at, j.lease_until, j.lease_until <= statement_timestamp() AS expired,
-       j.{key} AS sort_at, la.reason, la.status, w.pod AS holder
+       j.{key} AS sort_at, la.reason, la.status, w.pod AS holder, w.pid AS holder_pid,
+       right(j.lease_token::text, 8) AS holder_tag
 FROM {schema}.receipt_jobs AS j
 LEFT JOIN LATERAL (
   SELECT h.reason, h.status FROM {schema}.receipt_attempts AS h
@@ -251,6 +255,15 @@ SELECT (SELECT paused_until FROM paused) AS paused_until,
        old.effective_reason AS previous_reason, old.paused_until AS previous_until
 FROM old;
 
+-- name: wake_fleet
+-- After an operator's pause: wake every worker's LISTEN session
+-- (%(channel)s is receipts_ready), so each claims once now, learns of the
+-- pause from the claim and says so on /metrics (receipts_provider_paused
+-- {reason="manual"}, which silences the lag alerts) within a moment instead
+-- of its next poll, seconds later. An operator's own short transaction, never
+-- an order's.
+SELECT pg_notify(%(channel)s, '');
+
 -- name: resume_fleet
 -- An operator lifts the pause, whatever its reason: every pause column is
 -- cleared and the next claim of every worker claims again (no probe). With
@@ -314,10 +327,11 @@ WITH old AS (
   WHERE finished_at < statement_timestamp() - interval '90 days'
 )
 INSERT INTO {schema}.receipt_bulk_actions
-  (id, action, job_state, reason, http_status, since, until, order_contains, cutoff,
-   expected, status, runner, created_by)
+  (id, action, job_state, reason, http_status, since, until, order_contains, error_prefix,
+   cutoff, expected, status, runner, created_by)
 VALUES (%(id)s, %(action)s, %(job_state)s, %(reason)s, %(http_status)s, %(since)s, %(until)s,
-        %(order_contains)s, %(cutoff)s, %(expected)s, 'running', %(runner)s, %(created_by)s)
+        %(order_contains)s, %(error_prefix)s, %(cutoff)s, %(expected)s, 'running', %(runner)s,
+        %(created_by)s)
 RETURNING *;
 
 -- name: bulk_get
@@ -333,17 +347,57 @@ ORDER BY created_at DESC
 LIMIT 10;
 
 -- name: bulk_take
--- Take over an action to run it: one that was stopped or failed, or one whose
--- runner has written nothing for %(stale_seconds)s (its process died). The
--- new runner token fences the old runner out: its next batch changes nothing.
+-- Take over an action to run it: one that was stopped or failed, one whose
+-- runner released it (bulk_release: the nil runner), or one whose runner has
+-- written nothing for %(stale_seconds)s (its process died). The new runner
+-- token fences the old runner out: its next batch changes nothing.
 UPDATE {schema}.receipt_bulk_actions
 SET status = 'running', runner = %(runner)s, updated_at = statement_timestamp(),
     finished_at = NULL, error = NULL
 WHERE id = %(id)s
   AND (status IN ('stopped', 'failed')
        OR (status = 'running'
-           AND updated_at < statement_timestamp() - make_interval(secs => %(stale_seconds)s)))
+           AND (runner = '00000000-0000-0000-0000-000000000000'::uuid
+                OR updated_at < statement_timestamp()
+                                - make_interval(secs => %(stale_seconds)s))))
 RETURNING *;
+
+-- name: bulk_release
+-- A page that shuts down hands its running action over: it stays running,
+-- owned by the nil runner, which no process holds, so the next page (this one
+-- restarted, or another replica) takes it over at once (bulk_take) instead of
+-- after the stale time. The old runner token is fenced out as by bulk_take.
+UPDATE {schema}.receipt_bulk_actions
+SET runner = '00000000-0000-0000-0000-000000000000'::uuid
+WHERE id = %(id)s AND runner = %(runner)s AND status = 'running'
+RETURNING id;
+
+-- name: bulk_orphans
+-- Running actions nobody runs: released by a page that shut down, or silent
+-- for %(stale_seconds)s (the page that ran them was killed). A page takes them
+-- over by itself (bulk_take decides which page wins).
+SELECT id FROM {schema}.receipt_bulk_actions
+WHERE status = 'running'
+  AND (runner = '00000000-0000-0000-0000-000000000000'::uuid
+       OR updated_at < statement_timestamp() - make_interval(secs => %(stale_seconds)s))
+ORDER BY created_at
+LIMIT 10;
+
+-- name: bulk_find
+-- The action an operator already confirmed with this very form (the same
+-- action, filter and confirmation time): a form sent twice (a reload, a
+-- replay) finds it instead of starting an empty second action.
+SELECT *, extract(epoch FROM statement_timestamp() - updated_at)::float8 AS idle_seconds
+FROM {schema}.receipt_bulk_actions
+WHERE action = %(action)s AND job_state = %(job_state)s AND cutoff = %(cutoff)s
+  AND reason IS NOT DISTINCT FROM %(reason)s::text
+  AND http_status IS NOT DISTINCT FROM %(http_status)s::int
+  AND since IS NOT DISTINCT FROM %(since)s::timestamptz
+  AND until IS NOT DISTINCT FROM %(until)s::timestamptz
+  AND order_contains IS NOT DISTINCT FROM %(order_contains)s::text
+  AND error_prefix IS NOT DISTINCT FROM %(error_prefix)s::text
+ORDER BY created_at
+LIMIT 1;
 
 -- name: bulk_stop
 -- Stop an action between two batches (a batch in flight commits first: it
@@ -443,3 +497,95 @@ last_error = 'manual retry after: ' || coalesce(j.last_error, 'unknown')
 -- A fragment of bulk_step: what a discard does (as discard_jobs).
 state = 'discarded',
 finished_at = statement_timestamp()
+
+-- name: failure_groups
+-- Failures grouped by cause: the first 60 characters of last_error (an
+-- error's status and message; what varies, an order id or a time, comes
+-- later). Bounded work whatever the table holds: the %(failed_cap)s most
+-- recent failed jobs (a range of receipt_jobs_failed, newest first) and at
+-- most %(ready_cap)s ready jobs that carry an error (waiting for a retry, or
+-- a held rejection; a range of the ready index), so a million failed rows
+-- cost what a hundred thousand do. `capped` says a side reached its bound
+-- (the counts are then of those rows). Each group has the count, when its
+-- first and last job failed (ready: their due times), and the reason and
+-- HTTP status of its most recent job's latest attempt (one probe per group).
+-- At most %(limit)s groups, largest first.
+WITH recent AS MATERIALIZED (
+  SELECT j.id, j.last_error, j.finished_at AS at
+  FROM {schema}.receipt_jobs AS j
+  WHERE j.state = 'failed'
+  ORDER BY j.finished_at DESC, j.id DESC
+  LIMIT %(failed_cap)s
+), ready_rows AS MATERIALIZED (
+  SELECT j.id, j.last_error, j.run_at AS at
+  FROM {schema}.receipt_jobs AS j
+  WHERE j.state = 'ready' AND j.last_error IS NOT NULL
+  ORDER BY j.run_at, j.id
+  LIMIT %(ready_cap)s
+), groups AS (
+  SELECT 'failed'::text AS state, left(r.last_error, 60) AS prefix, count(*) AS jobs,
+         min(r.at) AS first_at, max(r.at) AS last_at,
+         (SELECT count(*) FROM recent) >= %(failed_cap)s AS capped,
+         (array_agg(r.id ORDER BY r.at DESC))[1] AS newest
+  FROM recent AS r
+  GROUP BY left(r.last_error, 60)
+  UNION ALL
+  SELECT 'ready'::text, left(r.last_error, 60), count(*), min(r.at), max(r.at),
+         (SELECT count(*) FROM ready_rows) >= %(ready_cap)s,
+         (array_agg(r.id ORDER BY r.at DESC))[1]
+  FROM ready_rows AS r
+  GROUP BY left(r.last_error, 60)
+  ORDER BY jobs DESC, prefix
+  LIMIT %(limit)s
+)
+SELECT g.state, g.prefix, g.jobs, g.first_at, g.last_at, g.capped, la.reason, la.status
+FROM groups AS g
+LEFT JOIN LATERAL (
+  SELECT h.reason, h.status FROM {schema}.receipt_attempts AS h
+  WHERE h.job_id = g.newest ORDER BY h.seq DESC LIMIT 1
+) AS la ON true
+ORDER BY g.jobs DESC, g.prefix;
+
+-- name: attempt_rates
+-- Attempts per minute since %(since)s (at most the last hour): how many,
+-- how many delivered, and the median and 95th percentile of their time
+-- (seconds). Read from receipt_attempts (its BRIN index on at), so a page
+-- that restarts draws the same hour again.
+SELECT date_trunc('minute', h.at) AS minute,
+       count(*) AS attempts,
+       count(*) FILTER (WHERE h.reason = 'delivered') AS delivered,
+       percentile_cont(0.5) WITHIN GROUP (ORDER BY h.duration_seconds) AS p50,
+       percentile_cont(0.95) WITHIN GROUP (ORDER BY h.duration_seconds) AS p95
+FROM {schema}.receipt_attempts AS h
+WHERE h.at >= greatest(%(since)s::timestamptz, statement_timestamp() - interval '1 hour')
+GROUP BY 1
+ORDER BY 1;
+
+-- name: attempt_percentiles
+-- The median and 95th percentile of the attempt time (seconds) and the
+-- deliveries over the last hour, as one row.
+SELECT count(*) FILTER (WHERE h.reason = 'delivered') AS delivered,
+       count(*) AS attempts,
+       percentile_cont(0.5) WITHIN GROUP (ORDER BY h.duration_seconds) AS p50,
+       percentile_cont(0.95) WITHIN GROUP (ORDER BY h.duration_seconds) AS p95
+FROM {schema}.receipt_attempts AS h
+WHERE h.at >= statement_timestamp() - interval '1 hour';
+
+-- name: ui_sample
+-- The queue-depth chart's sample of this minute (the first page to write it
+-- wins; the others' rows are the same minute's). Samples older than two hours
+-- go in the same statement.
+WITH old AS (
+  DELETE FROM {schema}.receipt_ui_samples
+  WHERE minute < statement_timestamp() - interval '2 hours'
+)
+INSERT INTO {schema}.receipt_ui_samples (minute, ready, running, failed)
+VALUES (date_trunc('minute', %(at)s::timestamptz), %(ready)s, %(running)s, %(failed)s)
+ON CONFLICT (minute) DO NOTHING;
+
+-- name: ui_samples
+-- The queue-depth chart's samples of the last hour, oldest first.
+SELECT minute, ready, running, failed
+FROM {schema}.receipt_ui_samples
+WHERE minute >= statement_timestamp() - interval '1 hour'
+ORDER BY minute;

@@ -35,6 +35,14 @@ class Sample:
     ready: int
     running: int
     failed: int
+    #: A sample kept once a minute (``receipt_ui_samples``), read back after a restart.
+    coarse: bool = False
+
+
+def axis_margin(label: str, font_px: float = 11.0) -> int:
+    """The left margin (SVG units) that fits the y axis' widest *label* (``1,000,000``)
+    at *font_px*: about 0.62 em a character, plus room for the tick."""
+    return max(LEFT, int(len(label) * font_px * 0.62) + 12)
 
 
 def nice_ceiling(value: float) -> int:
@@ -57,48 +65,52 @@ def depth_chart(samples: Sequence[Sample], now: datetime, *, window_seconds: flo
     """
     shown = [s for s in samples if (now - s.at).total_seconds() <= window_seconds]
     top = nice_ceiling(max([max(s.ready, s.running, s.failed) for s in shown] or [0]))
-    plot_w, plot_h = WIDTH - LEFT - RIGHT, HEIGHT - TOP - BOTTOM
+    left = axis_margin(f"{top:,}")
+    plot_w, plot_h = WIDTH - left - RIGHT, HEIGHT - TOP - BOTTOM
 
     def x(at: datetime) -> float:
         age = (now - at).total_seconds()
-        return LEFT + plot_w * (1 - age / window_seconds)
+        return left + plot_w * (1 - age / window_seconds)
 
     def y(value: int) -> float:
         return TOP + plot_h * (1 - value / top)
 
     parts = [
-        f'<line x1="{LEFT}" y1="{TOP + plot_h}" x2="{LEFT + plot_w}" y2="{TOP + plot_h}" '
+        f'<line x1="{left}" y1="{TOP + plot_h}" x2="{left + plot_w}" y2="{TOP + plot_h}" '
         'stroke="#5b6672" stroke-width="1"/>',
-        f'<line x1="{LEFT}" y1="{TOP}" x2="{LEFT + plot_w}" y2="{TOP}" '
+        f'<line x1="{left}" y1="{TOP}" x2="{left + plot_w}" y2="{TOP}" '
         'stroke="#d8dde3" stroke-width="1"/>',
-        f'<text x="{LEFT - 6}" y="{TOP + 4}" text-anchor="end" font-size="11" '
+        f'<text x="{left - 6}" y="{TOP + 4}" text-anchor="end" font-size="11" '
         f'fill="#3d4650">{top:,}</text>',
-        f'<text x="{LEFT - 6}" y="{TOP + plot_h + 4}" text-anchor="end" font-size="11" '
+        f'<text x="{left - 6}" y="{TOP + plot_h + 4}" text-anchor="end" font-size="11" '
         'fill="#3d4650">0</text>',
     ]
     minutes = round(window_seconds / 60)
     for fraction, label in ((0.0, f"−{minutes} min"), (0.5, f"−{minutes // 2} min"),
                             (1.0, "now")):
         anchor = "start" if fraction == 0 else "end" if fraction == 1 else "middle"
-        parts.append(f'<text x="{LEFT + plot_w * fraction:.1f}" y="{HEIGHT - 6}" '
+        parts.append(f'<text x="{left + plot_w * fraction:.1f}" y="{HEIGHT - 6}" '
                      f'text-anchor="{anchor}" font-size="11" fill="#3d4650">{label}</text>')
-    gap = interval_seconds * GAP_FACTOR
     for attribute, _, colour, dash in SERIES:
         runs: list[list[str]] = []
-        previous: datetime | None = None
+        previous: Sample | None = None
         for sample in shown:
-            if previous is None or (sample.at - previous).total_seconds() > gap:
+            # Kept samples are a minute apart: their gap is measured in minutes.
+            step = 60.0 if previous is not None and previous.coarse else interval_seconds
+            if previous is None or (sample.at - previous.at).total_seconds() > (
+                    step * GAP_FACTOR):
                 runs.append([])
             runs[-1].append(f"{x(sample.at):.1f},{y(getattr(sample, attribute)):.1f}")
-            previous = sample.at
+            previous = sample
         for run in runs:
             if len(run) == 1:  # one point: a dot, so a lone sample still shows
                 cx, cy = run[0].split(",")
-                parts.append(f'<circle cx="{cx}" cy="{cy}" r="2" fill="{colour}"/>')
+                parts.append(f'<circle class="s-{attribute}" cx="{cx}" cy="{cy}" r="2" '
+                             f'fill="{colour}"/>')
             else:
                 dashes = f' stroke-dasharray="{dash}"' if dash else ""
-                parts.append(f'<polyline points="{" ".join(run)}" fill="none" '
-                             f'stroke="{colour}" stroke-width="2"{dashes}/>')
+                parts.append(f'<polyline class="s-{attribute}" points="{" ".join(run)}" '
+                             f'fill="none" stroke="{colour}" stroke-width="2"{dashes}/>')
     summary = describe(shown, window_seconds)
     return Markup(
         f'<svg class="depth" viewBox="0 0 {WIDTH} {HEIGHT}" role="img" '
@@ -128,7 +140,129 @@ def legend() -> Markup:
     items = []
     for _, label, colour, dash in SERIES:
         dashes = f' stroke-dasharray="{dash}"' if dash else ""
-        items.append(f'<li><svg width="24" height="8" aria-hidden="true"><line x1="0" y1="4" '
-                     f'x2="24" y2="4" stroke="{colour}" stroke-width="2"{dashes}/></svg>'
-                     f'{label}</li>')
+        items.append(f'<li><svg width="24" height="8" aria-hidden="true"><line '
+                     f'class="s-{label}" x1="0" y1="4" x2="24" y2="4" stroke="{colour}" '
+                     f'stroke-width="2"{dashes}/></svg>{label}</li>')
+    return Markup(f'<ul class="legend">{"".join(items)}</ul>')
+
+
+#: The throughput and latency charts: narrower than the depth chart, so that at 390 px
+#: (about 360 px of content) their 12-unit text is still about 11 px high.
+RATE_WIDTH, RATE_HEIGHT = 400, 130
+RATE_TOP, RATE_BOTTOM, RATE_RIGHT = 14, 24, 8
+LATENCY_SERIES = (("p50", "median", "#1f5fbf", ""), ("p95", "95th percentile", "#b3261e", "5 3"))
+
+
+def _axis_text(value: float, unit: str) -> str:
+    if unit == "s":
+        return f"{value * 1000:.0f} ms" if value < 1 else f"{value:g} s"
+    return f"{int(value):,}"
+
+
+def _nice_seconds(value: float) -> float:
+    """The y axis top of attempt times: 1, 2, 5 × 10ⁿ seconds at or above *value*."""
+    if value <= 0:
+        return 1.0
+    power = 10 ** math.floor(math.log10(value))
+    for step in (1, 2, 5, 10):
+        if step * power >= value:
+            return float(step * power)
+    return float(10 * power)  # pragma: no cover
+
+
+def _frame(top_label: str, left: int, title_id: str, title: str, cls: str) -> list[str]:
+    plot_w = RATE_WIDTH - left - RATE_RIGHT
+    plot_h = RATE_HEIGHT - RATE_TOP - RATE_BOTTOM
+    parts = [
+        f'<svg class="rate {cls}" viewBox="0 0 {RATE_WIDTH} {RATE_HEIGHT}" role="img" '
+        f'aria-labelledby="{title_id}"><title id="{title_id}">{escape(title)}</title>',
+        f'<line x1="{left}" y1="{RATE_TOP + plot_h}" x2="{left + plot_w}" '
+        f'y2="{RATE_TOP + plot_h}" stroke="#5b6672" stroke-width="1"/>',
+        f'<line x1="{left}" y1="{RATE_TOP}" x2="{left + plot_w}" y2="{RATE_TOP}" '
+        'stroke="#d8dde3" stroke-width="1"/>',
+        f'<text x="{left - 4}" y="{RATE_TOP + 4}" text-anchor="end" font-size="12" '
+        f'fill="#3d4650">{escape(top_label)}</text>',
+        f'<text x="{left - 4}" y="{RATE_TOP + plot_h + 4}" text-anchor="end" font-size="12" '
+        'fill="#3d4650">0</text>',
+    ]
+    for fraction, label in ((0.0, "−60 min"), (1.0, "now")):
+        anchor = "start" if fraction == 0 else "end"
+        parts.append(f'<text x="{left + plot_w * fraction:.1f}" y="{RATE_HEIGHT - 6}" '
+                     f'text-anchor="{anchor}" font-size="12" fill="#3d4650">{label}</text>')
+    return parts
+
+
+def throughput_chart(minutes: Sequence[dict[str, object]], now: datetime) -> Markup:
+    """Deliveries per minute over the hour up to *now*, as SVG bars (one a minute).
+
+    *minutes*: dicts with ``minute`` (datetime) and ``delivered`` (int), as
+    :class:`receipts.ui.monitor.Rates` holds them. Every text is escaped.
+    """
+    shown = [m for m in minutes if 0 <= (now - m["minute"]).total_seconds() < 3600]  # type: ignore[operator]
+    peak = max([int(m["delivered"]) for m in shown] or [0])  # type: ignore[call-overload]
+    top = nice_ceiling(peak)
+    label = f"{top:,}"
+    left = max(30, int(len(label) * 12 * 0.62) + 8)
+    plot_w = RATE_WIDTH - left - RATE_RIGHT
+    plot_h = RATE_HEIGHT - RATE_TOP - RATE_BOTTOM
+    total = sum(int(m["delivered"]) for m in shown)  # type: ignore[call-overload]
+    title = (f"Deliveries per minute, last hour: {total:,} in all, at most {peak:,} in one "
+             "minute." if shown else "Deliveries per minute: no attempt recorded in the last "
+             "hour.")
+    parts = _frame(label, left, "rate-title", title, "throughput")
+    bar = plot_w / 60
+    for m in shown:
+        age = (now - m["minute"]).total_seconds()  # type: ignore[operator]
+        x = left + plot_w * (1 - (age + 60) / 3600)
+        h = plot_h * int(m["delivered"]) / top  # type: ignore[call-overload]
+        parts.append(f'<rect class="s-delivered" x="{max(left, x):.1f}" '
+                     f'y="{RATE_TOP + plot_h - h:.1f}" width="{max(1.0, bar - 1):.1f}" '
+                     f'height="{h:.1f}" fill="#2e7d32"/>')
+    parts.append("</svg>")
+    return Markup("".join(parts))
+
+
+def latency_chart(minutes: Sequence[dict[str, object]], now: datetime) -> Markup:
+    """The median and 95th percentile attempt time per minute over the hour up to *now*."""
+    shown = [m for m in minutes if 0 <= (now - m["minute"]).total_seconds() < 3600  # type: ignore[operator]
+             and m.get("p95") is not None]
+    top = _nice_seconds(max([float(m["p95"]) for m in shown] or [0.0]))  # type: ignore[arg-type]
+    label = _axis_text(top, "s")
+    left = max(30, int(len(label) * 12 * 0.62) + 8)
+    plot_w = RATE_WIDTH - left - RATE_RIGHT
+    plot_h = RATE_HEIGHT - RATE_TOP - RATE_BOTTOM
+    if shown:
+        worst = max(float(m["p95"]) for m in shown)  # type: ignore[arg-type]
+        title = (f"Attempt time per minute, last hour: 95th percentile at most "
+                 f"{_axis_text(worst, 's')}.")
+    else:
+        title = "Attempt time: no attempt recorded in the last hour."
+    parts = _frame(label, left, "latency-title", title, "latency")
+    for key, _, colour, dash in LATENCY_SERIES:
+        points = []
+        for m in shown:
+            age = (now - m["minute"]).total_seconds() - 30  # type: ignore[operator]
+            x = left + plot_w * (1 - age / 3600)
+            y = RATE_TOP + plot_h * (1 - min(1.0, float(m[key]) / top))  # type: ignore[arg-type]
+            points.append(f"{min(x, left + plot_w):.1f},{y:.1f}")
+        if len(points) == 1:
+            cx, cy = points[0].split(",")
+            parts.append(f'<circle class="s-{key}" cx="{cx}" cy="{cy}" r="2.5" '
+                         f'fill="{colour}"/>')
+        elif points:
+            dashes = f' stroke-dasharray="{dash}"' if dash else ""
+            parts.append(f'<polyline class="s-{key}" points="{" ".join(points)}" fill="none" '
+                         f'stroke="{colour}" stroke-width="2"{dashes}/>')
+    parts.append("</svg>")
+    return Markup("".join(parts))
+
+
+def latency_legend() -> Markup:
+    """The latency chart's legend (colour and dash of each percentile)."""
+    items = []
+    for key, label, colour, dash in LATENCY_SERIES:
+        dashes = f' stroke-dasharray="{dash}"' if dash else ""
+        items.append(f'<li><svg width="24" height="8" aria-hidden="true"><line class="s-{key}" '
+                     f'x1="0" y1="4" x2="24" y2="4" stroke="{colour}" stroke-width="2"'
+                     f'{dashes}/></svg>{label}</li>')
     return Markup(f'<ul class="legend">{"".join(items)}</ul>')

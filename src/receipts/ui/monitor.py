@@ -14,14 +14,22 @@ again and again must cost the same for one viewer as for fifty:
   when one takes longer than a tenth of the interval (the gauges count a
   million failed rows, say), the interval stretches to ten times the reading
   (:data:`MAX_DUTY`).
-* The chart's history is those readings, kept **in memory** (no table, no
-  extra statement); a page that has just started shows what it has seen so
-  far and says since when. Prometheus keeps the long history
-  (``receipts_jobs{state}``).
+* The chart's history is those readings, kept in memory, and one of them a
+  minute is also kept in ``receipt_ui_samples`` (the first page to write a
+  minute wins; two hours are kept), so a page that restarts draws the last
+  hour again (:meth:`Monitor.load_history`). Prometheus keeps the long
+  history (``receipts_jobs{state}``).
+* Throughput and latency (:class:`Rates`: deliveries per minute, the
+  median and 95th percentile attempt time over the last hour) come from
+  ``receipt_attempts``, so they too survive a restart. The minutes already
+  read are kept; a reading asks only for the last two minutes again, at most
+  every :data:`RATES_SECONDS`.
 * Exact done rows would need a count over every done row; the summary counts
-  them only every ``done_count_seconds`` and only while the table statistics
-  say there are fewer than :data:`DONE_EXACT_BELOW` (an estimate above that,
-  rounded, and labelled as one).
+  them fully every ``done_count_seconds`` while the table statistics say
+  there are fewer than :data:`DONE_EXACT_BELOW` (an estimate above that,
+  rounded, and labelled as one), and between two full counts adds the rows
+  finished since the last one (a range of the done index), so the count
+  moves with every reading.
 
 When the database does not answer, the last reading stays on the page with the
 time it was taken and the error, instead of an error page.
@@ -35,10 +43,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from datetime import datetime
+from datetime import datetime, timedelta
 from typing import Any
 
 from receipts.errors import QueueError
+from receipts.heartbeat import HEARTBEAT_SECONDS
 from receipts.jobqueue import JobQueue
 from receipts.logs import get_logger
 from receipts.model import JobState, QueueStats
@@ -56,6 +65,11 @@ WORKERS_SECONDS = 900.0
 BULK_SECONDS = 86_400.0
 #: The most of one database session's time the shared reading may take.
 MAX_DUTY = 0.1
+#: A worker not heard from for longer than this (seconds) no longer counts as live: the
+#: longest gap between two heartbeats (20 s × 1.2, jittered) and a few seconds of slack.
+LIVE_SECONDS = HEARTBEAT_SECONDS * 1.2 + 6.0
+#: How often (seconds) the throughput and latency of the last hour are read again.
+RATES_SECONDS = 15.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -80,8 +94,39 @@ class Snapshot:
 
     @property
     def live_workers(self) -> list[dict[str, Any]]:
-        """Workers that have not stopped and were heard from within two heartbeats' time."""
-        return [w for w in self.workers if w["stopped_at"] is None and w["age_seconds"] <= 60]
+        """Workers that have not stopped and were heard from within :data:`LIVE_SECONDS`."""
+        return [w for w in self.workers if is_live(w)]
+
+
+def is_live(worker: dict[str, Any]) -> bool:
+    """Whether a ``workers_seen`` row is a live worker: not stopped, and heard from within
+    :data:`LIVE_SECONDS` (a killed worker drops out after at most that long)."""
+    return worker["stopped_at"] is None and worker["age_seconds"] <= LIVE_SECONDS
+
+
+@dataclass(frozen=True, slots=True)
+class Rates:
+    """Throughput and latency of the last hour, from ``receipt_attempts``.
+
+    Attributes:
+        minutes: per minute (oldest first): dicts of ``minute`` (datetime),
+            ``attempts``, ``delivered``, ``p50`` and ``p95`` (seconds, None
+            without a timed attempt).
+        delivered, attempts: over the last hour.
+        p50, p95: attempt time over the last hour, seconds (None: no attempt).
+    """
+
+    minutes: list[dict[str, Any]] = field(default_factory=list)
+    delivered: int = 0
+    attempts: int = 0
+    p50: float | None = None
+    p95: float | None = None
+
+    def per_minute(self, now: datetime, minutes: int = 5) -> float:
+        """Deliveries per minute over the last *minutes* minutes up to *now*."""
+        recent = [int(m["delivered"]) for m in self.minutes
+                  if (now - m["minute"]).total_seconds() < minutes * 60]
+        return sum(recent) / minutes
 
 
 class Monitor:
@@ -123,6 +168,11 @@ class Monitor:
         self._viewed_at = -1e9
         self._done: int | None = None
         self._done_at = -1e9
+        self._done_base: tuple[datetime, int] | None = None  # (database time, exact count)
+        self._sampled_minute: datetime | None = None
+        self.rates = Rates()
+        self._rates_at = -1e9
+        self._minutes: dict[datetime, dict[str, Any]] = {}
         self._lock = asyncio.Lock()
 
     def viewed(self) -> None:
@@ -161,9 +211,11 @@ class Monitor:
         return self.snapshot
 
     async def refresh(self) -> Snapshot:
-        """Read now, done rows included (one reading for whoever waits on the lock meanwhile)."""
+        """Read now, done rows and rates included (one reading for whoever waits on the
+        lock meanwhile)."""
         async with self._lock:
             self._done_at = -1e9
+            self._rates_at = -1e9
             return await self._refresh()
 
     async def _refresh(self) -> Snapshot:
@@ -175,14 +227,8 @@ class Monitor:
             bulk = await self.operations.bulk_recent(seconds=BULK_SECONDS)
             if self.sessions is not None:
                 self.sessions.update_revoked(await self.operations.revoked_sessions())
-            now = self._clock()
-            if now - self._done_at >= self.done_count_seconds:
-                self._done_at = now
-                self._done = None
-                if stats.done_estimate < DONE_EXACT_BELOW:
-                    counted = await self.operations.review_count(
-                        ReviewFilter(state=JobState.DONE), cap=DONE_EXACT_BELOW)
-                    self._done = counted if counted < DONE_EXACT_BELOW else None
+            await self._count_done(stats, flow.now)
+            await self._read_rates()
         except QueueError as exc:
             if self.error != str(exc):
                 log.warning("ui_database_error", extra={"error": str(exc), "path": "(summary)"})
@@ -198,7 +244,76 @@ class Monitor:
         while self.history and (flow.now - self.history[0].at).total_seconds() > (
                 self.history_seconds):
             self.history.popleft()
+        await self._keep_sample(self.history[-1])
         return snapshot
+
+    async def _count_done(self, stats: QueueStats, now: datetime) -> None:
+        """Done rows: a full count every ``done_count_seconds`` (below
+        :data:`DONE_EXACT_BELOW`), and in between the full count plus the rows
+        finished since it (one range of the done index)."""
+        clock = self._clock()
+        if clock - self._done_at >= self.done_count_seconds or self._done_base is None:
+            self._done_at = clock
+            self._done = None
+            self._done_base = None
+            if stats.done_estimate < DONE_EXACT_BELOW:
+                counted = await self.operations.review_count(ReviewFilter(state=JobState.DONE),
+                                                             cap=DONE_EXACT_BELOW)
+                if counted < DONE_EXACT_BELOW:
+                    self._done = counted
+                    # Rows finished at the count's moment are in it: count from just after.
+                    self._done_base = (now, counted)
+            return
+        at, base = self._done_base
+        since = await self.operations.review_count(
+            ReviewFilter(state=JobState.DONE, since=at + timedelta(microseconds=1)),
+            cap=DONE_EXACT_BELOW)
+        self._done = base + since
+
+    async def _read_rates(self) -> None:
+        """Throughput and latency of the last hour (:class:`Rates`), at most every
+        :data:`RATES_SECONDS`: the whole hour once, then the last two minutes."""
+        clock = self._clock()
+        if clock - self._rates_at < RATES_SECONDS:
+            return
+        self._rates_at = clock
+        since = max(self._minutes) - timedelta(minutes=1) if self._minutes else None
+        for row in await self.operations.attempt_rates(since=since):
+            self._minutes[row["minute"]] = row
+        hour = await self.operations.attempt_percentiles()
+        if self._minutes:
+            newest = max(self._minutes)
+            for minute in [m for m in self._minutes if (newest - m).total_seconds() >= 3600]:
+                del self._minutes[minute]
+        self.rates = Rates(minutes=[self._minutes[m] for m in sorted(self._minutes)],
+                           delivered=int(hour["delivered"] or 0),
+                           attempts=int(hour["attempts"] or 0), p50=hour["p50"], p95=hour["p95"])
+
+    async def _keep_sample(self, sample: Sample) -> None:
+        """Keep one sample a minute in ``receipt_ui_samples`` (best effort: the chart in
+        memory does not depend on it)."""
+        minute = sample.at.replace(second=0, microsecond=0)
+        if minute == self._sampled_minute:
+            return
+        try:
+            await self.operations.ui_sample(at=sample.at, ready=sample.ready,
+                                            running=sample.running, failed=sample.failed)
+        except QueueError as exc:
+            log.warning("ui_sample_failed", extra={"error": str(exc)})
+        self._sampled_minute = minute
+
+    async def load_history(self) -> int:
+        """Draw the chart's last hour from the kept samples (a page that just started);
+        returns how many samples were loaded. Raises the queue's errors."""
+        rows = await self.operations.ui_samples()
+        kept = [Sample(r["minute"], int(r["ready"]), int(r["running"]), int(r["failed"]), True)
+                for r in rows]
+        first = self.history[0].at if self.history else None
+        older = [s for s in kept if first is None or s.at < first]
+        self.history.extendleft(reversed(older))
+        if kept:
+            self._sampled_minute = kept[-1].at
+        return len(older)
 
     def next_sample_in(self) -> float:
         """Seconds until the background loop should read again."""

@@ -18,7 +18,18 @@ Pure functions and small classes, no I/O, so every rule is easy to test.
   (:meth:`Sessions.revoke`, :meth:`Sessions.update_revoked`) until the
   cookie would have expired anyway.
 * **Failed sign-ins are throttled** per client address
-  (:class:`SignInThrottle`): after a few wrong tokens the client must wait.
+  (:class:`SignInThrottle`): after a few wrong tokens, that address's tokens
+  are checked at most once a second, and a wrong one is refused with 429.
+  The right token is still accepted: behind an Ingress or a port-forward
+  every operator shares one address, and one bad script must not lock them
+  all out.
+* **Revocations are known before the first request**: the page loads the
+  list at start (:attr:`Sessions.revocations_loaded`), so a signed-out
+  cookie replayed right after a restart is refused.
+* **A trusted header may name the user** (:class:`UserHeader`): an
+  authenticating proxy (oauth2-proxy, an Ingress with external auth) sets
+  ``X-Forwarded-User`` or the like, and the page believes it only from the
+  configured proxy addresses. Roles still come from the tokens.
 * The CSRF token is HMAC(key, sid): a page on another site can neither read
   it nor forge it. The cookie is ``HttpOnly; SameSite=Strict; Secure``, so a
   cross-site request carries no session at all; the Origin (or, failing
@@ -32,6 +43,7 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
+import ipaddress
 import secrets
 import time
 from collections import OrderedDict, deque
@@ -102,6 +114,8 @@ class Sessions:
         self.actions_enabled = admin_token is not None
         self.viewer_required = viewer_token is not None
         self._revoked: set[str] = set()
+        #: True once the revoked ids recorded in the database have been read.
+        self.revocations_loaded = False
 
     def _mac(self, message: str) -> str:
         return hmac.new(self._key, message.encode(), hashlib.sha256).hexdigest()
@@ -130,6 +144,7 @@ class Sessions:
     def update_revoked(self, sids: set[str]) -> None:
         """Add the revoked ids every replica recorded (read once per refresh interval)."""
         self._revoked |= sids
+        self.revocations_loaded = True
 
     def issue(self, role: Role, *, now: float | None = None) -> tuple[Session, str]:
         """A new session with a fresh random id; returns it and its cookie value."""
@@ -165,26 +180,53 @@ class Sessions:
 
 
 class SignInThrottle:
-    """Failed sign-ins per client: after *failures* wrong tokens within
-    *window_seconds* the client must wait until the oldest of them ages out.
+    """Failed sign-ins per client address: after *failures* wrong tokens within
+    *window_seconds* the address is throttled until the oldest of them ages out.
+
+    Throttled means paced, not locked: one token from that address is checked
+    every *check_seconds* (:meth:`may_check`; others get 429 unchecked), and a
+    wrong one gets 429, but the right one is accepted. Behind a proxy every
+    operator shares the proxy's address, so a lock would let one bad script
+    lock everyone out; pacing bounds a guesser to one guess a second per
+    address, against tokens of at least 16 random characters. A success does
+    not clear the address (the script beside the operator stays throttled).
 
     Memory is bounded: at most *max_clients* clients are remembered (the least
-    recently failing are forgotten first). A success clears the client.
+    recently failing are forgotten first).
 
     Args:
-        failures: wrong tokens allowed per window.
+        failures: wrong tokens allowed per window before pacing starts.
         window_seconds: the window, seconds.
+        check_seconds: while throttled, one check per this many seconds.
         max_clients: clients remembered at most.
         clock: monotonic seconds (tests pass their own).
     """
 
     def __init__(self, *, failures: int = 5, window_seconds: float = 300.0,
-                 max_clients: int = 10_000, clock: Callable[[], float] = time.monotonic) -> None:
+                 check_seconds: float = 1.0, max_clients: int = 10_000,
+                 clock: Callable[[], float] = time.monotonic) -> None:
         self.failures = failures
         self.window_seconds = window_seconds
+        self.check_seconds = check_seconds
         self.max_clients = max_clients
         self._clock = clock
         self._seen: OrderedDict[str, deque[float]] = OrderedDict()
+        self._checked: OrderedDict[str, float] = OrderedDict()
+
+    def may_check(self, client: str) -> bool:
+        """Whether a token from a throttled *client* may be checked now (one per
+        ``check_seconds``); counts the check. Always True while not throttled."""
+        if self.retry_after(client) <= 0:
+            return True
+        now = self._clock()
+        last = self._checked.get(client)
+        if last is not None and now - last < self.check_seconds:
+            return False
+        self._checked[client] = now
+        self._checked.move_to_end(client)
+        while len(self._checked) > self.max_clients:
+            self._checked.popitem(last=False)
+        return True
 
     def _recent(self, client: str) -> deque[float]:
         times = self._seen.get(client, deque())
@@ -210,7 +252,7 @@ class SignInThrottle:
             self._seen.popitem(last=False)
 
     def succeeded(self, client: str) -> None:
-        """Forget *client*'s failures."""
+        """Forget *client*'s failures (not called by the page; see the class doc)."""
         self._seen.pop(client, None)
 
 
@@ -267,3 +309,57 @@ def host_allowed(host_header: str | None, *, loopback_only: bool) -> bool:
     name = netloc.rsplit(":", 1)[0] if not netloc.endswith("]") else netloc
     name = name.strip("[]")
     return name in LOOPBACK_NAMES or is_loopback(name)
+
+
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+#: The longest user name a trusted header may carry (longer ones are cut).
+USER_MAX_CHARS = 64
+
+
+def parse_networks(text: str) -> tuple[Network, ...]:
+    """Comma-separated addresses or CIDR networks (``10.0.0.0/8, 127.0.0.1``) as networks.
+
+    Raises ``ValueError`` naming the first entry that is neither.
+    """
+    networks = []
+    for entry in (e.strip() for e in text.split(",")):
+        if not entry:
+            continue
+        try:
+            networks.append(ipaddress.ip_network(entry, strict=False))
+        except ValueError:
+            raise ValueError(f"{entry!r} is not an IP address or a CIDR network") from None
+    return tuple(networks)
+
+
+@dataclass(frozen=True, slots=True)
+class UserHeader:
+    """The header an authenticating proxy names the user in, and the proxies it may come from.
+
+    Attributes:
+        name: the header (``X-Forwarded-User``, ``X-Auth-Request-User``…).
+        proxies: the proxy addresses (networks) whose requests may carry it;
+            from anyone else the header is ignored (a client could send it).
+    """
+
+    name: str
+    proxies: tuple[Network, ...]
+
+    def user(self, peer: str | None, value: str | None) -> str | None:
+        """The user *value* names when the request came from a configured proxy (*peer*,
+        the TCP peer address), else None. Control and bidi characters are dropped, and
+        the name is cut to :data:`USER_MAX_CHARS`."""
+        if not value or not peer or not self.proxies:
+            return None
+        try:
+            address = ipaddress.ip_address(peer.split("%")[0])
+        except ValueError:
+            return None
+        if not any(address in network for network in self.proxies):
+            return None
+        cleaned = "".join(c for c in value.strip() if c.isprintable() and c not in BIDI)
+        return cleaned[:USER_MAX_CHARS] or None
+
+
+#: Bidirectional overrides and isolates (text that would reorder what follows it).
+BIDI = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")

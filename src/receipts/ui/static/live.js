@@ -34,16 +34,28 @@
       return true; // the operator is typing or choosing here
     }
     for (const input of region.querySelectorAll("input, select, textarea")) {
-      if (input.type === "hidden") continue;
-      if ((input.type === "checkbox" || input.type === "radio")
-          ? input.checked !== input.defaultChecked : input.value !== input.defaultValue) {
-        return true;
-      }
+      if (input.type !== "hidden" && changed(input)) return true;
     }
     for (const details of region.querySelectorAll("details[data-default-open]")) {
       if (details.open !== (details.dataset.defaultOpen === "1")) return true;
     }
     return false;
+  }
+
+  // Whether a control differs from what the server drew. A <select> has no
+  // defaultValue (it would always look changed): compare each option's
+  // selection with its defaultSelected (the first option when none is marked).
+  function changed(input) {
+    if (input.type === "checkbox" || input.type === "radio") {
+      return input.checked !== input.defaultChecked;
+    }
+    if (input.tagName === "SELECT") {
+      const options = [...input.options];
+      const marked = options.some((o) => o.defaultSelected);
+      return options.some((o, i) => o.selected
+        !== (o.defaultSelected || (!marked && !input.multiple && i === 0)));
+    }
+    return input.value !== input.defaultValue;
   }
 
   function plural(n, unit) { return n + " " + unit + (n === 1 ? "" : "s"); }
