@@ -21,6 +21,7 @@ import math
 import os
 import signal
 import sys
+import textwrap
 import time
 import uuid
 from collections.abc import Callable, Coroutine, Mapping, Sequence
@@ -109,14 +110,13 @@ def _default_text(name: str) -> str:
 def settings_help(command: str) -> str:
     """The epilog of *command*'s ``--help``: each variable it reads, its default, and its
     field's description (the same text as docs/reference/settings.md)."""
-    import textwrap
-
     column, width = 40, 100
     lines = ["settings (environment variables):"]
     for name in settings_for(command):
         variable = f"  {ENV_PREFIX}{name.upper()}"
         text = Settings.model_fields[name].description or ""  # the one source of help
-        wrapped = textwrap.wrap(f"{text} [{_default_text(name)}]", width - column)
+        wrapped = textwrap.wrap(f"{text} [{_default_text(name)}]", width - column,
+                                break_on_hyphens=False)
         if len(variable) + 2 > column:
             lines.append(variable)
         else:

@@ -160,6 +160,26 @@ def choose_proxy(provider_url: str, *, setting: str | None,
     return ProxyChoice(check_proxy_url(value, source), source)
 
 
+#: An IP network, as :func:`parse_networks` returns them.
+Network = ipaddress.IPv4Network | ipaddress.IPv6Network
+
+
+def parse_networks(text: str) -> tuple[Network, ...]:
+    """Comma-separated addresses or CIDR networks (``10.0.0.0/8, 127.0.0.1``) as networks.
+
+    Raises ``ValueError`` naming the first entry that is neither.
+    """
+    networks = []
+    for entry in (e.strip() for e in text.split(",")):
+        if not entry:
+            continue
+        try:
+            networks.append(ipaddress.ip_network(entry, strict=False))
+        except ValueError:
+            raise ValueError(f"{entry!r} is not an IP address or a CIDR network") from None
+    return tuple(networks)
+
+
 def is_loopback(address: str) -> bool:
     """True for a loopback address or name (127.0.0.0/8, ::1, ``localhost``; IPv6 in
     brackets or not): a destination or bind address that never leaves this machine."""

@@ -43,6 +43,7 @@ from receipts.proxy import (
     check_proxy_url,
     choose_proxy,
     is_loopback,
+    parse_networks,
 )
 from receipts.statements import SCHEMA_NAME, SCHEMA_RULE
 
@@ -309,11 +310,7 @@ class Settings(BaseSettings):
     @field_validator("ui_trusted_proxies")
     @classmethod
     def _valid_proxies(cls, value: str) -> str:
-        # The page's rule, in one place; receipts.ui pulls in aiohttp and jinja2, which
-        # the base install (enqueue only) leaves out, so only when a value is checked.
-        from receipts.ui.session import parse_networks
-
-        parse_networks(value)
+        parse_networks(value)  # the page's rule, in one place (receipts.proxy)
         return value
 
     @field_validator("database_url")

@@ -18,9 +18,10 @@ import pytest
 
 from receipts.embedded import free_port
 from receipts.metrics import start_server
+from receipts.proxy import parse_networks
 from receipts.ui import make_app
 from receipts.ui.handlers import GROUPS_FAILED_CAP
-from receipts.ui.session import UserHeader, parse_networks
+from receipts.ui.session import UserHeader
 from receipts.ui.state import CONSOLE, UiOptions
 from tests.browser.cdp import Page
 from tests.browser.console import AXE, SHOTS, TOKEN, Served, serve

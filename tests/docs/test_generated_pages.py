@@ -44,6 +44,7 @@ NOT_METRICS = {
     "receipts_enqueue",  # the SQL function
     "receipts_record_attempts",  # the attempt history's one door (migration 0009)
     "receipts_prune",  # pruning's one door (migration 0009)
+    "receipts_pause_reason",  # the effective pause rule (migration 0008)
     "receipts_refuse_unguarded_done",  # the done guard's trigger function
     "receipts_ready",  # the LISTEN/NOTIFY channel
     "receipts_waker",  # the waker's heartbeat channel

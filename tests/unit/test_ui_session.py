@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import pytest
 
+from receipts.proxy import parse_networks
 from receipts.ui.display import clip
 from receipts.ui.form import parse_filter
-from receipts.ui.session import Sessions, host_allowed, is_loopback, same_origin
+from receipts.ui.session import Sessions, UserHeader, host_allowed, is_loopback, same_origin
 
 TOKEN = "a-long-enough-admin-token"
 
@@ -160,8 +161,6 @@ def test_a_throttled_address_gets_one_check_a_second_not_a_lock() -> None:
 
 
 def test_a_trusted_header_names_the_user_only_from_a_configured_proxy() -> None:
-    from receipts.ui.session import UserHeader, parse_networks
-
     header = UserHeader("X-Forwarded-User", parse_networks("10.0.0.0/8, 127.0.0.2"))
     assert header.user("10.1.2.3", "alice@example.com") == "alice@example.com"
     assert header.user("127.0.0.2", " bob ") == "bob"

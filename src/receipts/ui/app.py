@@ -24,6 +24,7 @@ from receipts.jobqueue import JobQueue
 from receipts.logs import get_logger
 from receipts.metrics import start_server
 from receipts.operations import Operations
+from receipts.proxy import parse_networks
 from receipts.runtime import make_operations, make_queue
 from receipts.settings import Settings
 from receipts.ui.display import (
@@ -58,7 +59,6 @@ from receipts.ui.session import (
     SignInThrottle,
     UserHeader,
     is_loopback,
-    parse_networks,
 )
 from receipts.ui.state import (
     CONSOLE,

@@ -52,6 +52,7 @@ from dataclasses import dataclass
 from typing import Literal
 from urllib.parse import urlsplit
 
+from receipts.proxy import Network
 from receipts.proxy import is_loopback as is_loopback  # re-exported: ui.app, tests
 
 COOKIE = "receipts_ui_session"
@@ -311,25 +312,8 @@ def host_allowed(host_header: str | None, *, loopback_only: bool) -> bool:
     return name in LOOPBACK_NAMES or is_loopback(name)
 
 
-Network = ipaddress.IPv4Network | ipaddress.IPv6Network
 #: The longest user name a trusted header may carry (longer ones are cut).
 USER_MAX_CHARS = 64
-
-
-def parse_networks(text: str) -> tuple[Network, ...]:
-    """Comma-separated addresses or CIDR networks (``10.0.0.0/8, 127.0.0.1``) as networks.
-
-    Raises ``ValueError`` naming the first entry that is neither.
-    """
-    networks = []
-    for entry in (e.strip() for e in text.split(",")):
-        if not entry:
-            continue
-        try:
-            networks.append(ipaddress.ip_network(entry, strict=False))
-        except ValueError:
-            raise ValueError(f"{entry!r} is not an IP address or a CIDR network") from None
-    return tuple(networks)
 
 
 @dataclass(frozen=True, slots=True)
