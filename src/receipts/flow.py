@@ -22,28 +22,33 @@ The rules:
   cannot pause the fleet.
 * **A rejection is a verdict only on evidence.** A 4xx other than 408, 409
   and 429 (classified ``rejected``) says something about the order only when
-  the provider is seen accepting *other* orders around it: an acceptance
-  (2xx, or 409 "in progress") of another job whose request was sent at most
-  ``bracket_seconds`` *before* the rejected request, and one sent at most
-  ``bracket_seconds`` *after* it (a *bracket*; this pod's own deliveries, on
-  its monotonic clock). A provider flapping between rejecting and accepting
-  everything in phases of *L* seconds brackets no rejection while
-  ``2 × bracket_seconds < L``: the nearest acceptance on one side is at
-  least half a phase away. Whatever the bodies and statuses say, they do not
-  enter the judgement.
+  the provider is seen accepting *other* orders around it (a *bracket*): an
+  acceptance (2xx, or 409 "in progress") of another job *answered* at most
+  ``bracket_seconds`` before the rejected request was sent, and one whose
+  request was *sent* at most ``bracket_seconds`` after the rejection's answer
+  arrived. The order is causal: the provider decided the first before it
+  saw our request and the second after it had rejected it, whatever the
+  latencies (this pod's own deliveries, on its monotonic clock). A provider
+  flapping between rejecting and accepting everything in phases of *L*
+  seconds brackets no rejection while ``L > 2 × bracket_seconds + 3 ×`` the
+  latency: the nearest acceptance on one side is at least about half a
+  phase away. Whatever the bodies and statuses say, they do not enter the
+  judgement.
 * **Two strikes.** A bracketed rejection is the first strike: the job is
   sent again at once, within the same lease (same idempotency key and body:
   the *confirmation*). It fails for good when the confirmation is rejected
-  too while the provider still accepts others: an acceptance sent at most
-  ``bracket_seconds`` before the confirmation, and this pod sees no run of
-  unexplained rejections (below); or, later, a bracket of its own. An order
+  too while the provider still accepts others: an acceptance answered at
+  most ``bracket_seconds`` before the confirmation was sent, and this pod
+  sees no run of unexplained rejections (below); or, later, a bracket of
+  its own. An order
   the provider accepted on the second try is delivered.
 * **Held.** A rejection without that evidence is *held*: its slot is free,
   its lease kept, for at most ``2 × bracket_seconds`` (an acceptance sent
-  after it may still be answered). Then, or at once when nothing is in
-  flight to give evidence (idle), or when the worker stops, it goes back to
-  ready with its attempt given back (a growing delay per job from
-  ``held_retry_seconds``) and ``last_error`` saying it is a held rejection.
+  after it may still be answered; a pod with nothing else in flight holds
+  it too: nothing fails for being idle). Then, or at once when the worker
+  stops, it goes back to ready with its attempt given back (a delay per job
+  from ``held_retry_seconds``, doubled while no acceptance comes near it)
+  and ``last_error`` saying it is a held rejection.
   Nothing fails without evidence.
 * **Systemic rejection.** A rejection, or a TLS failure (:func:`tls_failure`),
   sent more than ``bracket_seconds`` after the latest acceptance sent is
@@ -153,10 +158,10 @@ class FlowPolicy:
         retry_after_max_seconds: cap of a pause asked for by ``Retry-After``.
         probe_interval_seconds: while a probed pause runs, the next probe may
             start this long after the last failure, however long the pause.
-        bracket_seconds: how close (by send time) acceptances of other jobs
-            must be, before and after a rejected request, to make it a verdict
-            about the order. Below half the shortest phase of a flapping
-            provider to be ruled out (docs/design.md §11).
+        bracket_seconds: how close acceptances of other jobs must be, before
+            the rejected request and after its answer, to make it a verdict
+            about the order: a flapping provider whose phases are longer than
+            twice this plus three latencies cannot produce one (docs/design.md §11).
         rejecting_after_seconds: how long unexplained rejections of
             ``min_jobs`` distinct jobs must go on with no acceptance before
             the fleet pauses for ``rejecting``.
@@ -174,7 +179,7 @@ class FlowPolicy:
     pause_max_seconds: float = 300.0
     retry_after_max_seconds: float = 3600.0
     probe_interval_seconds: float = 5.0
-    bracket_seconds: float = 1.5
+    bracket_seconds: float = 1.0
     rejecting_after_seconds: float = 3.0
     probe_jobs: int = 5
     held_retry_seconds: float = 1.0
@@ -284,61 +289,85 @@ class OutageDetector:
         self._failures = 0
 
 
-class Evidence:
-    """This pod's acceptances by send time: does the provider accept other orders
-    around a given request?
-
-    Keeps the send times (monotonic seconds) of accepted deliveries of the last
-    ``keep_seconds`` in order (answers arrive nearly in send order: an
-    insertion is an append), and the latest one ever. O(log n) per question.
-
-    Args:
-        keep_seconds: how long a send time is kept (at least the longest hold
-            plus a bracket).
-    """
+class _Times:
+    """Monotonic times in order, the last ``keep_seconds`` of them; O(log n) queries."""
 
     def __init__(self, keep_seconds: float) -> None:
         self.keep_seconds = keep_seconds
-        self._sent: list[float] = []
+        self._times: list[float] = []
         self._head = 0  # entries before it are expired (trimmed in bulk)
+
+    def add(self, at: float) -> None:
+        times = self._times
+        if not times or at >= times[-1]:
+            times.append(at)
+        else:
+            bisect.insort(times, at, lo=self._head)
+        horizon = times[-1] - self.keep_seconds
+        if times[self._head] < horizon:
+            self._head = bisect.bisect_left(times, horizon, lo=self._head)
+            if self._head > 1024 and self._head * 2 > len(times):
+                del times[:self._head]
+                self._head = 0
+
+    def any_in(self, low: float, high: float, *, low_open: bool = False) -> bool:
+        """True when a time lies in [*low*, *high*] (or (*low*, *high*] with *low_open*)."""
+        times = self._times
+        find = bisect.bisect_right if low_open else bisect.bisect_left
+        i = find(times, low, lo=self._head)
+        return i < len(times) and times[i] <= high
+
+
+class Evidence:
+    """This pod's acceptances: does the provider accept other orders around a request?
+
+    Keeps, for the accepted deliveries of the last ``keep_seconds``, when each
+    request was sent and when its answer arrived (monotonic seconds), and the
+    latest send time ever. The questions are causal, so that the spread of
+    latencies cannot fake an order: an acceptance *answered* before a request
+    was sent was decided by the provider before it saw that request; one
+    *sent* after a rejection's answer arrived was decided after the provider
+    rejected.
+
+    Args:
+        keep_seconds: how long a time is kept (at least the longest hold plus a
+            bracket).
+    """
+
+    def __init__(self, keep_seconds: float) -> None:
+        self._sent = _Times(keep_seconds)
+        self._answered = _Times(keep_seconds)
         #: The latest send time of an acceptance ever seen, or None.
         self.latest: float | None = None
 
-    def add(self, sent_at: float) -> None:
-        """Record an acceptance of a request sent at *sent_at*."""
-        sent = self._sent
-        if not sent or sent_at >= sent[-1]:
-            sent.append(sent_at)
-        else:
-            bisect.insort(sent, sent_at, lo=self._head)
+    def add(self, sent_at: float, answered_at: float) -> None:
+        """Record an acceptance of a request sent at *sent_at*, answered at *answered_at*."""
+        self._sent.add(sent_at)
+        self._answered.add(answered_at)
         if self.latest is None or sent_at > self.latest:
             self.latest = sent_at
-        horizon = sent[-1] - self.keep_seconds
-        if sent[self._head] < horizon:
-            self._head = bisect.bisect_left(sent, horizon, lo=self._head)
-            if self._head > 1024 and self._head * 2 > len(sent):
-                del sent[:self._head]
-                self._head = 0
 
-    def between(self, low: float, high: float) -> bool:
-        """True when an acceptance was sent in [*low*, *high*) (seconds)."""
-        sent = self._sent
-        i = bisect.bisect_left(sent, low, lo=self._head)
-        return i < len(sent) and sent[i] < high
+    def before(self, sent_at: float, within: float) -> bool:
+        """True when an acceptance was answered in the *within* seconds before *sent_at*."""
+        return self._answered.any_in(sent_at - within, sent_at)
 
-    def after(self, low: float, high: float) -> bool:
-        """True when an acceptance was sent in (*low*, *high*] (seconds)."""
-        sent = self._sent
-        i = bisect.bisect_right(sent, low, lo=self._head)
-        return i < len(sent) and sent[i] <= high
+    def after(self, answered_at: float, within: float) -> bool:
+        """True when an acceptance's request was sent in the *within* seconds after
+        *answered_at* (strictly after it)."""
+        return self._sent.any_in(answered_at, answered_at + within, low_open=True)
+
+    def near(self, low: float, high: float) -> bool:
+        """True when an acceptance's request was sent in [*low*, *high*]."""
+        return self._sent.any_in(low, high)
 
 
 @dataclass(slots=True)
 class _Held:
-    """A held rejection: its request's send time, its deadline (monotonic seconds),
-    whether it is the confirmation (second strike)."""
+    """A held rejection: its request's send time, its answer's arrival, its deadline
+    (monotonic seconds), whether it is the confirmation (second strike)."""
 
     sent_at: float
+    answered_at: float
     deadline: float
     confirming: bool
 
@@ -452,7 +481,7 @@ class ProviderGate:
         sent = now if sent_at is None else sent_at
         reason = outcome.reason
         if reason in ACCEPTED:
-            self._accepted(sent)
+            self._accepted(sent, now)
             if job_id in self.probe_jobs or (self.probe_jobs and self.probe_until is not None):
                 return self._probe_accepted(job_id)
             self.detector.observe(job_id)
@@ -488,29 +517,33 @@ class ProviderGate:
             return self._requeue(job_id)
         self.detector.observe(job_id)  # an answer: the provider is up
         bracket = self.policy.bracket_seconds
-        if confirming and self.evidence.between(sent - bracket, sent) and (
+        if confirming and self.evidence.before(sent, bracket) and (
                 len(self._unexplained) < self.policy.min_jobs):
             return NO_DECISION  # the second strike: the verdict stands, fail the job
         hold = 2 * bracket if hold_seconds is None else min(hold_seconds, 2 * bracket)
         if hold <= 0:
             return self._requeue(job_id)
-        self._held[job_id] = _Held(sent, self._now() + hold, confirming)
+        now = self._now()
+        self._held[job_id] = _Held(sent, now, now + hold, confirming)
         return Decision(hold_seconds=hold)
 
     def _requeue(self, job_id: uuid.UUID) -> Decision:
         return Decision(refund=True, requeue=True, delay_seconds=self._held_delay(job_id))
 
-    def _held_delay(self, job_id: uuid.UUID) -> float:
-        """The next retry delay of a held rejection of *job_id*, seconds (jittered)."""
-        count = self._held_count.pop(job_id, 0)
+    def _held_delay(self, job_id: uuid.UUID, *, grow: bool = True) -> float:
+        """The next retry delay of a held rejection of *job_id*, seconds (jittered):
+        ``held_retry_seconds``, doubled for each time this pod held it with no
+        acceptance near it (*grow*; with one, the count starts again), at most
+        ``HELD_RETRY_MAX_SECONDS``."""
+        count = self._held_count.pop(job_id, 0) if grow else 0
         self._held_count[job_id] = count + 1
         if len(self._held_count) > _HELD_MEMORY:
             self._held_count.popitem(last=False)
         base = self.policy.held_retry_seconds * 2 ** min(count, 16)
         return float(min(HELD_RETRY_MAX_SECONDS, base) * self._rng.uniform(0.75, 1.25))
 
-    def _accepted(self, sent: float) -> None:
-        self.evidence.add(sent)
+    def _accepted(self, sent: float, answered: float) -> None:
+        self.evidence.add(sent, answered)
         if self._unexplained:
             # An acceptance explains the rejections sent up to a bracket after it.
             limit = sent + self.policy.bracket_seconds
@@ -592,7 +625,7 @@ class ProviderGate:
 
     # ------------------------------------------------------------ settling
 
-    def settle(self, *, final: bool = False, idle: bool = False) -> Settlement:
+    def settle(self, *, final: bool = False) -> Settlement:
         """Decide held rejections and whether the unexplained ones make a systemic
         rejection; ids not returned stay held.
 
@@ -600,9 +633,10 @@ class ProviderGate:
         within ``bracket_seconds`` before and after it) is confirmed (sent
         again); a held confirmation with a bracket fails. Every other held
         rejection goes back to ready with its attempt given back at its
-        deadline, at once when *idle* (nothing in flight and nothing more
-        claimed: no evidence is coming) or *final* (the worker stops), or
-        while the fleet is paused for ``rejecting``.
+        deadline, at once when *final* (the worker stops), or while the fleet
+        is paused for ``rejecting``. A pod with nothing else in flight keeps
+        holding until the deadline (a delivery claimed meanwhile may still
+        bracket it); it never fails anything for being idle.
         """
         now = self._now()
         result = Settlement()
@@ -613,11 +647,14 @@ class ProviderGate:
         bracket = self.policy.bracket_seconds
         everything = final or self.reason is PauseReason.REJECTING or result.pause is not None
         for job_id, h in list(self._held.items()):
-            if not everything and self.evidence.between(h.sent_at - bracket, h.sent_at) and (
-                    self.evidence.after(h.sent_at, h.sent_at + bracket)):
+            if not everything and self.evidence.before(h.sent_at, bracket) and (
+                    self.evidence.after(h.answered_at, bracket)):
                 (result.fail if h.confirming else result.confirm).append(job_id)
-            elif everything or idle or now >= h.deadline:
-                result.requeue.append((job_id, self._held_delay(job_id)))
+            elif everything or now >= h.deadline:
+                # The provider accepting others near it: retry soon (the other side
+                # of the bracket may come next time); else a growing delay.
+                near = self.evidence.near(h.sent_at - bracket, h.answered_at + bracket)
+                result.requeue.append((job_id, self._held_delay(job_id, grow=not near)))
             else:
                 continue
             del self._held[job_id]

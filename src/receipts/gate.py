@@ -78,12 +78,11 @@ class GateShell:
         return attempt.claimed_at + self.lease_seconds - self.lease_margin - time.monotonic()
 
     async def judge(self, attempt: Attempt, outcome: Outcome, *, sent_at: float,
-                    confirming: bool = False, idle: Callable[[], bool] | None = None) -> None:
+                    confirming: bool = False) -> None:
         """Judge *attempt*'s *outcome* (sent at *sent_at*, monotonic seconds) and hand its
         write to the completer: ack, failure, retry, or held for later evidence.
 
-        *confirming*: the answer to a first strike's confirmation. *idle*: asked
-        after the write; True when no other answer is coming on this pod.
+        *confirming*: the answer to a first strike's confirmation.
         """
         job = attempt.job
         # A rejection may be held until evidence comes; never past the lease.
@@ -102,7 +101,7 @@ class GateShell:
                 log.warning("rejection_confirmed", extra=job_fields(job, outcome.reason))
             self.write_failure(attempt, outcome, decision)
         if self.held:  # this answer may have decided held ones
-            self.settle(idle=idle() if idle is not None else False)
+            self.settle()
 
     def write_failure(self, attempt: Attempt, outcome: Outcome, decision: Decision) -> None:
         """Hand a failed attempt to the completer: failed when permanent (unless the
@@ -130,11 +129,11 @@ class GateShell:
         log.info("rejection_held", extra={**job_fields(attempt.job, outcome.reason),
                                           "hold_seconds": round(seconds, 3)})
 
-    def settle(self, *, final: bool = False, idle: bool = False) -> None:
+    def settle(self, *, final: bool = False) -> None:
         """Carry out what the gate decided about held rejections (see
         :meth:`ProviderGate.settle`): requeue, confirm, fail; and a systemic
         rejection's pause."""
-        result = self.gate.settle(final=final, idle=idle)
+        result = self.gate.settle(final=final)
         if result.pause is not None:
             self._spawn(self.act_on_flow(None, None, result.pause, None, False))
         for job_id, delay in result.requeue:

@@ -364,8 +364,6 @@ class Worker:
             return self.settings.poll_interval_seconds * random.uniform(0.75, 1.25), False
         self._backlogged = len(result.attempts) >= limit
         self.completer.busy = self._backlogged
-        if self.flow.held and not self._inflight:  # no evidence is coming: give them back
-            self.flow.settle(idle=True)
         if self._backlogged:
             return 0.0, False
         tokens = result.flow.tokens
@@ -468,13 +466,7 @@ class Worker:
         if self.record_all or outcome.verdict is not Verdict.DELIVERED or job.attempt > 1:
             self.completer.record(AttemptRecord.of(job, outcome, duration_seconds=took,
                                                    worker=self.name))
-        await self.flow.judge(attempt, outcome, sent_at=sent_at, confirming=confirming,
-                              idle=self._idle)
-
-    def _idle(self) -> bool:
-        """True when this pod's last delivery is ending and the last claim found no
-        more work: no other answer is coming that could give evidence."""
-        return len(self._inflight) <= 1 and not self._backlogged
+        await self.flow.judge(attempt, outcome, sent_at=sent_at, confirming=confirming)
 
     def _confirm(self, attempt: Attempt) -> None:
         """Send a first strike's job again, in its lease: the confirmation."""
