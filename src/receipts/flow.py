@@ -57,9 +57,11 @@ The rules:
   acceptance sent since (less ``bracket_seconds``), the provider is
   rejecting everything, not judging orders: pause the fleet with reason
   ``rejecting``. Each acceptance explains the rejections sent up to
-  ``bracket_seconds`` after it. The evidence is never emptied on a pause or
-  a resume: after a resume, a few rejections in a row cannot pause again
-  before ``rejecting_after_seconds`` without an acceptance.
+  ``bracket_seconds`` after it. Meanwhile the pod keeps at most
+  ``probe_jobs`` deliveries in flight (:meth:`ProviderGate.inflight_cap`).
+  The acceptances are never forgotten on a pause or a resume: after a
+  resume, a few rejections in a row cannot pause again before
+  ``rejecting_after_seconds`` without an acceptance.
 * **Credentials.** A 401/403 pauses the fleet for ``auth_pause_seconds``: a
   bad token must not burn every job's attempts.
 * **Retry-After.** A 429 carrying ``Retry-After`` pauses the fleet for that
@@ -426,6 +428,17 @@ class ProviderGate:
     def unexplained(self) -> int:
         """Distinct jobs rejected with no acceptance sent near or after them."""
         return len(self._unexplained)
+
+    def inflight_cap(self) -> int | None:
+        """Most deliveries this pod should have in flight now, or None for no cap.
+
+        While at least ``min_jobs`` distinct jobs are unexplained (module doc)
+        the provider may be rejecting everything: the pod keeps ``probe_jobs``
+        deliveries going (enough for an acceptance to show up among orders that
+        are mostly invalid) instead of sending its whole share of the queue to
+        be rejected before the pause is declared.
+        """
+        return self.policy.probe_jobs if len(self._unexplained) >= self.policy.min_jobs else None
 
     def pause_left(self) -> float:
         """Seconds until a probe may be tried, or a pause ends (0 when due or not paused)."""

@@ -276,6 +276,9 @@ class Worker:
         backlog_limit = max(self.settings.concurrency, self.completer.max_batch)
         while not self._stop.is_set():
             free = self.settings.concurrency - len(self._inflight)
+            most = self.gate.inflight_cap()  # unexplained rejections: a few in flight
+            if most is not None:
+                free = min(free, most - len(self._inflight))
             if free <= 0:
                 await self._wait_for_slot()
                 continue
