@@ -23,17 +23,17 @@ The rules:
 * **A rejection is a verdict only on evidence.** A 4xx other than 408, 409
   and 429 (classified ``rejected``) says something about the order only when
   the provider is seen accepting *other* orders around it (a *bracket*): an
-  acceptance (2xx, or 409 "in progress") of another job *answered* at most
-  ``bracket_seconds`` before the rejected request was sent, and one whose
+  acceptance (2xx, or 409 "in progress") of another job whose request was
+  sent at most ``bracket_seconds`` before the rejected one, and one whose
   request was *sent* at most ``bracket_seconds`` after the rejection's answer
-  arrived. The order is causal: the provider decided the first before it
-  saw our request and the second after it had rejected it, whatever the
-  latencies (this pod's own deliveries, on its monotonic clock). A provider
-  flapping between rejecting and accepting everything in phases of *L*
-  seconds brackets no rejection while ``L > 2 × bracket_seconds + 3 ×`` the
-  latency: the nearest acceptance on one side is at least about half a
-  phase away. Whatever the bodies and statuses say, they do not enter the
-  judgement.
+  arrived (this pod's own deliveries, on its monotonic clock). The second is
+  causal: the provider decided it after it had rejected ours, whatever the
+  latencies, so a provider that has just turned to rejecting everything
+  brackets nothing. A provider flapping between rejecting and accepting
+  everything in phases of *L* seconds brackets a rejection only at the end
+  of a rejecting phase (the latencies may reorder the first side), and then
+  the confirmation below lands in the accepting phase and is delivered.
+  Whatever the bodies and statuses say, they do not enter the judgement.
 * **Two strikes.** A bracketed rejection is the first strike: the job is
   sent again at once, within the same lease (same idempotency key and body:
   the *confirmation*). It fails for good when the confirmation is rejected
@@ -162,8 +162,9 @@ class FlowPolicy:
             start this long after the last failure, however long the pause.
         bracket_seconds: how close acceptances of other jobs must be, before
             the rejected request and after its answer, to make it a verdict
-            about the order: a flapping provider whose phases are longer than
-            twice this plus three latencies cannot produce one (docs/design.md §11).
+            about the order; with the confirmation, a flapping provider whose
+            phases are longer than this plus two latencies fails no valid
+            order (docs/design.md §11).
         rejecting_after_seconds: how long unexplained rejections of
             ``min_jobs`` distinct jobs must go on with no acceptance before
             the fleet pauses for ``rejecting``.
@@ -349,9 +350,14 @@ class Evidence:
         if self.latest is None or sent_at > self.latest:
             self.latest = sent_at
 
-    def before(self, sent_at: float, within: float) -> bool:
+    def answered_before(self, sent_at: float, within: float) -> bool:
         """True when an acceptance was answered in the *within* seconds before *sent_at*."""
         return self._answered.any_in(sent_at - within, sent_at)
+
+    def sent_before(self, sent_at: float, within: float) -> bool:
+        """True when an acceptance's request was sent in the *within* seconds up to
+        *sent_at*."""
+        return self._sent.any_in(sent_at - within, sent_at)
 
     def after(self, answered_at: float, within: float) -> bool:
         """True when an acceptance's request was sent in the *within* seconds after
@@ -530,7 +536,7 @@ class ProviderGate:
             return self._requeue(job_id)
         self.detector.observe(job_id)  # an answer: the provider is up
         bracket = self.policy.bracket_seconds
-        if confirming and self.evidence.before(sent, bracket) and (
+        if confirming and self.evidence.answered_before(sent, bracket) and (
                 len(self._unexplained) < self.policy.min_jobs):
             return NO_DECISION  # the second strike: the verdict stands, fail the job
         hold = 2 * bracket if hold_seconds is None else min(hold_seconds, 2 * bracket)
@@ -660,7 +666,7 @@ class ProviderGate:
         bracket = self.policy.bracket_seconds
         everything = final or self.reason is PauseReason.REJECTING or result.pause is not None
         for job_id, h in list(self._held.items()):
-            if not everything and self.evidence.before(h.sent_at, bracket) and (
+            if not everything and self.evidence.sent_before(h.sent_at, bracket) and (
                     self.evidence.after(h.answered_at, bracket)):
                 (result.fail if h.confirming else result.confirm).append(job_id)
             elif everything or now >= h.deadline:
