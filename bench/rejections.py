@@ -24,6 +24,8 @@ from __future__ import annotations
 import argparse
 import json
 import random
+import sys
+import tempfile
 import threading
 import time
 from collections.abc import Callable
@@ -53,6 +55,7 @@ class Run:
     workers: list[Child] = field(default_factory=list)
     paused_seen: float = 0.0  # seconds any worker reported a rejecting pause
     healed_at: float | None = None
+    stopped: threading.Event = field(default_factory=threading.Event)
 
     def faults(self, **faults: Any) -> None:
         self.provider.request("PUT", "/faults", json=faults).raise_for_status()
@@ -66,7 +69,8 @@ class Run:
         def run() -> None:
             start = time.monotonic()
             for i, order in enumerate(orders):
-                time.sleep(max(0.0, start + i / per_second - time.monotonic()))
+                if self.stopped.wait(max(0.0, start + i / per_second - time.monotonic())):
+                    return
                 self.enqueue([order])
         thread = threading.Thread(target=run, daemon=True)
         thread.start()
@@ -244,12 +248,20 @@ def main() -> None:
     results: dict[str, Any] = {}
     try:
         for name in names:
-            with bench.database("rejections") as dsn, Supervisor() as sup:
+            logs = Path(tempfile.mkdtemp(prefix=f"rejections-{name}-"))
+            with bench.database("rejections") as dsn, Supervisor(logs) as sup:
                 port = free_port()
                 provider = sup.start("provider", ["provider", "--port", str(port)], port=port)
                 provider.wait_healthy()
                 started = time.monotonic()
-                results[name] = CASES[name](Run(dsn, sup, provider))
+                run = Run(dsn, sup, provider)
+                try:
+                    results[name] = CASES[name](run)
+                except Exception:
+                    print(f"{name} failed; the processes' logs are in {logs}", file=sys.stderr)
+                    raise
+                finally:
+                    run.stopped.set()
                 results[name]["case_s"] = round(time.monotonic() - started, 1)
                 print(f"{name:36s} {json.dumps(results[name])}", flush=True)
     finally:

@@ -260,6 +260,8 @@ class Worker:
         stopped = asyncio.create_task(self._stop.wait())
         try:
             await asyncio.wait({claiming, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            if claiming.done() and not claiming.cancelled() and claiming.exception():
+                log.error("claim_loop_crashed", exc_info=claiming.exception())
             if not claiming.done():
                 await asyncio.wait({claiming}, timeout=STOP_CLAIM_SECONDS)
         finally:
@@ -275,10 +277,7 @@ class Worker:
         backoff = OUTAGE_BACKOFF_FIRST_SECONDS
         backlog_limit = max(self.settings.concurrency, self.completer.max_batch)
         while not self._stop.is_set():
-            free = self.settings.concurrency - len(self._inflight)
-            most = self.gate.inflight_cap()  # unexplained rejections: a few in flight
-            if most is not None:
-                free = min(free, most - len(self._inflight))
+            free = self._free_slots()
             if free <= 0:
                 await self._wait_for_slot()
                 continue
@@ -289,7 +288,9 @@ class Worker:
                 # A claim statement costs the same CPU for 1 job as for 40: let
                 # a few more slots free up (at most CLAIM_LINGER_SECONDS).
                 await self._gather_slots()
-                free = self.settings.concurrency - len(self._inflight)
+                free = self._free_slots()  # a confirmation may have taken a slot meanwhile
+                if free <= 0:
+                    continue
             wait = await self.step(free)
             if wait is None:  # the database failed us
                 await self._sleep(backoff * random.uniform(0.5, 1.0), wakeable=False)
@@ -301,6 +302,14 @@ class Worker:
             seconds, wakeable = wait
             if seconds > 0:
                 await self._sleep(seconds, wakeable=wakeable)
+
+    def _free_slots(self) -> int:
+        """Slots free for a claim now: fewer while the gate sees unexplained rejections
+        (:meth:`ProviderGate.inflight_cap`); may be ≤ 0 (a confirmation takes a slot
+        without a claim)."""
+        free = self.settings.concurrency - len(self._inflight)
+        most = self.gate.inflight_cap()
+        return free if most is None else min(free, most - len(self._inflight))
 
     async def step(self, free: int) -> tuple[float, bool] | None:
         """One turn of the claim loop with *free* slots: claim, start deliveries.
