@@ -11,17 +11,16 @@ rejecting and accepting everything.
 
 from __future__ import annotations
 
+import json
 import random
-import threading
 import time
 from collections.abc import Callable, Iterator
 
-import psycopg
 import pytest
 
 from receipts.embedded import free_port
-from receipts.enqueue import enqueue_many as enqueue_all
 from receipts.supervisor import Child, Supervisor, run_command
+from tests.acceptance.conftest import Trickle
 from tests.conftest import check_invariants, enqueue_many, fetch_rows
 
 INVALID = "^bad-"
@@ -61,10 +60,10 @@ def counts(dsn: str) -> dict[str, int]:
     """Jobs by outcome: valid done/failed, invalid failed, held, pending."""
     (row,) = fetch_rows(
         dsn,
-        "SELECT count(*) FILTER (WHERE state = 'done' AND order_id NOT LIKE 'bad-%'),"
-        " count(*) FILTER (WHERE state = 'failed' AND order_id NOT LIKE 'bad-%'),"
-        " count(*) FILTER (WHERE state = 'failed' AND order_id LIKE 'bad-%'),"
-        " count(*) FILTER (WHERE state = 'ready' AND last_error LIKE 'held rejection:%'),"
+        "SELECT count(*) FILTER (WHERE state = 'done' AND order_id NOT LIKE 'bad-%%'),"
+        " count(*) FILTER (WHERE state = 'failed' AND order_id NOT LIKE 'bad-%%'),"
+        " count(*) FILTER (WHERE state = 'failed' AND order_id LIKE 'bad-%%'),"
+        " count(*) FILTER (WHERE state = 'ready' AND last_error LIKE 'held rejection:%%'),"
         " count(*) FILTER (WHERE state IN ('ready', 'running'))"
         " FROM receipt_jobs")
     return dict(zip(("done", "failed_valid", "failed_invalid", "held", "pending"), row,
@@ -84,29 +83,6 @@ def pauses(workers: list[Child]) -> float:
 def accepted_after(provider: Child, since: float) -> float | None:
     times = [t for t, status in provider.get_json("/answers") if status < 300 and t > since]
     return min(times) - since if times else None
-
-
-class Trickle:
-    """The shop's ordinary traffic: valid orders enqueued at *per_second* until stopped."""
-
-    def __init__(self, dsn: str, per_second: float, prefix: str = "ok-t") -> None:
-        self.dsn, self.per_second, self.prefix = dsn, per_second, prefix
-        self.sent = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        start = time.monotonic()
-        with psycopg.connect(self.dsn, autocommit=True) as conn:
-            while not self._stop.is_set():
-                enqueue_all(conn, [f"{self.prefix}{self.sent}"])
-                self.sent += 1
-                self._stop.wait(max(0.0, start + self.sent / self.per_second - time.monotonic()))
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)
 
 
 # ------------------------------------------------------------- fast lane: a smoke
@@ -140,7 +116,7 @@ def test_the_held_rejections_are_one_group_an_operator_can_list_and_discard(dsn,
     env = {"RECEIPTS_DATABASE_URL": dsn}
     listed = run_command(["jobs", "list", "--held", "--json"], env, timeout_seconds=30)
     assert listed.returncode == 0, listed.stderr
-    rows = __import__("json").loads(listed.stdout)
+    rows = json.loads(listed.stdout)
     assert len(rows) == 30 and all(r["last_error"].startswith("held rejection: 422 ")
                                    for r in rows)
     discarded = run_command(["jobs", "discard", "--held"], env, timeout_seconds=30)
@@ -226,13 +202,13 @@ def test_a_batch_of_mostly_invalid_orders_fails_them_and_stalls_no_valid_one(
         until(lambda: counts(dsn)["failed_invalid"] == len(bad), "every invalid order failed",
               60)
         until(lambda: fetch_rows(dsn, "SELECT count(*) FROM receipt_jobs WHERE state = 'done'"
-                                      " AND order_id LIKE 'ok-%' AND order_id NOT LIKE 'ok-t%'"
+                                      " AND order_id LIKE 'ok-%%' AND order_id NOT LIKE 'ok-t%%'"
                                  ) == [(400 - len(bad),)], "every valid order delivered", 30)
     finally:
         trickle.stop()
     ((slowest, errors),) = fetch_rows(
         dsn, "SELECT max(extract(epoch FROM finished_at - created_at)),"
-             " count(*) FILTER (WHERE last_error NOT LIKE '422 order bad-%')"
+             " count(*) FILTER (WHERE last_error NOT LIKE '422 order bad-%%')"
              " FROM receipt_jobs WHERE state = 'failed'")
     print(f"\n[figures] {len(bad)} invalid of 400 beside 5/s of traffic: slowest failed "
           f"{float(slowest):.1f}s after enqueue, {pauses(workers):g} pauses")
