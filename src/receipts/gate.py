@@ -69,6 +69,9 @@ class GateShell:
         self.held: dict[uuid.UUID, tuple[Attempt, Outcome, asyncio.TimerHandle]] = {}
         #: Monotonic time the fleet's flow state was last read.
         self.flow_read_at = 0.0
+        #: Set when the worker stops: no confirmation starts any more (a first
+        #: strike goes back to ready, its attempt given back).
+        self.closing = False
         self._tasks: set[asyncio.Task[None]] = set()
 
     # ----------------------------------------------------------- outcomes
@@ -147,7 +150,7 @@ class GateShell:
             if entry is None:
                 continue
             attempt, outcome = entry
-            if final or self.lease_left(attempt) < self.delivery_seconds:
+            if final or self.closing or self.lease_left(attempt) < self.delivery_seconds:
                 # No time left in the lease for a confirmation: try again later.
                 self.write_failure(attempt, outcome, Decision(
                     requeue=True, refund=True, delay_seconds=self.gate.policy.held_retry_seconds))

@@ -225,6 +225,7 @@ class Worker:
     def stop(self) -> None:
         """Ask :meth:`run` to stop claiming and drain (signal-handler safe)."""
         self._stop.set()
+        self.flow.closing = True
         self._wake.set()
         self._slot_freed.set()
 
