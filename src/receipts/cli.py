@@ -613,7 +613,7 @@ def _describe_flow(flow: Any) -> str:
     if not flow.paused:
         return "delivering (not paused)"
     if flow.awaiting_probe:
-        return f"paused ({flow.reason}); one probe job decides when it resumes"
+        return f"paused ({flow.reason}); a probe decides when it resumes"
     text = (f"paused ({flow.reason}) for {describe_seconds(flow.remaining_seconds)} more, "
             f"until {flow.paused_until.isoformat()}")
     if flow.note:
