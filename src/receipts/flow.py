@@ -56,8 +56,9 @@ The rules:
   and the oldest of them was sent ``rejecting_after_seconds`` ago with no
   acceptance sent since (less ``bracket_seconds``), the provider is
   rejecting everything, not judging orders: pause the fleet with reason
-  ``rejecting``. Each acceptance explains the rejections sent up to
-  ``bracket_seconds`` after it. Meanwhile the pod keeps at most
+  ``rejecting`` (a TLS failure, which no invalid order causes, does not
+  wait: ``min_jobs`` unexplained jobs suffice). Each acceptance explains the
+  rejections sent up to ``bracket_seconds`` after it. Meanwhile the pod keeps at most
   ``probe_jobs`` deliveries in flight (:meth:`ProviderGate.inflight_cap`).
   The acceptances are never forgotten on a pause or a resume: after a
   resume, a few rejections in a row cannot pause again before
@@ -523,8 +524,10 @@ class ProviderGate:
             return NO_DECISION
         if tls:
             # No order is judged by a TLS failure: retried with its attempt given
-            # back, and counted towards a systemic rejection.
-            return Decision(pause=None if self.paused else self._systemic(now), refund=True)
+            # back, and counted towards a systemic rejection, which needs no wait:
+            # no invalid order fails a TLS handshake.
+            pause = None if self.paused else self._systemic(now, wait=False)
+            return Decision(pause=pause, refund=True)
         pause = self._pause_for(job_id, outcome)
         return Decision(pause=pause, refund=self.paused or pause is not None)
 
@@ -574,11 +577,12 @@ class ProviderGate:
         if latest is None or sent > latest + self.policy.bracket_seconds:
             self._unexplained[job_id] = min(sent, self._unexplained.get(job_id, sent))
 
-    def _systemic(self, now: float) -> tuple[PauseReason, float] | None:
-        """A ``rejecting`` pause when the unexplained rejections make one (module doc)."""
+    def _systemic(self, now: float, *, wait: bool = True) -> tuple[PauseReason, float] | None:
+        """A ``rejecting`` pause when the unexplained rejections make one (module doc);
+        without *wait*, as soon as there are ``min_jobs`` of them (a TLS failure)."""
         if len(self._unexplained) < self.policy.min_jobs:
             return None
-        if now - min(self._unexplained.values()) < self.policy.rejecting_after_seconds:
+        if wait and now - min(self._unexplained.values()) < self.policy.rejecting_after_seconds:
             return None
         self._unexplained.clear()  # declared: the next one needs a new run
         return PauseReason.REJECTING, self._jitter(self.policy.outage_pause_seconds)

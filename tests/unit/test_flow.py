@@ -367,11 +367,11 @@ def test_tls_failures_of_several_jobs_pause_with_reason_rejecting_not_outage():
     decisions = []
     for _ in range(8):
         decisions.append(g.judge(uuid.uuid4(), tls(), sent_at=clock.now))
-        clock.now += 0.5
+        clock.now += 0.1
     assert all(d.hold_seconds is None and not d.requeue and d.refund for d in decisions)
-    # Not before rejecting_after_seconds (3 s: the seventh, 0.5 s apart), and once.
-    assert [i for i, d in enumerate(decisions) if d.pause] == [6]
-    assert decisions[6].pause[0] is PauseReason.REJECTING  # type: ignore[index]
+    # At the fifth distinct job (no invalid order fails a handshake: no wait), and once.
+    assert [i for i, d in enumerate(decisions) if d.pause] == [4]
+    assert decisions[4].pause[0] is PauseReason.REJECTING  # type: ignore[index]
     plain = gate()
     resets = [plain.judge(uuid.uuid4(), tls("ReadError: ConnectionResetError",
                                             Reason.CONNECTION_LOST)) for _ in range(5)]
