@@ -44,7 +44,8 @@ class Trickle:
         start = time.monotonic()
         with psycopg.connect(self.dsn, autocommit=True) as conn:
             while not self._stop.is_set():
-                enqueue_many(conn, [f"{self.prefix}{self.sent}"])
+                with conn.transaction():  # as an orders service does: with its order
+                    enqueue_many(conn, [f"{self.prefix}{self.sent}"])
                 self.sent += 1
                 self._stop.wait(max(0.0, start + self.sent / self.per_second - time.monotonic()))
 
