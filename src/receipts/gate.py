@@ -26,7 +26,7 @@ from datetime import datetime
 
 from receipts.completion import Completer
 from receipts.errors import QueueError
-from receipts.flow import HELD_PREFIX, Decision, ProviderGate
+from receipts.flow import ACCEPTED, HELD_PREFIX, Decision, ProviderGate
 from receipts.jobqueue import WorkerQueue
 from receipts.logs import get_logger, job_fields
 from receipts.metrics import Metrics
@@ -103,7 +103,7 @@ class GateShell:
             if confirming and outcome.verdict is Verdict.PERMANENT and not decision.requeue:
                 log.warning("rejection_confirmed", extra=job_fields(job, outcome.reason))
             self.write_failure(attempt, outcome, decision)
-        if self.held:  # this answer may have decided held ones
+        if self.held and outcome.reason in ACCEPTED:  # new evidence: held ones may be decided
             self.settle()
 
     def write_failure(self, attempt: Attempt, outcome: Outcome, decision: Decision) -> None:
