@@ -85,6 +85,7 @@ The rules:
 from __future__ import annotations
 
 import bisect
+import dataclasses
 import random
 import re
 import time
@@ -538,6 +539,10 @@ class ProviderGate:
             self._held.pop(job_id, None)
             return self._requeue(job_id)
         self.detector.observe(job_id)  # an answer: the provider is up
+        pause = None if self.paused else self._systemic(self._now())
+        if pause is not None:  # this rejection completes a systemic one
+            self._held.pop(job_id, None)
+            return dataclasses.replace(self._requeue(job_id), pause=pause)
         bracket = self.policy.bracket_seconds
         if confirming and self.evidence.answered_before(sent, bracket) and (
                 len(self._unexplained) < self.policy.min_jobs):

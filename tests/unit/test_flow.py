@@ -439,8 +439,13 @@ def test_nginx_refusing_a_missing_client_certificate_is_a_systemic_rejection():
     for _ in range(8):
         decisions.append(g.judge(uuid.uuid4(), answer, sent_at=clock.now))
         clock.now += 0.5
-    assert all(d.hold_seconds for d in decisions)
-    assert g.settle().pause[0] is PauseReason.REJECTING  # type: ignore[index]
+    # Held, until the one that makes 3 s of unexplained rejections: it pauses the fleet.
+    assert all(d.hold_seconds and d.pause is None for d in decisions[:6])
+    assert decisions[6].pause[0] is PauseReason.REJECTING  # type: ignore[index]
+    assert decisions[6].requeue and decisions[6].refund
+    g.observe_flow(FlowState(PauseReason.REJECTING, 5))
+    s = g.settle()
+    assert len(s.requeue) == 6 and s.fail == [] and s.confirm == []
 
 
 def test_a_408_is_a_timeout_not_a_verdict():
