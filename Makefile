@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test docs lint tools bench soak chaos clean lock
+.PHONY: demo test test-fast docs lint tools bench soak chaos clean lock
 
 $(STAMP): pyproject.toml src/receipts/__init__.py
 	$(PYTHON) -m venv $(VENV)
@@ -25,6 +25,11 @@ tools:
 ## The full test suite (real PostgreSQL, real processes, real helm/promtool).
 test: $(STAMP) tools
 	PATH="$(CURDIR)/.tools/bin:$(CURDIR)/$(BIN):$$PATH" $(BIN)/pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+
+## The fast lane: every test not marked slow (pytest -m "not slow"), under 3 minutes on 2
+## cores; the same tools and databases as `make test`, which still runs everything.
+test-fast: $(STAMP) tools
+	PATH="$(CURDIR)/.tools/bin:$(CURDIR)/$(BIN):$$PATH" $(BIN)/pytest -q -p no:cacheprovider -m "not slow" $(PYTEST_ARGS)
 
 ## The documentation site, built into site/ with every warning an error (broken links and
 ## anchors fail). The reference pages are generated from the code: python scripts/gen_docs.py.

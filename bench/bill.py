@@ -64,9 +64,9 @@ from typing import Any
 import psycopg
 
 from bench import raw
+from bench.document import write_json
 from bench.pg import Bench, fill_ready, settle
 from bench.procs import Children
-from bench.report import write_json
 from bench.scenarios import receipts_argv
 from receipts.enqueue import enqueue
 
@@ -86,8 +86,8 @@ _KINDS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
                 r"\s+lease_until = \S+,\s+last_token = a\.token"),
         ("reschedule", r"^\s*WITH r AS \("),
         ("resolve_writes", r"WHERE j\.last_token = a\.token"),
-        ("recovery", r"expired AS \(|exhausted AS \(|old AS \("),
-        ("history", r"INSERT INTO \S*receipt_attempts"),
+        ("recovery", r"expired AS \(|exhausted AS \(|old AS \(|receipts_prune\("),
+        ("history", r"INSERT INTO \S*receipt_attempts|receipts_record_attempts\("),
         ("queue_stats", r"WITH ready AS MATERIALIZED"),
         ("probe", r"pg_logical_emit_message|^\s*SET LOCAL synchronous_commit"),
         # A probe's and a checkout's BEGIN and COMMIT alike (the worker's own

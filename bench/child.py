@@ -13,7 +13,7 @@ given ``--provider-url`` delivers over HTTP with the real deliverer.
 
 ``--profile FILE`` (receipts only) samples the worker with py-spy (the bench
 extra) from "go" for ``--profile-seconds``, in py-spy's raw (collapsed stack)
-format; ``python -m bench.profile`` turns it into a table.
+format; ``python -m bench.experiments.profile`` turns it into a table.
 """
 
 from __future__ import annotations
@@ -24,7 +24,10 @@ import json
 import signal
 import sys
 import time
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from receipts.transport import TransportName
 
 _CPU_AT_GO = [0.0]
 _PROFILER: list[Any] = []
@@ -117,54 +120,21 @@ class RecordingHttp:
         await self._inner.aclose()
 
 
-#: --transport choices: the HTTP client under the deliverer.
-TRANSPORTS = ("aiohttp", "aiohttp-via-httpx", "hand-written", "httpx")
+#: --transport choices: the HTTP client under the deliverer (RECEIPTS_PROVIDER_TRANSPORT's).
+TRANSPORTS = ("aiohttp", "httpx")
 
 
 def http_deliverer(settings: Any, transport: str) -> Any:
     """The deliverer ``make_deliverer`` builds, over *transport* (:data:`TRANSPORTS`):
+    ``aiohttp`` (the default) or ``httpx`` (httpx's own transport, httpcore + h11),
+    both behind :mod:`receipts.transport`'s one door."""
+    from receipts.delivery import HttpDeliverer
 
-    * ``aiohttp``: the default (:class:`receipts.transport.AiohttpTransport`'s
-      sender: no httpx request or response objects per delivery);
-    * ``aiohttp-via-httpx``: the same transport driven through httpx's
-      interface (an ``httpx.Request`` and ``httpx.Response`` per delivery),
-      as the deliverer drove it before the seam was thinned;
-    * ``hand-written``: the former HTTP/1.1 transport (:mod:`bench.handwritten`,
-      kept for this comparison only), under the same httpx interface;
-    * ``httpx``: httpx's own default transport (httpcore + h11).
-    """
-    import httpx
-
-    from bench.handwritten import Http11Transport
-    from receipts import transport as http
-    from receipts.delivery import CONNECT_SECONDS, HttpDeliverer
-
-    slots = settings.concurrency
-    connect = min(CONNECT_SECONDS, settings.delivery_timeout_seconds)
-    chosen: httpx.AsyncBaseTransport
-    if transport == "aiohttp":
-        chosen = http.AiohttpTransport(max_connections=slots, connect_timeout_seconds=connect)
-    elif transport == "aiohttp-via-httpx":
-        inner = http.AiohttpTransport(max_connections=slots, connect_timeout_seconds=connect)
-
-        class ViaHttpx(httpx.AsyncBaseTransport):
-            """Forwards to the adapter; not an AiohttpTransport itself, so the
-            deliverer drives it through ``handle_async_request``."""
-
-            async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-                return await inner.handle_async_request(request)
-
-            async def aclose(self) -> None:
-                await inner.aclose()
-
-        chosen = ViaHttpx()
-    elif transport == "hand-written":
-        chosen = Http11Transport(max_connections=slots, connect_timeout_seconds=connect)
-    else:
-        chosen = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=slots),
-                                          trust_env=False)
+    name: TransportName = "httpx" if transport == "httpx" else "aiohttp"
+    if transport != name:
+        raise SystemExit(f"--transport: one of {', '.join(TRANSPORTS)}")
     return HttpDeliverer(settings.provider_url, timeout_seconds=settings.delivery_timeout_seconds,
-                         max_connections=slots, transport=chosen)
+                         max_connections=settings.concurrency, transport=name)
 
 
 def _log_claims(path: str) -> None:
@@ -178,9 +148,9 @@ def _log_claims(path: str) -> None:
     original = JobQueue.claim
     out = open(path, "a", buffering=1)  # noqa: SIM115 - open for the process's lifetime
 
-    async def claim(self: Any, limit: int, *, probe: bool = False) -> Any:
+    async def claim(self: Any, limit: int, **kwargs: Any) -> Any:
         start = time.perf_counter()
-        result = await original(self, limit, probe=probe)
+        result = await original(self, limit, **kwargs)
         out.write(f"{time.time():.3f} {(time.perf_counter() - start) * 1000:.3f} "
                   f"{len(result.attempts)}\n")
         return result

@@ -72,6 +72,8 @@ def pgbench_script(batch: int, *, name: str = "claim", strip_flow: bool = False,
     claim = claim.replace("%(max_attempts)s", str(MAX_ATTEMPTS))
     claim = claim.replace("%(lease_seconds)s", str(LEASE_SECONDS))
     claim = claim.replace("%(probe)s", "false")  # no fleet pause in a benchmark
+    # No watermark: pgbench drains from the index's start, as a claim without a waker.
+    claim = claim.replace("%(after_run_at)s", "NULL").replace("%(after_id)s", "NULL")
     claim = claim.replace("%(rate)s", repr(float(rate_per_second)))
     claim = claim.replace("%(burst)s", repr(float(burst)))
     # Keep every CTE (the flow check, candidate, claimed, spent); replace only the

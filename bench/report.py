@@ -1,15 +1,21 @@
-"""Summaries over rounds (median, min–max), the target ratios, the table."""
+"""Summaries over rounds (median, min–max), the target ratios, the table.
+
+The top of the core: it reads every scenario's runs, the bill's included
+(:mod:`bench.bill`); nothing in the core imports it back (a run's document is
+written by :func:`bench.document.write_json`)."""
 
 from __future__ import annotations
 
 import json
 import statistics
-import sys
 from collections.abc import Callable, Sequence
 from datetime import datetime
 from operator import itemgetter
 from pathlib import Path
 from typing import Any
+
+from bench import bill
+from bench.document import write_json as write_json  # re-exported: bench.run
 
 LITTLE_BOUND = 400 / 0.2  # 400 slots / 200 ms: deliveries/s by Little's law
 POLL_BOUND_MS = 1000 * 1.25  # poll interval 1 s + its 25 % jitter
@@ -23,17 +29,6 @@ ADMISSION_RATE_GOAL = 0.5  # drain rate with admission control on / off (default
 RATE_LIMIT_TOLERANCE = 0.10  # requests/s per window within ±10 % of the fleet limit
 FLOW_CHECK_GOAL = 0.95  # claim with the pause check / without it (jobs/s)
 BILL_GOAL = 1.2  # the worker's DB CPU and WAL per job / the raw limit's (bench.bill)
-
-
-def write_json(doc: dict[str, Any], out: Path) -> None:
-    """Write a bench run's document to *out* (JSON, indented; values ``str()``-ed when
-    JSON has no type for them), atomically: a half-written file never replaces a whole
-    one. Creates the folder; says where it wrote on stderr."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    tmp.write_text(json.dumps(doc, indent=2, default=str) + "\n")
-    tmp.replace(out)
-    print(f"\nwrote {out}", file=sys.stderr)
 
 
 def stat(values: Sequence[float]) -> dict[str, float]:
@@ -157,9 +152,7 @@ def build(results: dict[str, list[Any]], *, plan: dict[str, Any], machine: dict[
         }
     bill_runs = {k.removeprefix("bill:"): v for k, v in results.items() if k.startswith("bill:")}
     if bill_runs:
-        from bench.bill import summarise
-
-        s["bill"] = summarise(bill_runs)
+        s["bill"] = bill.summarise(bill_runs)
     return {
         "started": started.isoformat(timespec="seconds"),
         "finished": finished.isoformat(timespec="seconds"),
@@ -295,7 +288,7 @@ def targets(s: dict[str, Any]) -> list[dict[str, Any]]:
         mine = pick["receipts:waker"]["p99_ms"]["median"]
         out.append(_check("pickup p99 with the defaults (waker, no NOTIFY in the txn, ms)",
                           mine, f"<= {WAKER_PICKUP_GOAL_MS:.0f}", mine <= WAKER_PICKUP_GOAL_MS,
-                          "bench/README.md: at 4/s, python -m bench.wakeups"))
+                          "bench/README.md: at 4/s, python -m bench.experiments.wakeups"))
     if "receipts:notify" in pick:
         mine = pick["receipts:notify"]["p99_ms"]["median"]
         peers = [v["p99_ms"]["median"] for k, v in pick.items() if not k.startswith("receipts")]
@@ -471,10 +464,8 @@ def table(doc: dict[str, Any]) -> str:
     lines = [f"{'figure (median (min–max) over rounds)':<{width}}  value", "-" * (width + 50)]
     lines += [f"{a:<{width}}  {b}" for a, b in rows]
     if "bill" in s:
-        from bench.bill import headline
-
         lines += ["", "the database's bill (python -m bench.bill; medians over rounds)",
-                  headline(s["bill"])]
+                  bill.headline(s["bill"])]
     lines += ["", f"{'target':<52} {'value':>10}  {'goal':<10} met   detail", "-" * 110]
     for t in doc["targets"]:
         value = "" if t["value"] is None else f"{t['value']:.2f}"
@@ -537,8 +528,6 @@ def main(argv: list[str] | None = None) -> int:
     """``python -m bench.report [FILE] [--trace]``: the table (or the limit traces) of a
     result file (default bench/results/latest.json)."""
     import argparse
-    import json
-    from pathlib import Path
 
     p = argparse.ArgumentParser(prog="python -m bench.report",
                                 description="Print a benchmark result file's table.")

@@ -135,7 +135,7 @@ def receipts_drain(bench: Bench, *, jobs: int, processes: int = 1, concurrency: 
     installed, as ``receipts worker`` does).
     *profile*: a py-spy raw profile of the (first) worker to this file.
     *scrape*: the first worker's ``/metrics`` at the end, as ``samples``
-    (a :class:`~receipts.supervisor.MetricSamples`, for ``bench.cycle``).
+    (a :class:`~receipts.supervisor.MetricSamples`, for ``bench.experiments.cycle``).
     *transport*: the HTTP client under the deliverer (``bench.child --transport``;
     None: what ``receipts worker`` builds).
     """
@@ -358,7 +358,8 @@ def _explain(dsn: str, batch: int) -> str:
         with conn.transaction(force_rollback=True):
             rows = conn.execute(
                 "EXPLAIN (ANALYZE, BUFFERS) " + text,
-                {"max_attempts": 5, "lease_seconds": 60.0, "probe": False},
+                {"max_attempts": 5, "lease_seconds": 60.0, "probe": False,
+                 "after_run_at": None, "after_id": None},
             ).fetchall()
     return "\n".join(r[0] for r in rows)
 

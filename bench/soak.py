@@ -11,8 +11,9 @@ the shipped migrations' own settings), and for the whole run:
   commit) through the public API; its latency is the checkout figure;
 * **workers**: ``--workers`` worker processes (``run_worker``: the default
   settings, and a fleet-wide rate limit of 10 × the order rate, which never
-  binds but makes every claim update ``receipt_flow``'s bucket row: the hot
-  row at its busiest; ``--rate-limit 0`` for none) delivering over HTTP to the reference
+  binds; each pod charges its own bucket at its announced share, and a pod
+  without one would charge ``receipt_flow``'s row, so the row's versions
+  show which; ``--rate-limit 0`` for none) delivering over HTTP to the reference
   provider (``--provider-latency-ms`` × U(0.5, 1.5)), which answers a few
   percent 503 (``--error-rate``) and drops a few connections after recording
   (``--reset-rate``): retries, attempt history, unknown outcomes;
@@ -23,6 +24,9 @@ the shipped migrations' own settings), and for the whole run:
 * **a reporting query** holding a REPEATABLE READ snapshot for 10 minutes once
   an hour, the first at 40 minutes (once retention prunes as fast as orders
   arrive, so every hold meets the same churn).
+
+``--hold-first-seconds`` and ``--hold-seconds`` shorten the holds for a
+short run (e.g. 5 minutes with a 2-minute hold from the second minute).
 
 Every ``--sample-seconds`` (10 s) it records claim p50/p99 (every claim of
 every worker, timed in the worker process), checkout p50/p99, table and index
@@ -95,7 +99,7 @@ class SoakPlan:
     hold_recovery_seconds: float = 120.0
     retry_base_seconds: float | None = None  # None: the worker's default (10 s)
     #: The fleet-wide provider rate limit, jobs/s (None: 10 × the order rate, which
-    #: never binds but makes every claim update receipt_flow's bucket row; 0: none).
+    #: never binds; 0: none).
     rate_limit: float | None = None
     drain_timeout_seconds: float = 900.0
     seed: int = 1
@@ -515,6 +519,14 @@ def _scrape_total(children: Children, name: str) -> float:
     return total
 
 
+def claim_counts(claims: Sequence[tuple[float, float, int]], delivered: int) -> dict[str, Any]:
+    """Claims per delivered job and the share of claims that came back empty."""
+    empty = sum(1 for _, _, n in claims if n == 0)
+    return {"claims": len(claims), "empty_claims": empty,
+            "claims_per_job": round(len(claims) / max(delivered, 1), 3),
+            "empty_claim_share": round(empty / max(len(claims), 1), 3)}
+
+
 def run(plan: SoakPlan, out_dir: Path, *, log: Any = print) -> dict[str, Any]:
     """One soak (see the module doc); returns the document also written as ``soak.json``."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -601,9 +613,9 @@ def run(plan: SoakPlan, out_dir: Path, *, log: Any = print) -> dict[str, Any]:
                         f"claim p99={row['claim_p99_ms']} ms load={os.getloadavg()[0]:.2f}")
             left = samples[-1]["ready"] + samples[-1]["running"]
             statements = conn.execute(
-                "SELECT calls, total_exec_time, rows, wal_bytes, left(query, 80)"
+                "SELECT calls, total_exec_time, rows, wal_bytes, left(query, 120)"
                 " FROM pg_stat_statements WHERE dbid = (SELECT oid FROM pg_database WHERE"
-                " datname = current_database()) ORDER BY total_exec_time DESC LIMIT 15"
+                " datname = current_database()) ORDER BY total_exec_time DESC LIMIT 25"
             ).fetchall()
         failures = _scrape_total(children, "receipts_failures_total")
         stale = _scrape_total(children, "receipts_stale_acks_total")
@@ -630,6 +642,7 @@ def run(plan: SoakPlan, out_dir: Path, *, log: Any = print) -> dict[str, Any]:
                 "recovery_failures": recovery.failures,
                 "pruned": sum(int(s.get("pruned", 0)) for s in recovery.sweeps),
                 "db_cpu_us_per_job": round(cpu / max(delivered, 1) * 1e6, 1),
+                **claim_counts(claim_logs.claims, delivered),
                 "wal_bytes_per_job": round(wal / max(delivered, 1), 1),
             },
             "statements": [{"calls": int(c), "exec_ms": float(e), "rows": int(r),
@@ -665,6 +678,8 @@ def summary(doc: dict[str, Any]) -> str:
              f"{e['failed_for_good']}, lost {e['lost']}, left at end {e['left']}, pruned "
              f"{e['pruned']:,}; DB CPU {e['db_cpu_us_per_job']} µs and WAL "
              f"{e['wal_bytes_per_job']} B per job"]
+    lines.append(f"  claims {e.get('claims')}: {e.get('claims_per_job')} per job delivered, "
+                 f"{e.get('empty_claim_share')} of them empty")
     for c in v["sizes"]:
         lines.append(f"  size {c['key']}: peak {c.get('previous_peak')} -> "
                      f"{c.get('last_peak')} ({c.get('ratio')}) ok={c['ok']}")
@@ -688,11 +703,16 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--retention-seconds", type=float, help="retention (default 1800)")
     p.add_argument("--rate-limit", type=float,
                    help="fleet-wide rate limit, jobs/s (default 10 × --rate; 0: none)")
+    p.add_argument("--hold-first-seconds", type=float,
+                   help="when the first held snapshot starts, seconds (default 2400)")
+    p.add_argument("--hold-seconds", type=float,
+                   help="how long each snapshot is held (default 600)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT,
                    help=f"folder for soak.json and the PNGs (default {DEFAULT_OUT})")
     args = p.parse_args(argv)
     plan = SoakPlan.smoke() if args.smoke else SoakPlan()
-    for name in ("hours", "rate", "workers", "retention_seconds", "rate_limit"):
+    for name in ("hours", "rate", "workers", "retention_seconds", "rate_limit",
+                 "hold_first_seconds", "hold_seconds"):
         value = getattr(args, name)
         if value is not None:
             setattr(plan, name, value)

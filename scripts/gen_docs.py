@@ -6,8 +6,8 @@
 What each page is generated from:
 
 * ``docs/reference/settings.md``: the pydantic model ``receipts.settings.Settings``
-  (every ``RECEIPTS_*`` variable: type, default, bounds, description; a field
-  without a description falls back to its ``--help`` line, ``receipts.cli.SETTING_HELP``);
+  (every ``RECEIPTS_*`` variable: type, default, bounds, and the field's description,
+  the same text each command's ``--help`` prints);
 * ``docs/reference/metrics.md``: a fresh ``receipts.metrics.Metrics`` registry
   walked family by family, plus the gauges ``receipts recover`` pushes
   (``receipts.recovery.report_registry``);
@@ -101,12 +101,13 @@ def _bounds_text(metadata: Iterable[Any]) -> str:
 
 
 def settings_page() -> str:
-    """The ``RECEIPTS_*`` reference, from ``Settings`` (and ``--help``'s lines)."""
+    """The ``RECEIPTS_*`` reference, from ``Settings`` (each field's description and
+    default, as ``--help`` prints them)."""
     from receipts import cli
     from receipts.settings import ENV_PREFIX, Settings
 
     lines = [
-        _banner("src/receipts/settings.py (the `Settings` model) and src/receipts/cli.py"),
+        _banner("src/receipts/settings.py (the `Settings` model)"),
         "# Settings reference",
         "",
         "Every setting is an environment variable with the prefix `RECEIPTS_`, read once "
@@ -120,7 +121,7 @@ def settings_page() -> str:
     ]
     for name, field in Settings.model_fields.items():
         variable = f"{ENV_PREFIX}{name.upper()}"
-        description = field.description or cli.SETTING_HELP.get(name, "")
+        description = field.description or ""
         lines.append(
             f'| <span id="{variable.lower()}"></span>`{variable}` '
             f"| {_cell(_type_text(field.annotation))} "

@@ -184,6 +184,21 @@ async def queue(settings: Settings) -> AsyncIterator[object]:
         await pool.close()
 
 
+@pytest.fixture
+async def operations(settings: Settings) -> AsyncIterator[object]:
+    """An open :class:`~receipts.operations.Operations` (the operator's statements) on
+    the test database, on its own pool, as the composition code builds it."""
+    from receipts.db import make_pool
+    from receipts.runtime import make_operations
+
+    pool = make_pool(settings, "test", max_size=4)
+    await pool.open(wait=True, timeout=10)
+    try:
+        yield make_operations(settings, pool)
+    finally:
+        await pool.close()
+
+
 @dataclass
 class RunningProvider:
     """A reference provider served in the test's event loop."""

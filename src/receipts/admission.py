@@ -74,6 +74,12 @@ NOISE_FLOOR_SECONDS = 0.0002
 BURST_SECONDS = 0.1
 
 
+#: The claim-rate floor and ceiling defaults, jobs/s per worker; ``Settings`` takes
+#: ``RECEIPTS_ADMISSION_MIN/MAX_RATE_PER_SECOND``'s defaults from these.
+MIN_RATE_PER_SECOND = 50.0
+MAX_RATE_PER_SECOND = 20_000.0
+
+
 @dataclass(frozen=True, slots=True)
 class AdmissionPolicy:
     """AIMD parameters.
@@ -88,8 +94,8 @@ class AdmissionPolicy:
         increase_per_second: additive increase, jobs/s per second without congestion.
     """
 
-    min_rate: float = 50.0
-    max_rate: float = 20_000.0
+    min_rate: float = MIN_RATE_PER_SECOND
+    max_rate: float = MAX_RATE_PER_SECOND
     tolerance: float = 1.5
     decrease: float = 0.75
     increase_per_second: float = 500.0

@@ -42,9 +42,8 @@ from datetime import datetime
 from typing import Any
 
 from receipts.errors import DatabaseUnavailable, QueueError, StatementTimeout
-from receipts.jobqueue import JobQueue, ReviewFilter
 from receipts.logs import get_logger
-from receipts.operations import BulkStep, Operations
+from receipts.operations import BulkStep, Operations, ReviewFilter
 
 log = get_logger("bulk")
 
@@ -92,7 +91,7 @@ class Progress:
     changed_ids: list[uuid.UUID] = field(default_factory=list)
 
 
-async def confirmation(queue: JobQueue, view: ReviewFilter, *, timeout_seconds: float = 2.0,
+async def confirmation(operations: Operations, view: ReviewFilter, *, timeout_seconds: float = 2.0,
                        cap: int = 100_000) -> tuple[datetime, int, bool]:
     """The moment of a confirmation and the count the operator confirms.
 
@@ -100,11 +99,11 @@ async def confirmation(queue: JobQueue, view: ReviewFilter, *, timeout_seconds: 
     exact when it finishes within *timeout_seconds*; otherwise it counts up
     to *cap* and ``exact`` is False ("at least *count*").
     """
-    cutoff, count = await queue.count_now(view, timeout_seconds=timeout_seconds)
+    cutoff, count = await operations.count_now(view, timeout_seconds=timeout_seconds)
     if count is not None:
         return cutoff, count, True
     bounded = dataclasses.replace(view, cutoff=cutoff)
-    return cutoff, await queue.review_count(bounded, cap=cap), False
+    return cutoff, await operations.review_count(bounded, cap=cap), False
 
 
 async def start(operations: Operations, *, action: str, view: ReviewFilter,

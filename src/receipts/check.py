@@ -19,9 +19,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
-import httpx
-
-from receipts.settings import Settings, SettingsError, redact_dsn
+from receipts.db import connect
+from receipts.dsn import redact_dsn
+from receipts.errors import QueueError
+from receipts.migrate import schema_status_async
+from receipts.runtime import make_deliverer
+from receipts.settings import Settings, SettingsError
+from receipts.transport import TransportError
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,10 +44,6 @@ class CheckResult:
 
 async def check_database(settings: Settings) -> CheckResult:
     """Connect with the worker's settings and judge the schema (see the module doc)."""
-    from receipts.db import connect
-    from receipts.errors import QueueError
-    from receipts.migrate import schema_status_async
-
     try:
         conn = await connect(settings, "check")
         async with conn:
@@ -56,8 +56,6 @@ async def check_database(settings: Settings) -> CheckResult:
 
 async def check_provider(settings: Settings) -> CheckResult:
     """Send one ``OPTIONS`` request to the provider URL (see the module doc)."""
-    from receipts.runtime import make_deliverer
-
     where = settings.safe_provider_url
     try:
         deliverer = make_deliverer(settings)
@@ -69,7 +67,7 @@ async def check_provider(settings: Settings) -> CheckResult:
     except TimeoutError:
         return CheckResult("provider", False, f"{where}: no answer within "
                                               f"{settings.delivery_timeout_seconds:g}s")
-    except (httpx.HTTPError, OSError) as exc:
+    except (TransportError, OSError) as exc:
         text = str(exc).strip() or type(exc).__name__
         return CheckResult("provider", False, f"{where}: {type(exc).__name__}: {text[:200]}")
     finally:

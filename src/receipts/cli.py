@@ -21,26 +21,43 @@ import math
 import os
 import signal
 import sys
+import time
 import uuid
 from collections.abc import Callable, Coroutine, Mapping, Sequence
 from datetime import UTC, datetime
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
+from receipts import fleet, migrate, planner, recovery, review
+from receipts.check import run_checks
+from receipts.db import check_connection, make_pool, transaction
+from receipts.demo import DemoOptions, run_demo
+from receipts.embedded import EmbeddedPostgresError, bin_dir
+from receipts.enqueue import check_order_id, enqueue
+from receipts.errors import InvalidOrderId, QueueError, SchemaMissing, UnusableDatabase
+from receipts.grants import GrantsError, grants_sql, parse_assignments
+from receipts.jobqueue import JobQueue
+from receipts.logs import configure_logging, get_logger
+from receipts.migrate import MigrationError
+from receipts.model import JobState
+from receipts.operations import BulkStep, FleetFlow, Operations, ReviewFilter
+from receipts.provider import Faults, ReferenceProvider, serve
+from receipts.proxy import environment_secrets
+from receipts.runtime import make_operations, run_on_loop, run_worker
 from receipts.settings import (
     ENV_PREFIX,
     Settings,
     SettingsError,
+    check_dsn,
     check_ui_settings,
     check_worker_settings,
     load_settings,
     package_version,
     redact_dsn,
     schema_for,
+    unknown_variables,
 )
 from receipts.statements import DEFAULT_SCHEMA, SCHEMA_NAME, SCHEMA_RULE
-
-if TYPE_CHECKING:
-    from receipts.review import RetryResult
+from receipts.ui import run_ui
 
 EXIT_OK, EXIT_ERROR, EXIT_USAGE = 0, 1, 2
 #: ``receipts migrate --check``: migrations pending / schema unknown to this version.
@@ -48,44 +65,6 @@ EXIT_PENDING, EXIT_UNKNOWN = 3, 4
 
 # ------------------------------------------------------------ settings help
 
-# One line of help per setting (defaults are read from Settings itself).
-SETTING_HELP: dict[str, str] = {
-    "database_url": "PostgreSQL DSN, URI or key=value (secret)",
-    "database_schema": "schema of the receipts tables (default: the DSN's search_path; public)",
-    "provider_url": "receipt provider endpoint (POST), http:// or https://",
-    "provider_token": "bearer token sent to the provider (secret)",
-    "provider_proxy": "egress proxy for the provider, http://[user:pw@]host:port; wins over "
-                      "HTTPS_PROXY/HTTP_PROXY/NO_PROXY (secret)",
-    "concurrency": "delivery slots per process",
-    "lease_seconds": "lease of one attempt",
-    "lease_margin_seconds": "lease minus this bounds the delivery timeout",
-    "max_attempts": "attempts before a job fails",
-    "delivery_timeout_seconds": "deadline of one provider exchange",
-    "poll_interval_seconds": "sleep when the queue looks empty (×0.75–1.25 jitter)",
-    "claim_batch_max": "most jobs one claim takes (never more than free slots)",
-    "metrics_port": "port of /metrics, /healthz, /readyz; 0 disables",
-    "log_level": "DEBUG, INFO, WARNING or ERROR",
-    "pool_max_size": "database connections per process for statements",
-    "listen_notify": "one extra connection that LISTENs for wake-ups (and elects the waker)",
-    "pgbouncer": "transaction-pooling mode: no prepared statements, LISTEN or startup options",
-    "synchronous_commit": "synchronous_commit of worker/recovery sessions (on, off, local)",
-    "shutdown_grace_seconds": "after SIGTERM, how long in-flight deliveries may finish"
-                              " (at most the delivery timeout)",
-    "retry_base_seconds": "backoff ceiling of the first retry",
-    "retry_cap_seconds": "backoff ceiling of any retry",
-    "retry_after_max_seconds": "clamp for a provider's Retry-After",
-    "recovery_delay_seconds": "an expired job is due again after this × U(0.5, 1)",
-    "recovery_batch_size": "rows per recovery statement (≤ 100)",
-    "retention_days": "prune done/failed rows older than this; 0 keeps everything",
-    "prune_batch_size": "rows per prune statement",
-    "pushgateway_url": "push the sweep's figures to this Prometheus Pushgateway",
-    "queue_stats_interval_seconds": "how often a worker reads the queue gauges",
-    "statement_timeout_seconds": "per-connection statement_timeout",
-    "lock_timeout_seconds": "per-connection lock_timeout",
-    "idle_in_transaction_timeout_seconds": "per-connection idle_in_transaction_session_timeout",
-    "auth_pause_seconds": "first claim pause after a 401/403 (doubles up to the pause cap)",
-    "application_name": "prefix of the connections' application_name",
-}
 _CONNECTION = ("database_url", "database_schema", "application_name", "pgbouncer",
                "statement_timeout_seconds", "lock_timeout_seconds",
                "idle_in_transaction_timeout_seconds", "log_level")
@@ -127,14 +106,15 @@ def _default_text(name: str) -> str:
 
 
 def settings_help(command: str) -> str:
-    """The epilog of *command*'s ``--help``: each variable it reads, its help and default."""
+    """The epilog of *command*'s ``--help``: each variable it reads, its default, and its
+    field's description (the same text as docs/reference/settings.md)."""
     import textwrap
 
     column, width = 40, 100
     lines = ["settings (environment variables):"]
     for name in settings_for(command):
         variable = f"  {ENV_PREFIX}{name.upper()}"
-        text = SETTING_HELP.get(name) or Settings.model_fields[name].description or ""
+        text = Settings.model_fields[name].description or ""  # the one source of help
         wrapped = textwrap.wrap(f"{text} [{_default_text(name)}]", width - column)
         if len(variable) + 2 > column:
             lines.append(variable)
@@ -175,11 +155,8 @@ def _run(coro: Coroutine[Any, Any, int]) -> int:
 
 
 async def _with_queue(settings: Settings, role: str,
-                      body: Callable[[Any], Coroutine[Any, Any, int]]) -> int:
-    """Open a one-connection pool, run *body(queue)*, close the pool."""
-    from receipts.db import check_connection, make_pool
-    from receipts.jobqueue import JobQueue
-
+                      body: Callable[[JobQueue], Coroutine[Any, Any, int]]) -> int:
+    """Open a one-connection pool, run *body(queue)* (recovery's statements), close the pool."""
     await check_connection(settings, role)
     pool = make_pool(settings, role, max_size=1)
     await pool.open(wait=False)
@@ -187,6 +164,19 @@ async def _with_queue(settings: Settings, role: str,
         queue = JobQueue(pool, lease_seconds=settings.lease_seconds,
                          max_attempts=settings.max_attempts, schema=settings.db_schema)
         return await body(queue)
+    finally:
+        await pool.close(timeout=2.0)
+
+
+async def _with_operations(settings: Settings, role: str,
+                           body: Callable[[Operations], Coroutine[Any, Any, int]]) -> int:
+    """Open a one-connection pool, run *body(operations)* (the operator's statements,
+    :func:`receipts.runtime.make_operations`, no statement deadline), close the pool."""
+    await check_connection(settings, role)
+    pool = make_pool(settings, role, max_size=1)
+    await pool.open(wait=False)
+    try:
+        return await body(make_operations(settings, pool, deadline=False))
     finally:
         await pool.close(timeout=2.0)
 
@@ -216,8 +206,6 @@ def _schema_from_environment() -> str:
 def check_migrate(args: argparse.Namespace) -> None:
     """Usage of ``migrate``: ``--pending`` only with ``--print-sql``; ``--print-grants``
     pairs parsed into ``args.grant_roles`` ({role: [kinds]})."""
-    from receipts.grants import GrantsError, parse_assignments
-
     if args.pending and not args.print_sql:
         raise UsageError("--pending goes with --print-sql")
     args.grant_roles = None
@@ -239,11 +227,7 @@ def cmd_migrate(settings: Settings | None, args: argparse.Namespace) -> int:
     migrations are pending and EXIT_UNKNOWN (4) when the database has migrations
     this version cannot run on (breaking or foreign) or an applied one differs.
     """
-    from receipts import migrate
-
     if args.grant_roles is not None:
-        from receipts.grants import grants_sql
-
         sys.stdout.write(grants_sql(args.grant_roles, schema=_schema_from_environment(),
                                     version=package_version()))
         return EXIT_OK
@@ -276,19 +260,15 @@ def cmd_migrate(settings: Settings | None, args: argparse.Namespace) -> int:
 
 def cmd_worker(settings: Settings, args: argparse.Namespace) -> int:
     """``receipts worker``: run until SIGTERM/SIGINT, then drain; 0 on a clean stop."""
-    from receipts.runtime import run_on_loop, run_worker
-
     run_on_loop(settings, run_worker(settings))
     return EXIT_OK
 
 
 def cmd_recover(settings: Settings, args: argparse.Namespace) -> int:
     """``receipts recover``: one sweep (or ``--loop SECONDS``); a failed push still exits 0."""
-    from receipts import recovery
-
     if args.loop is not None:
 
-        async def loop(queue: Any) -> int:
+        async def loop(queue: JobQueue) -> int:
             stop = asyncio.Event()
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
                 asyncio.get_running_loop().add_signal_handler(sig, stop.set)
@@ -297,7 +277,7 @@ def cmd_recover(settings: Settings, args: argparse.Namespace) -> int:
 
         return _run(_with_queue(settings, "recover", loop))
 
-    async def once(queue: Any) -> int:
+    async def once(queue: JobQueue) -> int:
         report = await recovery.run_once(queue, settings)
         print(json.dumps(report.as_dict()) if args.json else report.summary())
         # A failed push is logged (push_failed) but does not fail a sweep that
@@ -312,8 +292,6 @@ def cmd_recover(settings: Settings, args: argparse.Namespace) -> int:
 def cmd_check(settings: Settings, args: argparse.Namespace) -> int:
     """``receipts check``: the database and the provider reachable (:mod:`receipts.check`);
     one line per check, 0 when both pass, 1 otherwise."""
-    from receipts.check import run_checks
-
     results = asyncio.run(run_checks(settings))
     for result in results:
         print(result.line())
@@ -322,9 +300,6 @@ def cmd_check(settings: Settings, args: argparse.Namespace) -> int:
 
 def check_enqueue(args: argparse.Namespace) -> None:
     """Usage of ``enqueue``: every order id valid (before any connection)."""
-    from receipts.enqueue import check_order_id
-    from receipts.errors import InvalidOrderId
-
     try:
         for order_id in args.order_ids:
             check_order_id(order_id)
@@ -334,9 +309,6 @@ def check_enqueue(args: argparse.Namespace) -> None:
 
 def cmd_enqueue(settings: Settings, args: argparse.Namespace) -> int:
     """``receipts enqueue``: enqueue the given orders in one transaction."""
-    from receipts.db import transaction
-    from receipts.enqueue import enqueue
-
     created = 0
     with transaction(settings, "cli") as conn:
         for order_id in args.order_ids:
@@ -348,8 +320,6 @@ def cmd_enqueue(settings: Settings, args: argparse.Namespace) -> int:
 
 def _planner_default(name: str) -> float:
     """A default of the capacity planner (a bench figure), for help texts."""
-    from receipts import planner
-
     return float(getattr(planner, name))
 
 
@@ -419,12 +389,10 @@ def check_jobs(args: argparse.Namespace) -> None:
     args.since_at = _parse_since(getattr(args, "since", None))
     args.uuids = None
     if args.jobs_command == "pause":
-        from receipts.fleet import PauseError, check_note, parse_duration
-
         try:
-            args.pause_seconds = parse_duration(args.duration)
-            args.note = check_note(args.reason)
-        except PauseError as exc:
+            args.pause_seconds = fleet.parse_duration(args.duration)
+            args.note = fleet.check_note(args.reason)
+        except fleet.PauseError as exc:
             raise UsageError(str(exc)) from None
     if args.jobs_command == "retry":
         if args.held:
@@ -439,9 +407,6 @@ def check_jobs(args: argparse.Namespace) -> None:
             except ValueError:
                 raise UsageError("job ids must be UUIDs (see `receipts jobs list`)") from None
     if args.jobs_command == "discard":
-        from receipts.jobqueue import ReviewFilter
-        from receipts.model import JobState
-
         if args.held:
             if args.ids or args.failed or args.ready or args.reason or args.status is not None:
                 raise UsageError("--held takes no job ids and no other filter")
@@ -463,15 +428,12 @@ def check_jobs(args: argparse.Namespace) -> None:
 
 def cmd_jobs(settings: Settings, args: argparse.Namespace) -> int:
     """``receipts jobs stats|list|show|retry|discard``: failed-job review (docs/operations.md)."""
-    from receipts import review
-    from receipts.model import JobState
-
-    async def body(queue: Any) -> int:
+    async def body(operations: Operations) -> int:
         if args.jobs_command in ("pause", "resume"):
-            return await _fleet_command(settings, queue, args)
+            return await _fleet_command(operations, args)
         if args.jobs_command == "stats":
-            stats = await review.stats(queue)
-            flow = await _fleet_flow(settings, queue)
+            stats = await review.stats(operations)
+            flow = await _fleet_flow(settings, operations)
             if args.json:
                 print(json.dumps(stats.as_dict() | {"provider": _flow_dict(flow)}))
             else:
@@ -489,9 +451,9 @@ def cmd_jobs(settings: Settings, args: argparse.Namespace) -> int:
                     print(f"{label:<{width}}  {value}")
             return EXIT_OK
         if args.jobs_command in ("list", "discard", "retry") and getattr(args, "held", False):
-            return await _held_command(queue, args)
+            return await _held_command(operations, args)
         if args.jobs_command == "list":
-            rows = await review.list_jobs(queue, JobState(args.state), limit=args.limit,
+            rows = await review.list_jobs(operations, JobState(args.state), limit=args.limit,
                                           since=args.since_at)
             if args.json:
                 print(json.dumps(rows))
@@ -500,7 +462,7 @@ def cmd_jobs(settings: Settings, args: argparse.Namespace) -> int:
                                     "finished_at", "last_error"]))
             return EXIT_OK
         if args.jobs_command == "show":
-            row = await review.show(queue, args.id)
+            row = await review.show(operations, args.id)
             if row is None:
                 _error(f"no job with id or order id {args.id!r}")
                 return EXIT_ERROR
@@ -514,30 +476,25 @@ def cmd_jobs(settings: Settings, args: argparse.Namespace) -> int:
                     print(f"attempt {a['attempt']:<4} {a['at']}  {a['reason']}"
                           f"  {a['status'] or '-'}  {(a['error'] or '')[:60]}")
             return EXIT_OK
-        from receipts.fleet import cli_author
-
         progress = _BulkProgress()
         if args.jobs_command == "discard":
-            outcome = await review.discard(queue, args.discard_target, dry_run=args.dry_run,
-                                           author=cli_author(), on_step=progress)
+            outcome = await review.discard(operations, args.discard_target,
+                                           dry_run=args.dry_run, author=fleet.cli_author(),
+                                           on_step=progress)
             _print_discard(args, outcome)
             return EXIT_OK if outcome.ok else EXIT_ERROR
-        result = await review.retry(queue, args.uuids, dry_run=args.dry_run,
-                                    author=cli_author(), on_step=progress)
+        result = await review.retry(operations, args.uuids, dry_run=args.dry_run,
+                                    author=fleet.cli_author(), on_step=progress)
         _print_retry(args, result)
         return EXIT_OK if result.ok else EXIT_ERROR
 
-    return _run(_with_queue(settings, "cli", body))
+    return _run(_with_operations(settings, "cli", body))
 
 
-async def _held_command(queue: Any, args: argparse.Namespace) -> int:
+async def _held_command(operations: Operations, args: argparse.Namespace) -> int:
     """``jobs list|discard|retry --held``: the held rejections as one group (docs/operations.md)."""
-    from receipts.operations import Operations
-    from receipts.review import jsonable
-
-    operations = Operations(queue.pool, schema=queue.schema)
     if args.jobs_command == "list":
-        rows = [{k: jsonable(v) for k, v in row.items()}
+        rows = [{k: review.jsonable(v) for k, v in row.items()}
                 for row in await operations.held_jobs(limit=args.limit)]
         if args.json:
             print(json.dumps(rows))
@@ -565,12 +522,10 @@ class _BulkProgress:
     EVERY_SECONDS = 5.0
 
     def __init__(self) -> None:
-        import time
-
         self._clock = time.monotonic
         self._last = self._clock()
 
-    def __call__(self, step: Any) -> None:
+    def __call__(self, step: BulkStep) -> None:
         now = self._clock()
         if step.status == "running" and now - self._last >= self.EVERY_SECONDS:
             self._last = now
@@ -578,12 +533,8 @@ class _BulkProgress:
                   f"({step.examined:,} examined)", file=sys.stderr, flush=True)
 
 
-async def _fleet_flow(settings: Settings, queue: Any) -> Any:
+async def _fleet_flow(settings: Settings, operations: Operations) -> FleetFlow | None:
     """The fleet's flow state (``fleet_flow``), or None before migration 0007."""
-    from receipts.errors import SchemaMissing
-    from receipts.operations import Operations
-
-    operations = Operations(queue.pool, schema=queue.schema)
     try:
         return await operations.fleet_flow(rate=settings.provider_rate_limit_per_second,
                                            burst=settings.burst)
@@ -591,9 +542,8 @@ async def _fleet_flow(settings: Settings, queue: Any) -> Any:
         return None
 
 
-def _flow_dict(flow: Any) -> dict[str, Any] | None:
-    from receipts.review import jsonable
-
+def _flow_dict(flow: FleetFlow | None) -> dict[str, Any] | None:
+    jsonable = review.jsonable
     if flow is None:
         return None
     return {"paused": flow.paused, "reason": flow.reason,
@@ -604,29 +554,24 @@ def _flow_dict(flow: Any) -> dict[str, Any] | None:
             "last_probe_outcome": flow.last_probe_outcome}
 
 
-def _describe_flow(flow: Any) -> str:
+def _describe_flow(flow: FleetFlow | None) -> str:
     """One line: whether deliveries are paused, why, until when, by whom."""
-    from receipts.fleet import describe_seconds
-
     if flow is None:
         return "unknown (run receipts migrate)"
     if not flow.paused:
         return "delivering (not paused)"
     if flow.awaiting_probe:
         return f"paused ({flow.reason}); a probe decides when it resumes"
-    text = (f"paused ({flow.reason}) for {describe_seconds(flow.remaining_seconds)} more, "
-            f"until {flow.paused_until.isoformat()}")
+    assert flow.paused_until is not None
+    text = (f"paused ({flow.reason}) for {fleet.describe_seconds(flow.remaining_seconds)} "
+            f"more, until {flow.paused_until.isoformat()}")
     if flow.note:
         text += f": {flow.note!r} by {flow.paused_by}"
     return text
 
 
-async def _fleet_command(settings: Settings, queue: Any, args: argparse.Namespace) -> int:
+async def _fleet_command(operations: Operations, args: argparse.Namespace) -> int:
     """``receipts jobs pause`` / ``resume``: the fleet-wide manual pause (receipts.fleet)."""
-    from receipts import fleet
-    from receipts.operations import Operations
-
-    operations = Operations(queue.pool, schema=queue.schema)
     if args.jobs_command == "pause":
         outcome = await fleet.pause(operations, seconds=args.pause_seconds, note=args.note,
                                     author=fleet.cli_author(), replace=args.replace)
@@ -659,12 +604,10 @@ async def _fleet_command(settings: Settings, queue: Any, args: argparse.Namespac
 
 def review_json(value: Any) -> Any:
     """A datetime as ISO 8601 text (None stays None), for JSON output."""
-    from receipts.review import jsonable
-
-    return jsonable(value)
+    return review.jsonable(value)
 
 
-def _print_retry(args: argparse.Namespace, result: RetryResult) -> None:
+def _print_retry(args: argparse.Namespace, result: review.RetryResult) -> None:
     """Print what ``jobs retry`` did: JSON or lines on stdout; refusals on stderr."""
     if args.json:
         print(json.dumps(result.as_dict()))
@@ -676,16 +619,17 @@ def _print_retry(args: argparse.Namespace, result: RetryResult) -> None:
             print(f"  {job_id}")
         if result.count > 20:
             print(f"  … and {result.count - 20} more")
-    if result.refused:
-        for refusal in result.refused:
-            _error(refusal.reason)
+    for refusal in result.refused:
+        _error(refusal.reason)
+    if result.changed:
+        # Another operator, a worker or recovery acted on a job between the check and
+        # the update, which then changed nothing (all or nothing, as on the page).
+        _error("the jobs changed meanwhile; nothing was retried")
+    elif result.refused:
         _error("nothing was retried")
-    if result.missed:
-        # Another operator or a recovery raced us between the check and the update.
-        _error(f"not retried (no longer failed): {', '.join(result.missed)}")
 
 
-def _print_discard(args: argparse.Namespace, result: Any) -> None:
+def _print_discard(args: argparse.Namespace, result: review.DiscardResult) -> None:
     """Print what ``jobs discard`` did: JSON or lines on stdout; refusals on stderr."""
     for refusal in result.refused:
         _error(refusal.discard_reason)
@@ -706,16 +650,12 @@ def _print_discard(args: argparse.Namespace, result: Any) -> None:
 
 def cmd_ui(settings: Settings, args: argparse.Namespace) -> int:
     """``receipts ui``: serve the review page until SIGTERM/SIGINT."""
-    from receipts.ui import run_ui
-
     asyncio.run(run_ui(settings))
     return EXIT_OK
 
 
 def check_provider(args: argparse.Namespace) -> None:
     """Usage of ``provider``: the fault options form valid :class:`Faults` (``args.faults``)."""
-    from receipts.provider import Faults
-
     try:
         faults = Faults(
             latency_seconds=args.latency_ms / 1000, latency_jitter_seconds=args.jitter_ms / 1000,
@@ -732,13 +672,9 @@ def check_provider(args: argparse.Namespace) -> None:
 
 def cmd_provider(settings: Settings | None, args: argparse.Namespace) -> int:
     """``receipts provider``: serve the reference provider until SIGTERM/SIGINT."""
-    from receipts.provider import ReferenceProvider, serve
-
     provider = ReferenceProvider(args.faults, token=args.token, seed=args.seed)
 
     async def main() -> int:
-        import signal
-
         stop = asyncio.Event()
         for sig in (signal.SIGTERM, signal.SIGINT):
             asyncio.get_running_loop().add_signal_handler(sig, stop.set)
@@ -751,15 +687,11 @@ def cmd_provider(settings: Settings | None, args: argparse.Namespace) -> int:
 def check_demo(args: argparse.Namespace) -> None:
     """Usage of ``demo``: a valid ``--dsn``, or the embedded PostgreSQL installed."""
     if args.dsn:
-        from receipts.settings import check_dsn
-
         try:
             check_dsn(args.dsn)
         except ValueError as exc:
             raise UsageError(f"--dsn {exc}") from None
         return
-    from receipts.embedded import EmbeddedPostgresError, bin_dir
-
     try:
         bin_dir()
     except EmbeddedPostgresError as exc:
@@ -768,8 +700,6 @@ def check_demo(args: argparse.Namespace) -> None:
 
 def cmd_demo(settings: Settings | None, args: argparse.Namespace) -> int:
     """``receipts demo``: the whole service end to end; 0 when nothing was lost."""
-    from receipts.demo import DemoOptions, run_demo
-
     options = DemoOptions(dsn=args.dsn, orders=args.orders, workers=args.workers,
                           concurrency=args.concurrency, seed=args.seed)
     return run_demo(options)
@@ -777,14 +707,6 @@ def cmd_demo(settings: Settings | None, args: argparse.Namespace) -> int:
 
 def cmd_plan(settings: Settings | None, args: argparse.Namespace) -> int:
     """``receipts plan``: print a capacity plan (pure arithmetic, no connection)."""
-    from receipts.planner import (
-        DB_CEILING_BATCHED_JOBS_PER_SECOND,
-        HTTP_DELIVERY_CPU_SECONDS,
-        PlanError,
-        describe,
-        plan,
-    )
-
     def number(option: str, text: str | None) -> float:
         if text is None:
             raise UsageError(f"{option} is required")
@@ -794,16 +716,16 @@ def cmd_plan(settings: Settings | None, args: argparse.Namespace) -> int:
             raise UsageError(f"{option} must be a number, not {text!r}") from None
 
     try:
-        result = plan(number("--rate", args.rate), number("--latency", args.latency),
+        result = planner.plan(number("--rate", args.rate), number("--latency", args.latency),
                       utilisation=number("--utilisation", args.utilisation),
                       db_ceiling=number("--db-ceiling", args.db_ceiling
-                                        or str(DB_CEILING_BATCHED_JOBS_PER_SECOND)),
+                                        or str(planner.DB_CEILING_BATCHED_JOBS_PER_SECOND)),
                       cpu_per_delivery_seconds=number(
                           "--cpu-per-delivery", args.cpu_per_delivery
-                          or str(HTTP_DELIVERY_CPU_SECONDS * 1e6)) / 1e6)
-    except PlanError as exc:
+                          or str(planner.HTTP_DELIVERY_CPU_SECONDS * 1e6)) / 1e6)
+    except planner.PlanError as exc:
         raise UsageError(str(exc)) from None
-    print(describe(result))
+    print(planner.describe(result))
     return EXIT_OK
 
 
@@ -999,9 +921,6 @@ def warn_unknown_variables(environ: Mapping[str, str]) -> None:
     The value is never logged (it may be a secret); Kubernetes service-link
     variables are not reported (:func:`receipts.settings.unknown_variables`).
     """
-    from receipts.logs import get_logger
-    from receipts.settings import unknown_variables
-
     log = get_logger("cli")
     for name, suggestion in unknown_variables(environ):
         log.warning("unknown_setting", extra={"variable": name, "did_you_mean": suggestion})
@@ -1017,10 +936,6 @@ def _quiet_broken_pipe() -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of the ``receipts`` console script; returns the exit status."""
-    from receipts.errors import InvalidOrderId, QueueError, UnusableDatabase
-    from receipts.logs import configure_logging
-    from receipts.migrate import MigrationError
-
     try:
         args = build_parser().parse_args(argv)
         if args.command not in LONG_RUNNING:
@@ -1039,8 +954,6 @@ def main(argv: Sequence[str] | None = None) -> int:
                 check_worker_settings(settings)
             if args.command == "ui":
                 check_ui_settings(settings)
-            from receipts.proxy import environment_secrets
-
             configure_logging(settings.log_level, stream,
                               secrets=[*settings.secrets(), *environment_secrets(os.environ)])
             warn_unknown_variables(os.environ)

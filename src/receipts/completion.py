@@ -54,7 +54,12 @@ lease still holds, the delivery is not repeated). A write refused while its
 lease must still hold, after a statement failed for its connection since the
 claim, was refused because the crash undid its claim: it is counted in
 ``receipts_writes_undone_total{statement="claim"}``, not as a stale ack
-(docs/design.md §2, "What a database crash may undo").
+(docs/design.md §2, "What a database crash may undo"). The crash took the
+attempt's claim with it, so the row's ``attempts`` no longer counts that
+sending, and the job's next claim sends the receipt again under the same
+idempotency key; the attempt therefore gets a record of its own in the job's
+history (:data:`UNDONE_CLAIM`, written like any other), which the crash cannot
+have undone: the resend leaves a trace.
 """
 
 from __future__ import annotations
@@ -77,6 +82,11 @@ from receipts.metrics import Metrics
 from receipts.model import Attempt, AttemptRecord, JobState, Reason, Reschedule, Verdict
 
 log = get_logger("completion")
+
+#: The error of the attempt record that an attempt whose claim a database crash undid
+#: gets in its job's history: the row's ``attempts`` does not count that sending.
+UNDONE_CLAIM = ("sent, then a database crash undid this attempt's claim: the row's "
+                "attempts does not count it, and the job is sent again with the same key")
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -132,17 +142,20 @@ class Completer:
             database crash undid from stale ones (see the module doc).
         watch_interval_seconds: how often the watch reads the WAL positions
             while writes wait for a proof, seconds.
+        worker: who this process is in attempt records (pod or host name).
     """
 
     def __init__(self, queue: WorkerQueue, metrics: Metrics, *, lease_seconds: float,
                  max_batch: int = 500, linger_seconds: float = LINGER_SECONDS,
                  watch_durability: bool = False,
-                 watch_interval_seconds: float = WATCH_INTERVAL_SECONDS) -> None:
+                 watch_interval_seconds: float = WATCH_INTERVAL_SECONDS,
+                 worker: str = "") -> None:
         self.queue = queue
         self.metrics = metrics
         self.lease_seconds = lease_seconds
         self.max_batch = max_batch
         self.linger_seconds = linger_seconds
+        self.worker = worker
         self._acks: _Lane[Attempt, bool] = _Lane("ack", self._write_acks, False)
         self._reschedules: _Lane[Reschedule, JobState | None] = _Lane(
             "reschedule", self._write_reschedules, None)
@@ -613,6 +626,14 @@ class Completer:
         self.metrics.writes_undone.labels(what).inc()
         log.warning("write_undone", extra={**job_fields(attempt.job, "undone"),
                                            "statement": statement, "undone": what})
+        if what == "claim":
+            item = pending.item
+            outcome = item.outcome if isinstance(item, Reschedule) else None
+            self.record(AttemptRecord(
+                job_id=attempt.job.id, attempt=attempt.job.attempt,
+                reason=outcome.reason if outcome else Reason.DELIVERED,
+                status=outcome.status if outcome else None, error=UNDONE_CLAIM,
+                worker=self.worker))
         return True
 
     def _stale(self) -> None:

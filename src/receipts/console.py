@@ -18,7 +18,7 @@ WORKER_STACK = {"pydantic", "pydantic_settings", "psycopg_pool", "httpx", "aioht
 def main() -> int:
     """Run :func:`receipts.cli.main`; exit 2 with one line when the worker extra is missing."""
     try:
-        from receipts.cli import main as cli_main
+        from receipts.cli import main as cli_main  # extra: worker (its stack may be absent)
     except ModuleNotFoundError as exc:
         if (exc.name or "").split(".")[0] not in WORKER_STACK:
             raise

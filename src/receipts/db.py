@@ -20,6 +20,7 @@ from psycopg import sql
 from psycopg.conninfo import conninfo_to_dict
 from psycopg_pool import AsyncConnectionPool, PoolTimeout
 
+from receipts.dsn import redact_dsn
 from receipts.errors import (
     DatabaseUnavailable,
     QueueError,
@@ -27,7 +28,7 @@ from receipts.errors import (
     StatementTimeout,
     refuse_encoding,
 )
-from receipts.settings import Settings, redact_dsn
+from receipts.settings import Settings
 
 CONNECT_TIMEOUT_SECONDS = 5
 #: Added to the server's statement_timeout to make the client-side deadline.
@@ -266,6 +267,20 @@ class ListenSession:
             async with asyncio.timeout(self.deadline_seconds):
                 cur = await self.conn.execute(statement, params)
                 return await cur.fetchone() if cur.rownumber is not None else None
+        except TimeoutError as exc:
+            raise DatabaseUnavailable(
+                f"database unavailable: LISTEN session silent for {self.deadline_seconds:g}s"
+            ) from exc
+        except psycopg.Error as exc:
+            raise translate(exc) from exc
+
+    async def fetchall(self, statement: sql.SQL | sql.Composed,
+                       params: dict[str, Any] | None = None) -> list[tuple[Any, ...]]:
+        """Run one autocommit statement; all its rows (errors as :meth:`fetchone`)."""
+        try:
+            async with asyncio.timeout(self.deadline_seconds):
+                cur = await self.conn.execute(statement, params)
+                return await cur.fetchall() if cur.rownumber is not None else []
         except TimeoutError as exc:
             raise DatabaseUnavailable(
                 f"database unavailable: LISTEN session silent for {self.deadline_seconds:g}s"

@@ -44,11 +44,23 @@ import httpx
 
 from receipts import tracing
 from receipts.deadlines import Deadlines
+from receipts.dsn import redact_dsn
 from receipts.model import Job, Outcome, Reason, Verdict
 from receipts.proxy import ProxyChoice
 from receipts.retry import parse_retry_after
-from receipts.settings import redact_dsn
-from receipts.transport import AiohttpTransport, Answer, HeaderLookup, Send, httpx_sender
+from receipts.transport import (
+    DEFAULT_TRANSPORT,
+    Answer,
+    AnswerTimeout,
+    ConnectionLost,
+    HeaderLookup,
+    NothingSent,
+    Send,
+    Transport,
+    TransportError,
+    TransportName,
+    make_transport,
+)
 
 MAX_BODY_BYTES = 64 * 1024
 #: Most time spent connecting (TCP and TLS), seconds (never more than the deadline).
@@ -146,17 +158,15 @@ class TLSFileError(ValueError):
 
 
 class HttpDeliverer:
-    """Deliver receipts over HTTP: aiohttp's client, httpx's exceptions.
+    """Deliver receipts over HTTP through a :class:`~receipts.transport.Transport`.
 
-    Each delivery sends one request through a :data:`~receipts.transport.Send`
-    of the transport (by default :class:`~receipts.transport.AiohttpTransport`,
-    whose module doc says how it fails and when it sends a request again):
-    method, header pairs and body in, an :class:`~receipts.transport.Answer`
-    out, failures as httpx's exceptions, classified by the table of this
-    module. No ``httpx.Request`` or ``httpx.Response`` is built per delivery
-    on the default transport (they cost measurable CPU, bench/README.md); any
-    other ``httpx.AsyncBaseTransport`` is driven through its
-    ``handle_async_request`` (:func:`~receipts.transport.httpx_sender`).
+    Each delivery sends one request through the transport's one door, a
+    :data:`~receipts.transport.Send`: method, header pairs and body in, an
+    :class:`~receipts.transport.Answer` out, failures as the transport's three
+    exceptions, each mapped once to a reason (:data:`FAILURE_REASONS`), and
+    answers classified by the table of this module. The transport is aiohttp's
+    client by default, or httpx's (``RECEIPTS_PROVIDER_TRANSPORT``; the
+    :mod:`receipts.transport` module doc says how each fails).
     ``httpx.AsyncClient`` is not used: its per-request machinery (auth flow,
     redirects, cookies, event hooks) costs CPU and does nothing this contract
     wants (redirects are never followed, cookies never kept; the proxy is
@@ -176,11 +186,12 @@ class HttpDeliverer:
         max_connections: most exchanges (and connections) at once (normally the slot count).
         tls: the TLS context for an ``https`` provider (see :func:`tls_context`;
             default: the public CAs).
-        transport: an :class:`~receipts.transport.AiohttpTransport` of the
-            caller's, or any ``httpx.AsyncBaseTransport`` (tests and the
-            benchmark pass ``httpx.AsyncHTTPTransport`` to compare).
+        transport: the name of the transport to build (``aiohttp``, the default,
+            or ``httpx``: :func:`~receipts.transport.make_transport`), or a
+            :class:`~receipts.transport.Transport` of the caller's (then *tls*
+            and *proxy* are the caller's business).
         proxy: the egress proxy (:func:`receipts.proxy.choose_proxy`, or its URL);
-            None: a direct connection. Only the default transport uses it.
+            None: a direct connection.
     """
 
     def __init__(
@@ -191,7 +202,7 @@ class HttpDeliverer:
         token: str | None = None,
         max_connections: int = 100,
         tls: ssl.SSLContext | None = None,
-        transport: httpx.AsyncBaseTransport | None = None,
+        transport: Transport | TransportName = DEFAULT_TRANSPORT,
         proxy: ProxyChoice | str | None = None,
     ) -> None:
         self.url = url
@@ -202,17 +213,16 @@ class HttpDeliverer:
         # the client sees carries none (nor a fragment, never sent).
         target = given.copy_with(userinfo=b"", fragment=None)
         connect = min(CONNECT_SECONDS, timeout_seconds)
-        if transport is None:
+        if isinstance(transport, str):
             if tls is None and target.scheme == "https":
                 tls = tls_context()  # loads the CA bundle (costs CPU): only when needed
-            transport = AiohttpTransport(tls=tls, max_connections=max(1, max_connections),
-                                         connect_timeout_seconds=connect, proxy=self.proxy.url)
+            transport = make_transport(transport, tls=tls,
+                                       max_connections=max(1, max_connections),
+                                       connect_timeout_seconds=connect, proxy=self.proxy.url)
         self._transport = transport
         # The outer deadline bounds every phase; connect and pool keep their own.
         timeouts = {"connect": connect, "read": None, "write": None, "pool": timeout_seconds}
-        self._send: Send = (
-            transport.sender(str(target), timeouts) if isinstance(transport, AiohttpTransport)
-            else httpx_sender(transport, str(target), timeouts))
+        self._send: Send = transport.sender(str(target), timeouts)
         # Host is the client's to write (from the URL; the origin's behind a proxy).
         headers = [
             ("User-Agent", USER_AGENT),
@@ -259,8 +269,8 @@ class HttpDeliverer:
         idempotency key, so no receipt) and return the answer's HTTP status.
 
         For ``receipts check`` (:mod:`receipts.check`). Raises ``TimeoutError`` when no
-        answer comes within the delivery timeout, and httpx's transport errors
-        (``httpx.ConnectError``, ``httpx.TransportError``, ...) when none can.
+        answer comes within the delivery timeout, and the transport's
+        :class:`~receipts.transport.TransportError` when none can.
         """
         async with asyncio.timeout(self.timeout_seconds):
             answer = await self._send("OPTIONS", self._headers, b"")
@@ -309,20 +319,15 @@ class HttpDeliverer:
             cut = Outcome(Verdict.RETRY, Reason.TIMEOUT, answer.status, None,
                           f"{answer.status} answer cut off: no whole body within "
                           f"{self.timeout_seconds:g}s")
-        except NOTHING_SENT as exc:
-            return Outcome(Verdict.RETRY, Reason.CONNECT_ERROR, None, None, self._detail(exc))
-        except httpx.TimeoutException as exc:
+        except TransportError as exc:
+            # Before the head: the failure is the outcome. While reading the body:
+            # the status decides, unless it would be a verdict on a partial reason
+            # (a 4xx cut off by a reset or a stall: an unknown outcome, below).
+            reason = FAILURE_REASONS[type(exc)]
             if answer is None:
-                return Outcome(Verdict.RETRY, Reason.TIMEOUT, None, None, self._detail(exc))
-            cut = Outcome(Verdict.RETRY, Reason.TIMEOUT, answer.status, None,
+                return Outcome(Verdict.RETRY, reason, None, None, self._detail(exc))
+            cut = Outcome(Verdict.RETRY, reason, answer.status, None,
                           f"{answer.status} answer cut off: {self._detail(exc)}"[:200])
-        except (httpx.TransportError, httpx.DecodingError) as exc:
-            if answer is None:
-                return Outcome(Verdict.RETRY, Reason.CONNECTION_LOST, None, None, self._detail(exc))
-            cut = Outcome(Verdict.RETRY, Reason.CONNECTION_LOST, answer.status, None,
-                          f"{answer.status} answer cut off: {self._detail(exc)}"[:200])
-        except httpx.InvalidURL as exc:
-            return Outcome(Verdict.RETRY, Reason.CONNECT_ERROR, None, None, self._detail(exc))
         finally:
             if answer is not None:
                 await answer.release()
@@ -335,10 +340,14 @@ class HttpDeliverer:
         return outcome
 
 
-#: Failures that happen before any byte of the request reached the provider
-#: (ProxyError: the egress proxy refused the tunnel).
-NOTHING_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout, httpx.ProxyError,
-                httpx.UnsupportedProtocol, httpx.LocalProtocolError)
+#: The reason of each transport failure, mapped here once (the table of this module):
+#: nothing sent is a known failure; a lost connection or a read timeout after the
+#: request was written is an unknown outcome (retried with the same key).
+FAILURE_REASONS: dict[type[TransportError], Reason] = {
+    NothingSent: Reason.CONNECT_ERROR,
+    ConnectionLost: Reason.CONNECTION_LOST,
+    AnswerTimeout: Reason.TIMEOUT,
+}
 
 #: JSON string literal of a str, ASCII only (the C function ``json.dumps`` uses).
 _quote: Callable[[str], str] = json.encoder.encode_basestring_ascii

@@ -37,10 +37,10 @@ import psycopg
 from psycopg.conninfo import conninfo_to_dict, make_conninfo
 
 from receipts.db import translate
+from receipts.dsn import redact_dsn
 from receipts.embedded import EmbeddedPostgres, free_port
 from receipts.enqueue import enqueue
 from receipts.migrate import apply_migrations
-from receipts.settings import redact_dsn
 from receipts.supervisor import Child, MetricSamples, Supervisor
 
 LEASE_SECONDS = 6.0

@@ -61,7 +61,7 @@ _CONTROL_BYTES = bytes(range(0x20)) + b"\x7f"
 #: Exact types whose ``str()`` is the stored text (:func:`order_id_text`; not bool).
 _TEXT_TYPES = {str, int, uuid.UUID}
 #: The low 62 bits of a job id: the statement's random start plus the row's
-#: 1-based position in the call (``enqueue`` in sql/queries.sql).
+#: 1-based position in the call (``enqueue`` in sql/enqueue.sql).
 _ID_FIELD = (1 << 62) - 1
 
 OrderId = str | int | uuid.UUID
@@ -364,7 +364,7 @@ def enqueue(
     The orders service calls this on the connection that saves the order,
     before it commits: the job becomes durable with the order, or not at all.
     Nothing is committed here; one single-row ``INSERT`` is sent
-    (``enqueue_one`` in sql/queries.sql), and no notification: idle workers
+    (``enqueue_one`` in sql/enqueue.sql), and no notification: idle workers
     are woken by their fleet's elected waker, off the order's commit path
     (docs/design.md, "The checkout's commit path").
 

@@ -95,6 +95,7 @@ from dataclasses import dataclass, field
 from datetime import datetime
 
 from receipts.model import FlowState, Outcome, PauseReason, Reason, Verdict
+from receipts.retry import RETRY_AFTER_MAX_SECONDS
 
 #: Outcomes that say the provider, not the job, is failing.
 PROVIDER_FAILURES = frozenset({
@@ -146,6 +147,17 @@ def is_rejection(outcome: Outcome) -> bool:
     return outcome.reason is Reason.REJECTED and outcome.verdict is Verdict.PERMANENT
 
 
+#: The defaults of :class:`FlowPolicy` that are settings (seconds, jobs, a ratio);
+#: ``Settings`` takes ``RECEIPTS_OUTAGE_*``, ``RECEIPTS_AUTH_PAUSE_SECONDS`` and
+#: ``RECEIPTS_PAUSE_MAX_SECONDS``'s defaults from these, so the two cannot drift.
+WINDOW_SECONDS = 30.0
+MIN_JOBS = 5
+FAILURE_RATIO = 0.8
+OUTAGE_PAUSE_SECONDS = 5.0
+AUTH_PAUSE_SECONDS = 30.0
+PAUSE_MAX_SECONDS = 300.0
+
+
 @dataclass(frozen=True, slots=True)
 class FlowPolicy:
     """The knobs of :class:`ProviderGate`, all durations in seconds.
@@ -175,14 +187,14 @@ class FlowPolicy:
             each time this pod holds the same job again (≤ 30 s).
     """
 
-    window_seconds: float = 30.0
+    window_seconds: float = WINDOW_SECONDS
     window_jobs: int = 20
-    min_jobs: int = 5
-    failure_ratio: float = 0.8
-    outage_pause_seconds: float = 5.0
-    auth_pause_seconds: float = 30.0
-    pause_max_seconds: float = 300.0
-    retry_after_max_seconds: float = 3600.0
+    min_jobs: int = MIN_JOBS
+    failure_ratio: float = FAILURE_RATIO
+    outage_pause_seconds: float = OUTAGE_PAUSE_SECONDS
+    auth_pause_seconds: float = AUTH_PAUSE_SECONDS
+    pause_max_seconds: float = PAUSE_MAX_SECONDS
+    retry_after_max_seconds: float = RETRY_AFTER_MAX_SECONDS
     probe_interval_seconds: float = 5.0
     bracket_seconds: float = 1.0
     rejecting_after_seconds: float = 3.0

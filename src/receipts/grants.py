@@ -6,26 +6,34 @@ over its statements, so a role gets exactly what its commands run (the role
 tests run every command under exactly these grants, and take each right away
 in turn to show it is needed; docs/design.md "Least-privilege roles").
 Adding a statement is one line here; a test fails while a named block of
-``sql/queries.sql`` or ``sql/operations.sql`` has none, or names a table its
+``sql/*.sql`` (:data:`receipts.statements.STATEMENT_FILES`) has none, or names a table its
 line does not.
 
 Kinds (``receipts migrate --print-grants KIND=ROLE …``):
 
 * ``owner``: runs ``receipts migrate``; creates and owns the queue's tables and
-  ``receipts_enqueue()``, which runs with its rights (``SECURITY DEFINER``).
-  Needs ``USAGE, CREATE`` on the schema; not a superuser.
+  functions; ``receipts_record_attempts()`` and ``receipts_prune()`` run with its
+  rights (``SECURITY DEFINER``). Needs ``USAGE, CREATE`` on the schema; not a
+  superuser.
 * ``enqueue``: an orders service that calls the SQL function
-  ``receipts_enqueue()``: ``EXECUTE`` on it and nothing on any table, so it
-  cannot write a done row, an unchecked order id or a job due at 'infinity'.
+  ``receipts_enqueue()``, which runs with its caller's rights (migration 0009):
+  ``EXECUTE`` on it, ``INSERT`` on the four columns an enqueue writes and
+  ``SELECT`` on ``id`` (``RETURNING id``).
 * ``enqueue-python``: an orders service that uses the Python API
-  (``receipts.enqueue()``, ``enqueue_many()``) or ``receipts enqueue``: those
-  insert with their own statement, so they need ``INSERT`` on the four columns
-  an enqueue writes and ``SELECT`` on the two it reads back (``RETURNING id``,
-  the ``ON CONFLICT (order_id)`` arbiter). Column rights keep ``state``,
-  ``attempts`` and the lease at their defaults: no done row can be forged,
-  but the order id and ``run_at`` are checked by the client library only.
+  (``receipts.enqueue()``, ``enqueue_many()``) or ``receipts enqueue``: the
+  same column rights, without the function. Column rights keep ``state``,
+  ``attempts`` and the lease at their defaults, so no done row can be forged;
+  the table's CHECK constraints refuse what the API and the function refuse
+  (an empty, over-long or control-character order id, a ``run_at`` that is
+  not finite), whoever inserts; the conflict has no target column, so
+  neither kind may read ``order_id``.
 * ``worker``: ``receipts worker``, its heartbeat (``receipt_workers``) included.
-* ``recover``: ``receipts recover``.
+  Its updates of ``receipt_jobs`` name columns (never ``id``, ``order_id``,
+  ``created_at``, ``traceparent``), a trigger holds ``done`` to the ack's guard,
+  and it appends to the attempt history through ``receipts_record_attempts()``
+  only.
+* ``recover``: ``receipts recover``: column updates for the sweeps, and
+  ``receipts_prune()`` instead of ``DELETE`` (finished rows past retention only).
 * ``review``: ``receipts jobs …`` and ``receipts ui``: reads, retry, discard,
   bulk actions (``receipt_bulk_actions``), the fleet pause and resume,
   sign-out (``receipt_ui_revoked``), and the page's "recover now". That
@@ -40,8 +48,9 @@ with the worker), its right is column-level (:attr:`Need.update_columns`): a
 write the pause's columns, but not a job's order id, trace context or
 last-outcome token, nor the fleet's token bucket or probe record. Tables the
 kind alone writes (``receipt_bulk_actions``, ``receipt_ui_revoked``; the
-worker's ``receipt_workers``) and the attempt history (whose every column a
-record writes) get whole-table rights.
+worker's ``receipt_workers``) get whole-table rights. No service kind may
+write ``receipt_attempts`` (append-only: the definer function appends) or
+delete from ``receipt_jobs``.
 
 This module needs nothing but the standard library and :mod:`receipts.statements`.
 """
@@ -65,8 +74,21 @@ BULK_ACTIONS = "receipt_bulk_actions"
 UI_REVOKED = "receipt_ui_revoked"
 #: Every table the migrations create, in creation order.
 TABLES = (MIGRATIONS, JOBS, FLOW, ATTEMPTS, WORKERS, BULK_ACTIONS, UI_REVOKED)
-#: The SQL function of the enqueue API (migrations 0004, 0006), by signature.
+#: The SQL function of the enqueue API (migrations 0004, 0006, 0009), by signature.
 ENQUEUE_FUNCTION = "receipts_enqueue(text, timestamptz, text)"
+#: The effective pause reason (migration 0008), which the statements that read the
+#: pause call: it reads and writes nothing, so it keeps PostgreSQL's default EXECUTE
+#: for PUBLIC and no kind needs a grant for it.
+PAUSE_FUNCTION = "receipts_pause_reason(text, timestamptz, text, timestamptz, timestamptz)"
+#: The only door to the attempt history for service roles (migration 0009): it appends.
+RECORD_FUNCTION = "receipts_record_attempts(uuid[], int[], text[], int[], text[], float8[], text[])"
+#: The only door to deleting jobs for service roles (migration 0009): finished rows past
+#: the retention, never a ready or running one.
+PRUNE_FUNCTION = "receipts_prune(float8, integer)"
+#: The trigger function of the ack's guard on ``done`` (migration 0009); nobody calls it.
+GUARD_FUNCTION = "receipts_refuse_unguarded_done()"
+#: Every function the migrations create, by signature.
+FUNCTIONS = (ENQUEUE_FUNCTION, PAUSE_FUNCTION, RECORD_FUNCTION, PRUNE_FUNCTION, GUARD_FUNCTION)
 #: Predefined role whose members see every session in ``pg_stat_activity``
 #: (``xact_start``, ``backend_xmin``); without it a role sees only its own.
 READ_ALL_STATS = "pg_read_all_stats"
@@ -83,7 +105,8 @@ REVIEW = "review"
 KINDS: dict[str, str] = {
     OWNER: "receipts migrate: creates and owns the queue's tables and receipts_enqueue() "
            "(which runs with its rights); not a superuser",
-    ENQUEUE: "an orders service calling SELECT receipts_enqueue(...): nothing on any table",
+    ENQUEUE: "an orders service calling SELECT receipts_enqueue(...), which runs with its "
+             "caller's rights: column rights for its INSERT",
     ENQUEUE_PYTHON: "an orders service using the Python API (receipts.enqueue, enqueue_many) "
                     "or `receipts enqueue`: column rights for its INSERT",
     WORKER: "receipts worker (claims, outcomes, flow control, queue gauges, attempt history, "
@@ -129,8 +152,19 @@ def _by(*kinds: str) -> frozenset[str]:
 
 _W, _R, _V = _by(WORKER), _by(RECOVER), _by(REVIEW)
 _ENQUEUED = {JOBS: ("id", "order_id", "run_at", "traceparent")}
-_READ_BACK = {JOBS: ("id", "order_id")}
-#: What an operator's retry writes (retry_failed, retry_jobs, retry_effect); a
+#: ``RETURNING id``. The conflict has no target (``ON CONFLICT DO NOTHING``): naming
+#: ``order_id`` there would need ``SELECT`` on it, and so the right to read every order id.
+_READ_BACK = {JOBS: ("id",)}
+#: What the worker's claim, ack and reschedule write on a job: never ``id``,
+#: ``order_id``, ``created_at`` or ``traceparent`` (a worker cannot make a job deliver
+#: another order's receipt). ``done`` is further held to the ack's guard by a trigger.
+_CLAIMED = {JOBS: ("state", "attempts", "lease_token", "lease_until")}
+_ACKED = {JOBS: ("state", "lease_token", "lease_until", "last_token", "finished_at")}
+_RESCHEDULED = {JOBS: ("state", "attempts", "in_progress_count", "run_at", "finished_at",
+                       "lease_token", "lease_until", "last_token", "last_error")}
+#: What fail_exhausted writes.
+_EXHAUSTED = {JOBS: ("state", "finished_at", "last_error")}
+#: What an operator's retry writes (retry_jobs, retry_effect); a
 #: discard (discard_jobs, discard_effect) writes the first two of them.
 _RETRIED = {JOBS: ("state", "finished_at", "attempts", "run_at", "last_error")}
 _DISCARDED = {JOBS: ("state", "finished_at")}
@@ -143,7 +177,7 @@ _PAUSE = {FLOW: ("pause_reason", "paused_until", "pause_seconds", "probe_until",
                  "pause_cause_until", "pause_note", "paused_by", "paused_at")}
 
 #: Every statement receipts runs against the queue: the named blocks of
-#: ``sql/queries.sql`` and ``sql/operations.sql`` (fragments excluded) and the
+#: ``sql/*.sql`` (enqueue, queries, operations; fragments excluded) and the
 #: few that live elsewhere. An ``UPDATE``/``DELETE`` with a ``WHERE`` or
 #: ``RETURNING`` also needs ``SELECT``; ``INSERT … ON CONFLICT DO UPDATE``
 #: needs ``UPDATE``; ``SELECT … FOR UPDATE`` needs ``UPDATE`` on a column.
@@ -156,18 +190,19 @@ STATEMENTS: dict[str, Need] = {
                         select_columns=_READ_BACK),
     "enqueue_one_traced": Need(_by(ENQUEUE_PYTHON), insert_columns=_ENQUEUED,
                                select_columns=_READ_BACK),
-    "receipts_enqueue": Need(_by(ENQUEUE), execute=(ENQUEUE_FUNCTION,)),
+    "receipts_enqueue": Need(_by(ENQUEUE), insert_columns=_ENQUEUED, select_columns=_READ_BACK,
+                             execute=(ENQUEUE_FUNCTION,)),
     # -- worker
     "schema_status": Need(_W, select=(MIGRATIONS,)),  # migrate.schema_status_async at start
-    "claim": Need(_W, select=(JOBS, FLOW), update=(JOBS,)),
-    "claim_limited": Need(_W, select=(JOBS, FLOW), update=(JOBS, FLOW)),
-    "ack": Need(_W, select=(JOBS,), update=(JOBS,)),
-    "reschedule": Need(_W, select=(JOBS,), update=(JOBS,)),
+    "claim": Need(_W, select=(JOBS, FLOW), update_columns=_CLAIMED),
+    "claim_limited": Need(_W, select=(JOBS, FLOW), update=(FLOW,), update_columns=_CLAIMED),
+    "ack": Need(_W, select=(JOBS,), update_columns=_ACKED),
+    "reschedule": Need(_W, select=(JOBS,), update_columns=_RESCHEDULED),
     "resolve_writes": Need(_W, select=(JOBS,)),
     "extend_pause": Need(_W, select=(FLOW,), update=(FLOW,)),
     "begin_probe": Need(_W, select=(FLOW,), update=(FLOW,)),
     "resume": Need(_W, select=(FLOW,), update=(FLOW,)),
-    "record_attempts": Need(_W, select=(JOBS, ATTEMPTS), insert=(ATTEMPTS,), update=(ATTEMPTS,)),
+    "record_attempts": Need(_W, execute=(RECORD_FUNCTION,)),  # append-only: no table right
     "heartbeat": Need(_W, select=(WORKERS,), insert=(WORKERS,), update=(WORKERS,)),
     "forget_workers": Need(_W, select=(WORKERS,), delete=(WORKERS,)),
     "commit_probe": Need(_W),  # pg_logical_emit_message: any role
@@ -176,16 +211,19 @@ STATEMENTS: dict[str, Need] = {
     # set_config are any role's; the probe reads the ready index and the pause.
     "waker_lock": Need(_W),
     "waker_probe": Need(_W, select=(JOBS, FLOW)),
+    "waker_sweep": Need(_W, select=(JOBS,)),
+    "member_lock": Need(_W),  # a session advisory lock: any role's
+    "fleet_members": Need(_W, select=(WORKERS,)),  # pg_locks: any role's
     "waker_step_down": Need(_W),
     "listen_check": Need(_W),
     "queue_stats": Need(_by(WORKER, REVIEW), select=(JOBS,), member_of=(READ_ALL_STATS,)),
     # -- recovery (recover_expired also from the review page's "recover now")
-    "recover_expired": Need(_by(RECOVER, REVIEW), select=(JOBS, ATTEMPTS), insert=(ATTEMPTS,),
-                            update=(ATTEMPTS,), update_columns=_RECOVERED),
-    "fail_exhausted": Need(_R, select=(JOBS,), update=(JOBS,)),
-    # FOR UPDATE SKIP LOCKED picks the rows: UPDATE on the jobs, though none is updated.
-    "prune": Need(_R, select=(JOBS, ATTEMPTS), update=(JOBS,), delete=(JOBS, ATTEMPTS)),
-    # -- review: receipts jobs …, receipts ui
+    "recover_expired": Need(_by(RECOVER, REVIEW), select=(JOBS,), update_columns=_RECOVERED,
+                            execute=(RECORD_FUNCTION,)),
+    "fail_exhausted": Need(_R, select=(JOBS,), update_columns=_EXHAUSTED),
+    # Finished rows past retention only, through the definer function: no DELETE right.
+    "prune": Need(_R, execute=(PRUNE_FUNCTION,)),
+    # -- review: receipts jobs …, receipts ui (the operator's statements, sql/operations.sql)
     "state_counts": Need(_V, select=(JOBS,)),
     "oldest_failed": Need(_V, select=(JOBS,)),
     "list_jobs": Need(_V, select=(JOBS,)),
@@ -195,12 +233,11 @@ STATEMENTS: dict[str, Need] = {
     "job_states": Need(_V, select=(JOBS,)),
     "review_jobs": Need(_V, select=(JOBS, ATTEMPTS, WORKERS)),  # the lease holder's pod
     "review_count": Need(_V, select=(JOBS, ATTEMPTS)),
-    "retry_failed": Need(_V, select=(JOBS,), update_columns=_RETRIED),
     "retry_jobs": Need(_V, select=(JOBS, ATTEMPTS), update_columns=_RETRIED),
     "discard_jobs": Need(_V, select=(JOBS, ATTEMPTS), update_columns=_DISCARDED),
     "provider_pause": Need(_V, select=(FLOW,)),
     "flow_state": Need(_V, select=(FLOW,)),
-    # -- review: the operator's statements (sql/operations.sql)
+    # -- review: the fleet pause, workers seen, sessions, bulk actions
     "fleet_flow": Need(_V, select=(FLOW,)),
     "pause_fleet": Need(_V, select=(FLOW,), update_columns=_PAUSE),
     "resume_fleet": Need(_V, select=(FLOW,), update_columns=_PAUSE),
@@ -368,8 +405,9 @@ def rights_sql(role: str, wanted: Iterable[Right], schema: str) -> str:
     who = _ident(role)
     wanted = set(wanted)
     tables = ", ".join(_target(schema, t) for t in TABLES)
+    functions = ", ".join(_target(schema, f) for f in FUNCTIONS)
     lines = [f"REVOKE ALL ON TABLE {tables} FROM {who};",
-             f"REVOKE ALL ON FUNCTION {_target(schema, ENQUEUE_FUNCTION)} FROM {who};"]
+             f"REVOKE ALL ON FUNCTION {functions} FROM {who};"]
     if Right("schema", "USAGE") in wanted:
         lines.append(f"GRANT USAGE ON SCHEMA {qualifier(schema)[:-1]} TO {who};")
     order = {"SELECT": 0, "INSERT": 1, "UPDATE": 2, "DELETE": 3}
@@ -398,13 +436,14 @@ def rights_sql(role: str, wanted: Iterable[Right], schema: str) -> str:
 def _ownership_sql(role: str, schema: str) -> str:
     """A DO block handing the queue objects that exist in *schema* over to *role*."""
     tables = ", ".join(_literal(t) for t in TABLES)
-    function = _literal(_target(schema, ENQUEUE_FUNCTION))
+    functions = ", ".join(_literal(_target(schema, f)) for f in FUNCTIONS)
     return (
         "-- Objects an earlier `receipts migrate` created as another role pass to the owner\n"
-        "-- (receipts_enqueue() then runs with the owner's rights, not a superuser's).\n"
+        "-- (the definer functions then run with the owner's rights, not a superuser's).\n"
         "DO $owner$\n"
         "DECLARE\n"
         "  t text;\n"
+        "  f text;\n"
         "BEGIN\n"
         f"  FOREACH t IN ARRAY ARRAY[{tables}] LOOP\n"
         f"    IF to_regclass(format('%I.%I', {_literal(schema)}, t)) IS NOT NULL THEN\n"
@@ -412,9 +451,11 @@ def _ownership_sql(role: str, schema: str) -> str:
         f"{_literal(role)});\n"
         "    END IF;\n"
         "  END LOOP;\n"
-        f"  IF to_regprocedure({function}) IS NOT NULL THEN\n"
-        f"    EXECUTE format('ALTER FUNCTION %s OWNER TO %I', {function}, {_literal(role)});\n"
-        "  END IF;\n"
+        f"  FOREACH f IN ARRAY ARRAY[{functions}] LOOP\n"
+        "    IF to_regprocedure(f) IS NOT NULL THEN\n"
+        f"      EXECUTE format('ALTER FUNCTION %s OWNER TO %I', f, {_literal(role)});\n"
+        "    END IF;\n"
+        "  END LOOP;\n"
         "END\n"
         "$owner$;"
     )

@@ -26,9 +26,9 @@ import time
 from collections.abc import Callable
 
 from receipts.errors import QueueError
+from receipts.jobqueue import JobQueue
 from receipts.logs import get_logger
 from receipts.metrics import Metrics
-from receipts.operations import Operations
 from receipts.settings import package_version
 from receipts.worker import Worker
 
@@ -51,19 +51,19 @@ class Heartbeat:
     """Upserts one worker process's ``receipt_workers`` row.
 
     Args:
-        operations: the statements (on the worker's own pool).
+        queue: the worker's :class:`~receipts.jobqueue.JobQueue` (its pool, its
+            schema, its statement deadline).
         worker: the running :class:`Worker` (slots, deliveries in flight, last claim).
         metrics: its :class:`Metrics` (``receipts_jobs_claimed_total``).
-        tag: the process's tag, the one its :class:`~receipts.jobqueue.JobQueue`
-            writes into lease tokens.
+        tag: the process's tag, the one *queue* writes into lease tokens.
         interval_seconds: mean seconds between heartbeats (jittered ×0.8–1.2).
         clock: monotonic seconds (tests pass their own).
     """
 
-    def __init__(self, operations: Operations, worker: Worker, metrics: Metrics, *, tag: str,
+    def __init__(self, queue: JobQueue, worker: Worker, metrics: Metrics, *, tag: str,
                  interval_seconds: float = HEARTBEAT_SECONDS,
                  clock: Callable[[], float] = time.monotonic) -> None:
-        self.operations = operations
+        self.queue = queue
         self.worker = worker
         self.metrics = metrics
         self.tag = tag
@@ -79,7 +79,7 @@ class Heartbeat:
         last = self.worker.last_claim_at
         now = self._clock()
         try:
-            await self.operations.heartbeat(
+            await self.queue.heartbeat(
                 tag=self.tag, pod=self.worker.name, pid=os.getpid(), version=package_version(),
                 slots=self.worker.settings.concurrency, inflight=self.worker.inflight,
                 claimed_total=int(claimed), uptime_seconds=now - self._started,
@@ -99,7 +99,7 @@ class Heartbeat:
     async def run(self) -> None:
         """Forget long-gone workers once, then beat every interval until cancelled."""
         with contextlib.suppress(QueueError):
-            await self.operations.forget_workers(seconds=FORGET_AFTER_SECONDS)
+            await self.queue.forget_workers(seconds=FORGET_AFTER_SECONDS)
         while True:
             await self.beat()
             await asyncio.sleep(self.interval_seconds * random.uniform(0.8, 1.2))

@@ -1,7 +1,10 @@
-"""The queue: one method per named statement in ``sql/queries.sql``.
+"""The worker's and recovery's room: one method per named statement in ``sql/queries.sql``.
 
-This module is the only place that talks SQL to ``receipt_jobs`` for the
-worker, recovery and review; it borrows connections through
+Its audience is the worker (claim, ack, reschedule, flow control, gauges,
+attempt history) and recovery (expired leases, exhausted jobs, pruning). The
+operator's statements (review, retry, discard, bulk actions, the fleet
+pause) live in :mod:`receipts.operations`, the orders service's in
+:mod:`receipts.enqueue`. Connections are borrowed through
 :func:`receipts.db.borrow`, which translates driver errors.
 
 Every statement is one short autocommit transaction: a pool connection is
@@ -17,24 +20,21 @@ provider is called. The lease protocol (docs/design.md §2):
 
 from __future__ import annotations
 
-import contextlib
-import dataclasses
 import time
 import uuid
 import weakref
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Protocol
 
 import psycopg
 from psycopg import sql
-from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
 from receipts.db import borrow, storable
-from receipts.errors import DatabaseUnavailable, StatementTimeout
+from receipts.errors import DatabaseUnavailable
 from receipts.model import (
     Attempt,
     AttemptRecord,
@@ -43,6 +43,7 @@ from receipts.model import (
     Job,
     JobState,
     PauseReason,
+    QueueStats,
     Reason,
     Reschedule,
     Verdict,
@@ -53,7 +54,6 @@ from receipts.statements import (
     claim_query,
     qualifier,
     query,
-    statements,
 )
 
 
@@ -81,38 +81,6 @@ def _flow_state(row: Sequence[Any]) -> FlowState:
         float(row[1]) if reason and row[1] is not None else None,
         float(row[2]) if len(row) > 2 and row[2] is not None else None,
     )
-
-
-@dataclass(frozen=True, slots=True)
-class QueueStats:
-    """A snapshot of the queue read by :meth:`JobQueue.queue_stats`.
-
-    Counts are rows; ``done_estimate`` comes from table statistics, not a
-    count. Ages are seconds, 0 when there is nothing to measure:
-    ``lag_seconds`` is the age of the oldest *due* ready job (since its
-    ``run_at``, so every retry restarts it); ``oldest_undelivered_age_seconds``
-    the time since the oldest ready or running job was enqueued (its
-    ``created_at``: retries do not restart it, so a provider outage that keeps
-    rescheduling shows here and not in the lag);
-    ``oldest_transaction_age_seconds`` the age of the oldest open transaction in
-    the database (the xmin horizon that slows claims, docs/design.md §10);
-    ``oldest_finished_age_seconds`` the time since the oldest done, failed or
-    discarded row finished (pruning keeps it within the retention).
-    """
-
-    ready_due: int
-    ready: int
-    running: int
-    expired: int
-    failed: int
-    lag_seconds: float
-    done_estimate: int
-    dead_tuples: int
-    oldest_transaction_age_seconds: float
-    oldest_undelivered_age_seconds: float
-    discarded: int = 0
-    xmin_age_by_holder: dict[str, int] = field(default_factory=dict)
-    oldest_finished_age_seconds: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +119,9 @@ class WorkerQueue(Protocol):
     lease_seconds: float
     rate: float
 
-    async def claim(self, limit: int, *, probe: bool = False) -> ClaimResult:
+    async def claim(self, limit: int, *, probe: bool = False,
+                    after: tuple[datetime, uuid.UUID] | None = None,
+                    shared_bucket: bool = True) -> ClaimResult:
         """See :meth:`JobQueue.claim`."""
         ...
 
@@ -307,24 +277,32 @@ class JobQueue:
             # on every call (bench/README.md has what that cost the claim).
             return await cur.fetchall() if cur.rownumber is not None else []
 
-    async def claim(self, limit: int, *, probe: bool = False) -> ClaimResult:
+    async def claim(self, limit: int, *, probe: bool = False,
+                    after: tuple[datetime, uuid.UUID] | None = None,
+                    shared_bucket: bool = True) -> ClaimResult:
         """Claim up to *limit* due ready jobs (≥1) in one statement.
 
         Rows locked by other claimants are skipped, so an empty or short result
         does not prove the queue is empty. Nothing is claimed while the fleet
-        is paused, unless *probe* (the caller won :meth:`begin_probe`). Under a
-        rate limit the statement also takes one token per job it returns.
+        is paused, unless *probe* (the caller won :meth:`begin_probe`).
+        *after* is the watermark, the ``(run_at, id)`` the scan of the ready
+        index starts from (None: its start; :meth:`receipts.waker.Wakeups.claim_bound`).
+        Under a rate limit the statement also takes one token per job it
+        returns from the fleet's shared bucket row, unless not *shared_bucket*
+        (the caller charged its own share: :mod:`receipts.ratelimit`).
         Raises ``ValueError`` for limit < 1.
         """
         if limit < 1:
             raise ValueError("claim limit must be at least 1")
         params: dict[str, Any] = {
             "max_attempts": self.max_attempts, "lease_seconds": self.lease_seconds,
-            "probe": probe,
+            "probe": probe, "after_run_at": after[0] if after else None,
+            "after_id": after[1] if after else None,
         }
-        if self.rate > 0:
+        limited = self.rate > 0 and shared_bucket
+        if limited:
             params |= {"rate": self.rate, "burst": self.burst}
-        statement = claim_query(limit, limited=self.rate > 0, schema=self.schema,
+        statement = claim_query(limit, limited=limited, schema=self.schema,
                                 tag=self.worker_tag)
         sent_at = time.monotonic()
         rows = await self._rows(statement, params)
@@ -472,18 +450,6 @@ class JobQueue:
         assert row is not None
         return WalPosition(int(row[0]), int(row[1]), since)
 
-    async def flow_state(self) -> FlowState:
-        """The fleet-wide pause and the bucket's tokens now (tokens None without a limit)."""
-        rows = await self._rows(
-            self._q("flow_state"), {"rate": self.rate, "burst": self.burst}
-        )
-        if not rows:
-            return FlowState()
-        reason, left, _pause_seconds, tokens = rows[0]
-        return FlowState(PauseReason(reason) if reason else None,
-                         float(left) if reason else None,
-                         float(tokens) if self.rate > 0 else None)
-
     async def recover_expired(self, *, batch: int, delay_seconds: float) -> RecoveryBatch:
         """Return one batch (≤ *batch*, ≤ 100) of expired leases to ready or failed.
 
@@ -518,76 +484,30 @@ class JobQueue:
     async def queue_stats(self) -> QueueStats:
         """Read the queue gauges (one statement over the partial indexes)."""
         rows = await self._rows(self._q("queue_stats"), {})
-        r = rows[0]
-        return QueueStats(
-            ready_due=int(r[0]),
-            ready=int(r[1]),
-            running=int(r[2]),
-            expired=int(r[3]),
-            failed=int(r[4]),
-            lag_seconds=float(r[5]),
-            done_estimate=int(r[6]),
-            dead_tuples=int(r[7]),
-            oldest_transaction_age_seconds=float(r[8]),
-            oldest_undelivered_age_seconds=float(r[9]),
-            discarded=int(r[10]),
-            xmin_age_by_holder={"transaction": int(r[11]), "prepared": int(r[12]),
-                                "replication_slot": int(r[13])},
-            oldest_finished_age_seconds=float(r[14]),
-        )
+        return QueueStats.from_row(rows[0])
 
-    # ----------------------------------------------------------- review
+    # -------------------------------------------------------- heartbeats
 
-    async def state_counts(self) -> dict[JobState, int]:
-        """Exact rows by state (every state present, 0 when empty)."""
-        counts = dict.fromkeys(JobState, 0)
-        for state, n in await self._rows(self._q("state_counts"), {}):
-            counts[JobState(state)] = int(n)
-        return counts
-
-    async def oldest_failed(self) -> datetime | None:
-        """When the oldest failed job failed, or None when none has."""
-        rows = await self._rows(self._q("oldest_failed"), {})
-        return rows[0][0] if rows else None
-
-    async def list_jobs(
-        self, state: JobState, *, limit: int = 50, since: datetime | None = None
-    ) -> list[dict[str, Any]]:
-        """Jobs in *state*, newest first, at most *limit*; *since* filters by finish time."""
+    async def heartbeat(self, *, tag: str, pod: str, pid: int, version: str, slots: int,
+                        inflight: int, claimed_total: int, uptime_seconds: float,
+                        since_claim_seconds: float | None, stopped: bool = False) -> None:
+        """Upsert this worker's ``receipt_workers`` row (``heartbeat``); ages in seconds."""
         async with self._conn() as conn:
-            cur = conn.cursor(row_factory=dict_row)
-            await cur.execute(
-                self._q("list_jobs"), {"state": str(state), "limit": int(limit), "since": since}
-            )
-            return await cur.fetchall()
+            await conn.execute(self._q("heartbeat"), {
+                "tag": tag, "pod": pod, "pid": pid, "version": version, "slots": slots,
+                "inflight": inflight, "claimed_total": claimed_total,
+                "uptime_seconds": max(0.0, uptime_seconds),
+                "since_claim_seconds": (None if since_claim_seconds is None
+                                        else max(0.0, since_claim_seconds)),
+                "stopped": stopped})
 
-    async def show_job(self, key: str) -> dict[str, Any] | None:
-        """One job by UUID or, failing that, by order id; None when absent."""
-        lookups: list[tuple[str, dict[str, Any]]] = []
-        with contextlib.suppress(ValueError):
-            lookups.append(("show_job", {"id": uuid.UUID(key)}))
-        lookups.append(("show_job_by_order", {"order_id": key}))  # order ids may be UUIDs too
+    async def forget_workers(self, *, seconds: float) -> int:
+        """Delete heartbeat rows not seen for *seconds*; returns how many."""
         async with self._conn() as conn:
-            cur = conn.cursor(row_factory=dict_row)
-            for name, params in lookups:
-                await cur.execute(self._q(name), params)
-                row = await cur.fetchone()
-                if row is not None:
-                    return row
-        return None
+            cur = await conn.execute(self._q("forget_workers"), {"seconds": float(seconds)})
+            return cur.rowcount
 
-    async def retry_failed(self, ids: Iterable[uuid.UUID] | None) -> list[uuid.UUID]:
-        """Make failed jobs deliverable again (all of them when *ids* is None).
-
-        Only rows in state failed change: attempts reset to 0, due now. Returns
-        the ids that changed; ids in any other state are left alone.
-        """
-        rows = await self._rows(
-            self._q("retry_failed"), {"ids": None if ids is None else list(ids)}
-        )
-        return [r[0] for r in rows]
-
-    # ------------------------------------------ attempt history, discard, review
+    # --------------------------------------------------- attempt history
 
     async def record_attempts(self, records: Sequence[AttemptRecord]) -> None:
         """Append *records* to their jobs' attempt histories in one statement.
@@ -612,208 +532,3 @@ class JobQueue:
             },
             texts=("errors",),
         )
-
-    async def job_attempts(self, job_id: uuid.UUID) -> list[dict[str, Any]]:
-        """*job_id*'s kept attempt records, newest first.
-
-        Each a dict: ``seq`` (the job's record number), ``attempt``, ``at``
-        (database time the record was written), ``reason``, ``status`` (int or
-        None), ``error`` (≤ 500 characters or None), ``duration_seconds``
-        (float or None), ``worker``.
-        """
-        async with self._conn() as conn:
-            cur = conn.cursor(row_factory=dict_row)
-            await cur.execute(self._q("job_attempts"), {"id": job_id})
-            return await cur.fetchall()
-
-    async def review_jobs(
-        self, view: ReviewFilter, *, limit: int = 50,
-        after: tuple[datetime, uuid.UUID] | None = None,
-    ) -> list[dict[str, Any]]:
-        """One page of jobs matching *view*, newest first (at most *limit*, ≤ 500).
-
-        *after* is the keyset cursor: the (``sort_at``, ``id``) of the last row
-        of the previous page. Rows are dicts with the job's columns plus
-        ``sort_at`` (the view's time column), ``expired`` (a running job's
-        lease has run out), the latest attempt's ``reason`` and ``status``
-        (None without history) and ``holder`` (the pod whose lease a running
-        job is under, None when unknown).
-        """
-        params = view.params() | {
-            "limit": max(1, min(int(limit), 500)),
-            "after_at": after[0] if after else None,
-            "after_id": after[1] if after else None,
-        }
-        async with self._conn() as conn:
-            cur = conn.cursor(row_factory=dict_row)
-            await cur.execute(_review_query("review_jobs", view, self.schema), params)
-            return await cur.fetchall()
-
-    async def review_count(self, view: ReviewFilter, *, cap: int | None = None) -> int:
-        """How many jobs match *view* now, counting at most *cap* (None: all of them).
-
-        A result equal to *cap* means "at least *cap*".
-        """
-        rows = await self._rows(_review_query("review_count", view, self.schema),
-                                view.params() | {"cap": cap})
-        return int(rows[0][0])
-
-    async def count_now(self, view: ReviewFilter, *, timeout_seconds: float,
-                        cap: int | None = None) -> tuple[datetime, int | None]:
-        """The database's time now, and how many jobs match *view* up to then.
-
-        One transaction: ``statement_timestamp()`` is read first and bounds the
-        count (``cutoff``, the moment a bulk action is confirmed); the count
-        (of at most *cap* rows, None: all) runs under ``SET LOCAL
-        statement_timeout`` = *timeout_seconds* and is None when it did not
-        finish in time (a selective filter over many rows).
-        """
-        now: datetime | None = None
-        try:
-            async with self._conn() as conn, conn.transaction():
-                cur = await conn.execute(
-                    "SELECT statement_timestamp(), set_config('statement_timeout', %s, true)",
-                    (f"{max(1, round(timeout_seconds * 1000))}ms",))
-                row = await cur.fetchone()
-                assert row is not None
-                now = row[0]
-                bounded = dataclasses.replace(view, cutoff=now)
-                cur = await conn.execute(_review_query("review_count", bounded, self.schema),
-                                         bounded.params() | {"cap": cap})
-                counted = await cur.fetchone()
-                assert counted is not None
-                return row[0], int(counted[0])
-        except StatementTimeout:
-            if now is None:
-                raise
-            return now, None
-
-    async def retry_jobs(
-        self, target: ReviewFilter | Sequence[uuid.UUID], *, expected: int
-    ) -> list[uuid.UUID]:
-        """Retry failed jobs (named, or matching a filter), all or nothing.
-
-        Changes nothing, and returns ``[]``, unless exactly *expected* failed
-        jobs qualify (the count the operator confirmed; for ids, pass the
-        number of distinct ids). Effect as :meth:`retry_failed`. Returns the
-        ids retried.
-        """
-        return await self._act("retry_jobs", target, expected)
-
-    async def discard_jobs(
-        self, target: ReviewFilter | Sequence[uuid.UUID], *, expected: int
-    ) -> list[uuid.UUID]:
-        """Discard ready or failed jobs (named, or matching a filter), all or nothing.
-
-        ``discarded`` is terminal (``finished_at`` set) and keeps the row, so
-        the order id stays deduplicated until retention prunes it. Running
-        jobs are never touched. Changes nothing, and returns ``[]``, unless
-        exactly *expected* jobs qualify. Returns the ids discarded.
-        """
-        return await self._act("discard_jobs", target, expected)
-
-    async def _act(
-        self, name: str, target: ReviewFilter | Sequence[uuid.UUID], expected: int
-    ) -> list[uuid.UUID]:
-        if isinstance(target, ReviewFilter):
-            statement = _action_query(name, target, self.schema)
-            params = target.params()
-        else:
-            statement = _action_query(name, None, self.schema)
-            params = {"ids": list(dict.fromkeys(target)), "reason": None, "status": None}
-        rows = await self._rows(statement, params | {"expected": int(expected)})
-        return [r[0] for r in rows]
-
-    async def job_states(self, ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, JobState]:
-        """The current state of each of *ids* that exists."""
-        rows = await self._rows(self._q("job_states"), {"ids": list(ids)})
-        return {r[0]: JobState(r[1]) for r in rows}
-
-    async def provider_pause(self) -> dict[str, Any]:
-        """The provider pause recorded by the workers' flow control (``receipt_flow``).
-
-        A dict: ``pause_reason`` (the effective reason: None, ``auth``,
-        ``outage``, ``retry_after``, ``rejecting`` or ``manual``),
-        ``paused_until`` (datetime or None), ``pause_seconds`` and
-        ``remaining_seconds`` (seconds; 0 when not paused), ``last_probe_at``
-        (datetime or None) and ``last_probe_outcome`` (a reason label or None).
-        """
-        async with self._conn() as conn:
-            dcur = conn.cursor(row_factory=dict_row)
-            await dcur.execute(self._q("provider_pause"))
-            row = await dcur.fetchone()
-        return row or {"pause_reason": None, "paused_until": None, "pause_seconds": None,
-                       "remaining_seconds": 0.0, "last_probe_at": None,
-                       "last_probe_outcome": None}
-
-
-@dataclass(frozen=True, slots=True)
-class ReviewFilter:
-    """Which jobs a review list or a bulk action covers (``review_matching``).
-
-    Attributes:
-        state: the jobs' state (a literal in the statement, so its partial
-            index serves the list).
-        reason: the latest attempt's reason (``rejected``, ``max_attempts``…).
-        status: the latest attempt's HTTP status.
-        since, until: the time column (``finished_at``; ``run_at`` for ready
-            jobs) within [since, until).
-        order_contains: a plain substring of the order id.
-
-    None means "any" for every field but ``state``.
-    """
-
-    state: JobState = JobState.FAILED
-    reason: str | None = None
-    status: int | None = None
-    since: datetime | None = None
-    until: datetime | None = None
-    order_contains: str | None = None
-    cutoff: datetime | None = None
-    expired: bool | None = None
-
-    @property
-    def key(self) -> str:
-        """The time column the list is ordered and filtered by (``since``/``until``)."""
-        return _LIST_KEYS[self.state]
-
-    @property
-    def cutoff_key(self) -> str:
-        """The time column ``cutoff`` bounds: when a job entered a terminal state,
-        else when it was enqueued (a job that reaches the state after a bulk
-        action's confirmation is never part of it)."""
-        return "created_at" if self.state in (JobState.READY, JobState.RUNNING) else "finished_at"
-
-    def params(self) -> dict[str, Any]:
-        """The statement parameters of ``review_matching``."""
-        return {"reason": self.reason, "status": self.status, "since": self.since,
-                "until": self.until, "order_contains": self.order_contains or None,
-                "cutoff": self.cutoff, "expired": self.expired}
-
-
-#: The time column each state's list is ordered by (its partial index's key).
-_LIST_KEYS = {JobState.READY: "run_at", JobState.RUNNING: "lease_until",
-              JobState.DONE: "finished_at", JobState.FAILED: "finished_at",
-              JobState.DISCARDED: "finished_at"}
-
-
-def matching(view: ReviewFilter, schema: str) -> sql.Composed:
-    """The ``review_matching`` fragment for *view*, for a statement over ``receipt_jobs AS j``
-    and the latest attempt ``AS la`` (review lists, actions, bulk batches)."""
-    return sql.SQL(statements(schema)["review_matching"]).format(  # type: ignore[arg-type,unused-ignore]
-        state=sql.Literal(str(view.state)), key=sql.Identifier(view.key),
-        cutoff_key=sql.Identifier(view.cutoff_key),
-    )
-
-
-def _review_query(name: str, view: ReviewFilter, schema: str) -> sql.Composed:
-    """A review statement with *view*'s fragment composed in (a handful per page)."""
-    return sql.SQL(statements(schema)[name]).format(  # type: ignore[arg-type,unused-ignore]
-        matching=matching(view, schema), key=sql.Identifier(view.key)
-    )
-
-
-def _action_query(name: str, view: ReviewFilter | None, schema: str) -> sql.Composed:
-    """retry_jobs/discard_jobs on ids (*view* None) or on *view*'s filter."""
-    target = sql.SQL("j.id = ANY(%(ids)s::uuid[])") if view is None else matching(view, schema)
-    return sql.SQL(statements(schema)[name]).format(target=target)  # type: ignore[arg-type,unused-ignore]

@@ -13,7 +13,7 @@ never becomes an event name.
 
 Secrets never leave the process: before a record is serialised, every string
 in it (the event, each field, a formatted exception) goes through
-:func:`receipts.settings.redact_dsn`, and the literal secrets handed to
+:func:`receipts.dsn.redact_dsn`, and the literal secrets handed to
 :func:`configure_logging` (the DSN password, the provider token) are replaced
 by ``***`` wherever they appear, even outside a DSN. Redacting the fields
 rather than the rendered line keeps every line valid JSON.
@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from pythonjsonlogger.json import JsonFormatter
 
-from receipts.settings import redact_dsn
+from receipts.dsn import redact_dsn
 
 if TYPE_CHECKING:
     from receipts.model import Job

@@ -39,8 +39,7 @@ from prometheus_client import (
     generate_latest,
 )
 
-from receipts.jobqueue import QueueStats
-from receipts.model import FAILURE_REASONS, RETRY_REASONS, JobState, PauseReason
+from receipts.model import FAILURE_REASONS, RETRY_REASONS, JobState, PauseReason, QueueStats
 from receipts.settings import package_version
 
 DELIVERY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.2, 0.35, 0.5, 1, 2, 5, 10, 30, 60)

@@ -20,6 +20,7 @@ can ``op.execute(migration_sql(...))``.
 from __future__ import annotations
 
 import hashlib
+import logging
 import re
 from dataclasses import dataclass
 from importlib import resources
@@ -28,7 +29,12 @@ from typing import Any
 
 import psycopg
 
+from receipts import __version__
+from receipts.dsn import schema_for
 from receipts.errors import refuse_encoding
+from receipts.statements import qualifier
+
+log = logging.getLogger("receipts.migrate")
 
 # pg_advisory_xact_lock key: "receipts" as a stable 64-bit number.
 LOCK_KEY = int.from_bytes(hashlib.sha256(b"receipts.migrate").digest()[:8], "big", signed=True)
@@ -59,8 +65,6 @@ class Migration:
 
 def _qualified(schema: str) -> str:
     """``"schema".`` for SQL text; ``ValueError`` for a name that is not an identifier."""
-    from receipts.statements import qualifier
-
     return qualifier(schema)
 
 
@@ -71,8 +75,6 @@ def _tracking(schema: str) -> str:
 def _resolve(dsn: str, schema: str | None) -> str:
     if schema is not None:
         return schema
-    from receipts.settings import schema_for
-
     return schema_for(dsn)
 
 
@@ -134,7 +136,7 @@ def apply_migrations(
 ) -> list[str]:
     """Apply every pending migration to the database at *dsn*, in *schema*.
 
-    *schema* (default: :func:`receipts.settings.schema_for` of *dsn*) is
+    *schema* (default: :func:`receipts.dsn.schema_for` of *dsn*) is
     created when missing; each file runs with ``SET LOCAL search_path`` to it
     alone, so whatever search_path the session has, the tables land where
     the workers' qualified statements look for them.
@@ -146,6 +148,9 @@ def apply_migrations(
     names the schema(s) found and the setting that picks one, unless
     *beside_existing* says a second queue is intended (the CLI passes it
     when ``RECEIPTS_DATABASE_SCHEMA`` is set explicitly).
+
+    Then every CHECK constraint a migration added ``NOT VALID`` is validated,
+    each in a transaction of its own (:func:`validate_constraints`).
 
     Needs the ``worker`` extra (errors are translated by :mod:`receipts.db`).
     Returns the versions applied by this call (empty when up to date).
@@ -211,15 +216,57 @@ def apply_migrations(
                         (migration.version, migration.checksum),
                     )
                     applied.append(migration.version)
+            validate_constraints(conn, schema=schema)
     except MigrationError:
         raise
     except psycopg.errors.LockNotAvailable as exc:
         raise MigrationError(_lock_message(lock_timeout_seconds)) from exc
     except psycopg.Error as exc:
-        from receipts.db import translate  # the worker's stack: imported only on failure
+        from receipts.db import translate  # extra: worker (psycopg_pool), only on failure
 
         raise translate(exc) from exc
     return applied
+
+
+#: The queue's CHECK constraints that are not validated yet (added NOT VALID by a migration).
+_UNVALIDATED = """
+SELECT c.conrelid::regclass::text, c.conname
+FROM pg_constraint AS c
+JOIN pg_class AS t ON t.oid = c.conrelid
+WHERE t.relnamespace = %s::regnamespace AND c.contype = 'c' AND NOT c.convalidated
+  AND t.relname LIKE 'receipt%%'
+ORDER BY 1, 2
+"""
+
+
+def validate_constraints(conn: psycopg.Connection[Any], *, schema: str) -> list[str]:
+    """Validate the queue's CHECK constraints that a migration added ``NOT VALID``.
+
+    A migration adds a constraint to a big table ``NOT VALID``: it is enforced on
+    every row written from its commit on, and adding it holds the table's ACCESS
+    EXCLUSIVE lock for no scan. ``VALIDATE CONSTRAINT`` then proves the rows
+    written before; it scans the table under a SHARE UPDATE EXCLUSIVE lock only,
+    so claims, acks and enqueues go on meanwhile. Each constraint is validated
+    in its own transaction on *conn* (autocommit). One that existing rows break
+    stays ``NOT VALID`` (still enforced on new writes), logged as
+    ``constraint_not_validated`` with the rows' description, and validated by a
+    later ``receipts migrate`` once they are gone (pruned). Returns the names of
+    the constraints left unvalidated. Other errors propagate.
+    """
+    left: list[str] = []
+    rows = conn.execute(_UNVALIDATED, (schema,)).fetchall()
+    for table, name in rows:
+        try:
+            with conn.transaction():
+                conn.execute(f'ALTER TABLE {table} VALIDATE CONSTRAINT "{name}"'.encode())
+        except psycopg.errors.CheckViolation as exc:
+            left.append(str(name))
+            log.warning("constraint_not_validated", extra={
+                "constraint": str(name), "table": str(table),
+                "detail": f"{str(exc).splitlines()[0]}; it holds for every row written since "
+                          "the migration; finished rows that break it are deleted by pruning "
+                          "and the next `receipts migrate` validates it"})
+    return left
 
 
 def _refuse_second_queue(conn: psycopg.Connection[Any], schema: str) -> None:
@@ -311,8 +358,6 @@ class SchemaStatus:
 
     def describe(self) -> str:
         """One line: the version and, when not current, what differs and what to do."""
-        from receipts import __version__
-
         ours = f"receipts {__version__}"
         if self.newer:
             return (f"schema version {self.version}, newer than {ours} ({self.expected}) by "
@@ -430,7 +475,7 @@ def read_schema_status(dsn: str, *, application_name: str = "receipts",
                        schema: str | None = None) -> SchemaStatus:
     """Connect to *dsn*, read *schema*'s :class:`SchemaStatus`, disconnect (``worker`` extra).
 
-    *schema* defaults to :func:`receipts.settings.schema_for` of *dsn*.
+    *schema* defaults to :func:`receipts.dsn.schema_for` of *dsn*.
 
     Raises ``DatabaseUnavailable`` (or another ``QueueError``) when the
     database cannot be read, ``UnusableDatabase`` for a SQL_ASCII database;
@@ -444,7 +489,7 @@ def read_schema_status(dsn: str, *, application_name: str = "receipts",
             refuse_encoding(conn.info.dbname, conn.info.parameter_status("server_encoding"))
             return schema_status(conn, schema=_resolve(dsn, schema))
     except psycopg.Error as exc:
-        from receipts.db import translate
+        from receipts.db import translate  # extra: worker (psycopg_pool), only on failure
 
         raise translate(exc) from exc
 
@@ -464,8 +509,6 @@ def migration_sql(migrations: list[Migration] | None = None, *, schema: str = "p
     No ``BEGIN``/``COMMIT``: the applying tool owns the transaction (apply the
     whole text in one, or each file's part in its own).
     """
-    from receipts import __version__
-
     todo = bundled_migrations() if migrations is None else migrations
     names = ", ".join(m.version for m in todo) or "none"
     prefix = _qualified(schema)
@@ -484,4 +527,27 @@ def migration_sql(migrations: list[Migration] | None = None, *, schema: str = "p
             f"INSERT INTO {prefix}receipts_schema_migrations (version, checksum)\n"
             f"VALUES ({literal}, '{m.checksum}');\n"
         )
+    later = [f"ALTER TABLE {prefix}{table} VALIDATE CONSTRAINT {name};"
+             for m in todo for table, name in _not_valid(m.sql)]
+    if later:
+        parts.append(
+            "-- After the parts above have committed, each in a transaction of its own\n"
+            "-- (receipts migrate does the same): validate what they added NOT VALID. Each\n"
+            "-- scans the table holding SHARE UPDATE EXCLUSIVE only, so the queue keeps\n"
+            "-- working; one that old rows break stays NOT VALID, enforced on new rows.\n"
+            + "\n".join(later) + "\n")
     return "\n".join(parts)
+
+
+def _not_valid(sql: str) -> list[tuple[str, str]]:
+    """(table, constraint) of each constraint *sql* adds ``NOT VALID``, in order."""
+    found: list[tuple[str, str]] = []
+    for statement in re.split(r";\s*\n", re.sub(r"--[^\n]*", "", sql)):
+        table = re.match(r"\s*ALTER TABLE (\w+)", statement)
+        if table is None:
+            continue
+        for clause in re.split(r"\bADD CONSTRAINT\b", statement)[1:]:
+            name = clause.split()[0]
+            if re.search(r"\bNOT VALID\s*,?\s*$", clause.strip()):
+                found.append((table.group(1), name))
+    return found

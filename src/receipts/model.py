@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import enum
 import uuid
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any
 
 
 class JobState(enum.StrEnum):
@@ -252,3 +254,57 @@ class AttemptRecord:
         return cls(job_id=job.id, attempt=job.attempt, reason=outcome.reason,
                    status=outcome.status, error=outcome.detail,
                    duration_seconds=duration_seconds, worker=worker)
+
+
+@dataclass(frozen=True, slots=True)
+class QueueStats:
+    """A snapshot of the queue (the ``queue_stats`` statement): the worker's gauges
+    (:meth:`receipts.jobqueue.JobQueue.queue_stats`) and the operator's view
+    (:meth:`receipts.operations.Operations.queue_stats`) read the same one.
+
+    Counts are rows; ``done_estimate`` comes from table statistics, not a
+    count. Ages are seconds, 0 when there is nothing to measure:
+    ``lag_seconds`` is the age of the oldest *due* ready job (since its
+    ``run_at``, so every retry restarts it); ``oldest_undelivered_age_seconds``
+    the time since the oldest ready or running job was enqueued (its
+    ``created_at``: retries do not restart it, so a provider outage that keeps
+    rescheduling shows here and not in the lag);
+    ``oldest_transaction_age_seconds`` the age of the oldest open transaction in
+    the database (the xmin horizon that slows claims, docs/design.md §10);
+    ``oldest_finished_age_seconds`` the time since the oldest done, failed or
+    discarded row finished (pruning keeps it within the retention).
+    """
+
+    ready_due: int
+    ready: int
+    running: int
+    expired: int
+    failed: int
+    lag_seconds: float
+    done_estimate: int
+    dead_tuples: int
+    oldest_transaction_age_seconds: float
+    oldest_undelivered_age_seconds: float
+    discarded: int = 0
+    xmin_age_by_holder: dict[str, int] = field(default_factory=dict)
+    oldest_finished_age_seconds: float = 0.0
+
+    @classmethod
+    def from_row(cls, r: Sequence[Any]) -> QueueStats:
+        """The snapshot from one row of the ``queue_stats`` statement (its 15 columns)."""
+        return cls(
+            ready_due=int(r[0]),
+            ready=int(r[1]),
+            running=int(r[2]),
+            expired=int(r[3]),
+            failed=int(r[4]),
+            lag_seconds=float(r[5]),
+            done_estimate=int(r[6]),
+            dead_tuples=int(r[7]),
+            oldest_transaction_age_seconds=float(r[8]),
+            oldest_undelivered_age_seconds=float(r[9]),
+            discarded=int(r[10]),
+            xmin_age_by_holder={"transaction": int(r[11]), "prepared": int(r[12]),
+                                "replication_slot": int(r[13])},
+            oldest_finished_age_seconds=float(r[14]),
+        )

@@ -1,8 +1,15 @@
-"""The operator's statements: one method per named block of ``sql/operations.sql``.
+"""The operator's room: one method per named block of ``sql/operations.sql``.
 
-The fleet-wide pause an operator sets and lifts, worker heartbeats, bulk
-actions run in bounded batches, and signed-out review-page sessions
-(migration 0007). Like :class:`receipts.jobqueue.JobQueue`, every method is one
+Its audience is the operator, through ``receipts jobs …`` and the review
+page: the review lists and counts, one job and its attempt history, retry
+and discard of named jobs or of a filter, bulk actions run in bounded
+batches, the fleet-wide pause an operator sets and lifts, the workers seen,
+and signed-out review-page sessions. The worker's and recovery's statements
+live in :mod:`receipts.jobqueue`; the CLI and the page reach this room
+through :mod:`receipts.review` (retry, discard, list, show) and get an
+:class:`Operations` from the composition code
+(:func:`receipts.runtime.make_operations`), never from a queue's pool.
+Like :class:`receipts.jobqueue.JobQueue`, every method is one
 short autocommit statement on a borrowed pool connection
 (:func:`receipts.db.borrow`, which translates driver errors); none runs on a
 claim's or an ack's path. The rules that decide what to run (durations, who
@@ -12,13 +19,16 @@ and :mod:`receipts.bulk`.
 Every method raises :class:`~receipts.errors.DatabaseUnavailable` when the
 database cannot be reached, :class:`~receipts.errors.StatementTimeout` when a
 statement was stopped for running too long, :class:`~receipts.errors.SchemaMissing`
-before migration 0007, :class:`~receipts.errors.QueueError` otherwise.
+before the migrations its statements need (0007 for the console's tables, 0008
+for the pause rule), :class:`~receipts.errors.QueueError` otherwise.
 """
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -30,11 +40,84 @@ from psycopg.rows import dict_row
 from psycopg_pool import AsyncConnectionPool
 
 from receipts.db import borrow
-from receipts.jobqueue import ReviewFilter, matching
+from receipts.errors import StatementTimeout
+from receipts.model import FlowState, JobState, PauseReason, QueueStats
 from receipts.statements import DEFAULT_SCHEMA, qualifier, query, statements
 
 #: What a bulk action can do, and the job states each applies to.
 BULK_ACTIONS = {"retry": ("failed",), "discard": ("ready", "failed")}
+
+
+@dataclass(frozen=True, slots=True)
+class ReviewFilter:
+    """Which jobs a review list or a bulk action covers (``review_matching``).
+
+    Attributes:
+        state: the jobs' state (a literal in the statement, so its partial
+            index serves the list).
+        reason: the latest attempt's reason (``rejected``, ``max_attempts``…).
+        status: the latest attempt's HTTP status.
+        since, until: the time column (``finished_at``; ``run_at`` for ready
+            jobs) within [since, until).
+        order_contains: a plain substring of the order id.
+
+    None means "any" for every field but ``state``.
+    """
+
+    state: JobState = JobState.FAILED
+    reason: str | None = None
+    status: int | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+    order_contains: str | None = None
+    cutoff: datetime | None = None
+    expired: bool | None = None
+
+    @property
+    def key(self) -> str:
+        """The time column the list is ordered and filtered by (``since``/``until``)."""
+        return _LIST_KEYS[self.state]
+
+    @property
+    def cutoff_key(self) -> str:
+        """The time column ``cutoff`` bounds: when a job entered a terminal state,
+        else when it was enqueued (a job that reaches the state after a bulk
+        action's confirmation is never part of it)."""
+        return "created_at" if self.state in (JobState.READY, JobState.RUNNING) else "finished_at"
+
+    def params(self) -> dict[str, Any]:
+        """The statement parameters of ``review_matching``."""
+        return {"reason": self.reason, "status": self.status, "since": self.since,
+                "until": self.until, "order_contains": self.order_contains or None,
+                "cutoff": self.cutoff, "expired": self.expired}
+
+
+#: The time column each state's list is ordered by (its partial index's key).
+_LIST_KEYS = {JobState.READY: "run_at", JobState.RUNNING: "lease_until",
+              JobState.DONE: "finished_at", JobState.FAILED: "finished_at",
+              JobState.DISCARDED: "finished_at"}
+
+
+def matching(view: ReviewFilter, schema: str) -> sql.Composed:
+    """The ``review_matching`` fragment for *view*, for a statement over ``receipt_jobs AS j``
+    and the latest attempt ``AS la`` (review lists, actions, bulk batches)."""
+    return sql.SQL(statements(schema)["review_matching"]).format(  # type: ignore[arg-type,unused-ignore]
+        state=sql.Literal(str(view.state)), key=sql.Identifier(view.key),
+        cutoff_key=sql.Identifier(view.cutoff_key),
+    )
+
+
+def _review_query(name: str, view: ReviewFilter, schema: str) -> sql.Composed:
+    """A review statement with *view*'s fragment composed in (a handful per page)."""
+    return sql.SQL(statements(schema)[name]).format(  # type: ignore[arg-type,unused-ignore]
+        matching=matching(view, schema), key=sql.Identifier(view.key)
+    )
+
+
+def _action_query(name: str, view: ReviewFilter | None, schema: str) -> sql.Composed:
+    """retry_jobs/discard_jobs on ids (*view* None) or on *view*'s filter."""
+    target = sql.SQL("j.id = ANY(%(ids)s::uuid[])") if view is None else matching(view, schema)
+    return sql.SQL(statements(schema)[name]).format(target=target)  # type: ignore[arg-type,unused-ignore]
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,8 +209,6 @@ class BulkStep:
 
 def bulk_view(action: dict[str, Any]) -> ReviewFilter:
     """The :class:`ReviewFilter` a ``receipt_bulk_actions`` row covers (its cutoff included)."""
-    from receipts.model import JobState
-
     return ReviewFilter(state=JobState(action["job_state"]), reason=action["reason"],
                         status=action["http_status"], since=action["since"],
                         until=action["until"], order_contains=action["order_contains"],
@@ -162,8 +243,212 @@ class Operations:
             await cur.execute(statement, params)
             return await cur.fetchall() if cur.rownumber is not None else []
 
+    async def _rows(self, statement: sql.SQL | sql.Composed,
+                    params: dict[str, Any] | None = None) -> list[tuple[Any, ...]]:
+        async with self._conn() as conn:
+            cur = await conn.execute(statement, params)
+            return await cur.fetchall() if cur.rownumber is not None else []
+
     def _q(self, name: str) -> sql.SQL:
         return query(name, self.schema)
+
+    # ------------------------------------------------------------ review
+
+    async def state_counts(self) -> dict[JobState, int]:
+        """Exact rows by state (every state present, 0 when empty)."""
+        counts = dict.fromkeys(JobState, 0)
+        for state, n in await self._rows(self._q("state_counts"), {}):
+            counts[JobState(state)] = int(n)
+        return counts
+
+    async def oldest_failed(self) -> datetime | None:
+        """When the oldest failed job failed, or None when none has."""
+        rows = await self._rows(self._q("oldest_failed"), {})
+        return rows[0][0] if rows else None
+
+    async def list_jobs(
+        self, state: JobState, *, limit: int = 50, since: datetime | None = None
+    ) -> list[dict[str, Any]]:
+        """Jobs in *state*, newest first, at most *limit*; *since* filters by finish time."""
+        async with self._conn() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(
+                self._q("list_jobs"), {"state": str(state), "limit": int(limit), "since": since}
+            )
+            return await cur.fetchall()
+
+    async def show_job(self, key: str) -> dict[str, Any] | None:
+        """One job by UUID or, failing that, by order id; None when absent."""
+        lookups: list[tuple[str, dict[str, Any]]] = []
+        with contextlib.suppress(ValueError):
+            lookups.append(("show_job", {"id": uuid.UUID(key)}))
+        lookups.append(("show_job_by_order", {"order_id": key}))  # order ids may be UUIDs too
+        async with self._conn() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            for name, params in lookups:
+                await cur.execute(self._q(name), params)
+                row = await cur.fetchone()
+                if row is not None:
+                    return row
+        return None
+
+    async def job_attempts(self, job_id: uuid.UUID) -> list[dict[str, Any]]:
+        """*job_id*'s kept attempt records, newest first.
+
+        Each a dict: ``seq`` (the job's record number), ``attempt``, ``at``
+        (database time the record was written), ``reason``, ``status`` (int or
+        None), ``error`` (≤ 500 characters or None), ``duration_seconds``
+        (float or None), ``worker``.
+        """
+        async with self._conn() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(self._q("job_attempts"), {"id": job_id})
+            return await cur.fetchall()
+
+    async def review_jobs(
+        self, view: ReviewFilter, *, limit: int = 50,
+        after: tuple[datetime, uuid.UUID] | None = None,
+    ) -> list[dict[str, Any]]:
+        """One page of jobs matching *view*, newest first (at most *limit*, ≤ 500).
+
+        *after* is the keyset cursor: the (``sort_at``, ``id``) of the last row
+        of the previous page. Rows are dicts with the job's columns plus
+        ``sort_at`` (the view's time column), ``expired`` (a running job's
+        lease has run out), the latest attempt's ``reason`` and ``status``
+        (None without history) and ``holder`` (the pod whose lease a running
+        job is under, None when unknown).
+        """
+        params = view.params() | {
+            "limit": max(1, min(int(limit), 500)),
+            "after_at": after[0] if after else None,
+            "after_id": after[1] if after else None,
+        }
+        async with self._conn() as conn:
+            cur = conn.cursor(row_factory=dict_row)
+            await cur.execute(_review_query("review_jobs", view, self.schema), params)
+            return await cur.fetchall()
+
+    async def review_count(self, view: ReviewFilter, *, cap: int | None = None) -> int:
+        """How many jobs match *view* now, counting at most *cap* (None: all of them).
+
+        A result equal to *cap* means "at least *cap*".
+        """
+        rows = await self._rows(_review_query("review_count", view, self.schema),
+                                view.params() | {"cap": cap})
+        return int(rows[0][0])
+
+    async def count_now(self, view: ReviewFilter, *, timeout_seconds: float,
+                        cap: int | None = None) -> tuple[datetime, int | None]:
+        """The database's time now, and how many jobs match *view* up to then.
+
+        One transaction: ``statement_timestamp()`` is read first and bounds the
+        count (``cutoff``, the moment a bulk action is confirmed); the count
+        (of at most *cap* rows, None: all) runs under ``SET LOCAL
+        statement_timeout`` = *timeout_seconds* and is None when it did not
+        finish in time (a selective filter over many rows).
+        """
+        now: datetime | None = None
+        try:
+            async with self._conn() as conn, conn.transaction():
+                cur = await conn.execute(
+                    "SELECT statement_timestamp(), set_config('statement_timeout', %s, true)",
+                    (f"{max(1, round(timeout_seconds * 1000))}ms",))
+                row = await cur.fetchone()
+                assert row is not None
+                now = row[0]
+                bounded = dataclasses.replace(view, cutoff=now)
+                cur = await conn.execute(_review_query("review_count", bounded, self.schema),
+                                         bounded.params() | {"cap": cap})
+                counted = await cur.fetchone()
+                assert counted is not None
+                return row[0], int(counted[0])
+        except StatementTimeout:
+            if now is None:
+                raise
+            return now, None
+
+    async def retry_jobs(
+        self, target: ReviewFilter | Sequence[uuid.UUID], *, expected: int
+    ) -> list[uuid.UUID]:
+        """Retry failed jobs (named, or matching a filter), all or nothing.
+
+        Changes nothing, and returns ``[]``, unless exactly *expected* failed
+        jobs qualify (the count the operator confirmed; for ids, pass the
+        number of distinct ids). Each becomes ready, attempts 0, due now;
+        ``last_error`` is kept, prefixed ``manual retry after:``. The rows are
+        locked and re-checked in the same statement, so a job that another
+        operator, a worker or recovery moved meanwhile makes it change
+        nothing (never a partial retry). Returns the ids retried.
+        """
+        return await self._act("retry_jobs", target, expected)
+
+    async def discard_jobs(
+        self, target: ReviewFilter | Sequence[uuid.UUID], *, expected: int
+    ) -> list[uuid.UUID]:
+        """Discard ready or failed jobs (named, or matching a filter), all or nothing.
+
+        ``discarded`` is terminal (``finished_at`` set) and keeps the row, so
+        the order id stays deduplicated until retention prunes it. Running
+        jobs are never touched. Changes nothing, and returns ``[]``, unless
+        exactly *expected* jobs qualify. Returns the ids discarded.
+        """
+        return await self._act("discard_jobs", target, expected)
+
+    async def _act(
+        self, name: str, target: ReviewFilter | Sequence[uuid.UUID], expected: int
+    ) -> list[uuid.UUID]:
+        if isinstance(target, ReviewFilter):
+            statement = _action_query(name, target, self.schema)
+            params = target.params()
+        else:
+            statement = _action_query(name, None, self.schema)
+            params = {"ids": list(dict.fromkeys(target)), "reason": None, "status": None}
+        rows = await self._rows(statement, params | {"expected": int(expected)})
+        return [r[0] for r in rows]
+
+    async def job_states(self, ids: Sequence[uuid.UUID]) -> dict[uuid.UUID, JobState]:
+        """The current state of each of *ids* that exists."""
+        rows = await self._rows(self._q("job_states"), {"ids": list(ids)})
+        return {r[0]: JobState(r[1]) for r in rows}
+
+    async def provider_pause(self) -> dict[str, Any]:
+        """The provider pause recorded by the workers' flow control (``receipt_flow``).
+
+        A dict: ``pause_reason`` (the effective reason: None, ``auth``,
+        ``outage``, ``retry_after``, ``rejecting`` or ``manual``),
+        ``paused_until`` (datetime or None), ``pause_seconds`` and
+        ``remaining_seconds`` (seconds; 0 when not paused), ``last_probe_at``
+        (datetime or None) and ``last_probe_outcome`` (a reason label or None).
+        """
+        async with self._conn() as conn:
+            dcur = conn.cursor(row_factory=dict_row)
+            await dcur.execute(self._q("provider_pause"))
+            row = await dcur.fetchone()
+        return row or {"pause_reason": None, "paused_until": None, "pause_seconds": None,
+                       "remaining_seconds": 0.0, "last_probe_at": None,
+                       "last_probe_outcome": None}
+
+    async def queue_stats(self) -> QueueStats:
+        """The queue gauges, as the worker reads them (the worker's ``queue_stats``
+        statement, shared: one rule for both readers)."""
+        rows = await self._rows(self._q("queue_stats"))
+        return QueueStats.from_row(rows[0])
+
+    async def flow_state(self, *, rate: float = 0.0, burst: float = 1.0) -> FlowState:
+        """The fleet-wide pause and the bucket's tokens now, as a worker's gauges read it.
+
+        *rate* (jobs/s) and *burst* (jobs) are the fleet's rate limit; tokens
+        is None without one (*rate* 0).
+        """
+        rows = await self._rows(
+            self._q("flow_state"), {"rate": float(rate), "burst": float(burst)}
+        )
+        if not rows:
+            return FlowState()
+        reason, left, _pause_seconds, tokens = rows[0]
+        return FlowState(PauseReason(reason) if reason else None,
+                         float(left) if reason else None,
+                         float(tokens) if rate > 0 else None)
 
     # ---------------------------------------------------------- the fleet
 
@@ -203,26 +488,7 @@ class Operations:
         return ResumeOutcome(row["effective_reason"], row["paused_until"], row["pause_note"],
                              bool(row["lifted"]))
 
-    # ------------------------------------------------------- heartbeats
-
-    async def heartbeat(self, *, tag: str, pod: str, pid: int, version: str, slots: int,
-                        inflight: int, claimed_total: int, uptime_seconds: float,
-                        since_claim_seconds: float | None, stopped: bool = False) -> None:
-        """Upsert this worker's ``receipt_workers`` row (``heartbeat``); ages in seconds."""
-        async with self._conn() as conn:
-            await conn.execute(self._q("heartbeat"), {
-                "tag": tag, "pod": pod, "pid": pid, "version": version, "slots": slots,
-                "inflight": inflight, "claimed_total": claimed_total,
-                "uptime_seconds": max(0.0, uptime_seconds),
-                "since_claim_seconds": (None if since_claim_seconds is None
-                                        else max(0.0, since_claim_seconds)),
-                "stopped": stopped})
-
-    async def forget_workers(self, *, seconds: float) -> int:
-        """Delete heartbeat rows not seen for *seconds*; returns how many."""
-        async with self._conn() as conn:
-            cur = await conn.execute(self._q("forget_workers"), {"seconds": float(seconds)})
-            return cur.rowcount
+    # ----------------------------------------------------------- workers
 
     async def workers_seen(self, *, seconds: float) -> list[dict[str, Any]]:
         """Workers heard from within *seconds*: dicts of the ``receipt_workers``

@@ -160,6 +160,17 @@ def choose_proxy(provider_url: str, *, setting: str | None,
     return ProxyChoice(check_proxy_url(value, source), source)
 
 
+def is_loopback(address: str) -> bool:
+    """True for a loopback address or name (127.0.0.0/8, ::1, ``localhost``; IPv6 in
+    brackets or not): a destination or bind address that never leaves this machine."""
+    if address.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(address.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
 def no_proxy_match(no_proxy: str, host: str, port: int) -> str | None:
     """The first entry of the *no_proxy* list that matches *host*:*port*, or None."""
     host = host.lower().rstrip(".")

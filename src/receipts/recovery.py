@@ -21,14 +21,13 @@ import asyncio
 import contextlib
 import time
 from dataclasses import asdict, dataclass
-from typing import TYPE_CHECKING
 
-from receipts.jobqueue import JobQueue
+from prometheus_client import CollectorRegistry, Gauge, push_to_gateway
+
+from receipts.errors import QueueError
+from receipts.jobqueue import JobQueue, RecoveryBatch
 from receipts.logs import get_logger
 from receipts.settings import Settings
-
-if TYPE_CHECKING:
-    from prometheus_client import CollectorRegistry
 
 log = get_logger("recovery")
 
@@ -59,6 +58,28 @@ class RecoveryReport:
         )
 
 
+async def return_expired(queue: JobQueue, *, batch_size: int, delay_seconds: float,
+                         max_batches: int = MAX_BATCHES_PER_SWEEP) -> RecoveryBatch:
+    """Step 1 of a sweep: expired leases back to ready (or failed at max attempts).
+
+    Batches of *batch_size* (at most 100: ``recover_expired``), each its own
+    committed statement, until one comes back short or *max_batches* ran;
+    ready rows are due after *delay_seconds* × U(0.5, 1). Returns the totals.
+    This is also the review page's "recover now" (bounded by its own
+    *max_batches*). Raises the queue's errors; batches committed before an
+    error stay committed.
+    """
+    full = min(int(batch_size), 100)
+    to_ready = to_failed = 0
+    for _ in range(max_batches):
+        result = await queue.recover_expired(batch=full, delay_seconds=delay_seconds)
+        to_ready += result.to_ready
+        to_failed += result.to_failed
+        if result.to_ready + result.to_failed < full:
+            break
+    return RecoveryBatch(to_ready=to_ready, to_failed=to_failed)
+
+
 async def run_once(queue: JobQueue, settings: Settings) -> RecoveryReport:
     """One sweep (expired leases, exhausted ready rows, retention); see the module doc.
 
@@ -68,14 +89,10 @@ async def run_once(queue: JobQueue, settings: Settings) -> RecoveryReport:
     start = time.perf_counter()
     report = RecoveryReport()
     batch = settings.recovery_batch_size
-    for _ in range(MAX_BATCHES_PER_SWEEP):
-        result = await queue.recover_expired(
-            batch=batch, delay_seconds=settings.recovery_delay_seconds
-        )
-        report.expired_to_ready += result.to_ready
-        report.expired_to_failed += result.to_failed
-        if result.to_ready + result.to_failed < batch:
-            break
+    expired = await return_expired(queue, batch_size=batch,
+                                   delay_seconds=settings.recovery_delay_seconds)
+    report.expired_to_ready = expired.to_ready
+    report.expired_to_failed = expired.to_failed
     for _ in range(MAX_BATCHES_PER_SWEEP):
         n = await queue.fail_exhausted(batch=batch)
         report.exhausted_to_failed += n
@@ -107,8 +124,6 @@ def report_registry(report: RecoveryReport) -> CollectorRegistry:
       ``receipts_recovery_last_sweep_duration_seconds``;
     * ``receipts_recovery_last_success_timestamp_seconds``: Unix time of the push.
     """
-    from prometheus_client import CollectorRegistry, Gauge
-
     registry = CollectorRegistry()
     expired = Gauge("receipts_recovery_last_sweep_expired_leases",
                     "Expired leases the last sweep returned to ready, or failed at max attempts.",
@@ -136,8 +151,6 @@ def push_report(report: RecoveryReport, gateway_url: str, *, job: str = "receipt
     Raises ``OSError`` (``urllib.error.URLError`` included) when the gateway
     cannot be reached or refuses the push.
     """
-    from prometheus_client import push_to_gateway
-
     push_to_gateway(gateway_url, job=job, registry=report_registry(report), timeout=10)
 
 
@@ -165,8 +178,6 @@ async def run_loop(queue: JobQueue, settings: Settings, every_seconds: float,
     Each successful sweep is pushed to the Pushgateway when one is configured
     (in a thread: the push is blocking HTTP).
     """
-    from receipts.errors import QueueError
-
     while not stop.is_set():
         try:
             report = await run_once(queue, settings)

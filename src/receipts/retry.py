@@ -14,10 +14,20 @@ from dataclasses import dataclass
 from datetime import UTC, datetime
 from email.utils import parsedate_to_datetime
 
+#: The defaults of :class:`BackoffPolicy`, seconds; ``Settings`` takes its
+#: ``RECEIPTS_RETRY_*`` defaults from these, so the two cannot drift. Base 10 s:
+#: with outages pausing the fleet instead of burning attempts, the backoff only
+#: rides out one job's own trouble, and five attempts span at most
+#: 10 + 20 + 40 + 80 = 150 s (docs/design.md, "Retry defaults").
+BASE_SECONDS = 10.0
+CAP_SECONDS = 900.0
+RETRY_AFTER_MAX_SECONDS = 3600.0
+
 
 @dataclass(frozen=True, slots=True)
 class BackoffPolicy:
-    """Backoff parameters, all in seconds.
+    """Backoff parameters, all in seconds (defaults: the module's constants, which
+    ``RECEIPTS_RETRY_BASE_SECONDS``, ``_CAP_SECONDS`` and ``_AFTER_MAX_SECONDS`` share).
 
     Attributes:
         base_seconds: the ceiling of the first retry's draw.
@@ -25,9 +35,9 @@ class BackoffPolicy:
         retry_after_max_seconds: a ``Retry-After`` above this is clamped to it.
     """
 
-    base_seconds: float = 5.0
-    cap_seconds: float = 900.0
-    retry_after_max_seconds: float = 3600.0
+    base_seconds: float = BASE_SECONDS
+    cap_seconds: float = CAP_SECONDS
+    retry_after_max_seconds: float = RETRY_AFTER_MAX_SECONDS
 
     def ceiling(self, attempt: int) -> float:
         """``min(cap, base × 2^(attempt−1))`` for a 1-based *attempt* (≥1)."""

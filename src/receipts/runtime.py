@@ -96,9 +96,20 @@ def make_queue(settings: Settings, pool: AsyncConnectionPool, *,
     )
 
 
+def make_operations(settings: Settings, pool: AsyncConnectionPool, *,
+                    deadline: bool = True) -> Operations:
+    """The operator's :class:`Operations` the settings describe, on *pool* (its own
+    pool, or the one the page shares with its :class:`JobQueue`): the queue schema,
+    and the statement deadline unless *deadline* is False (``receipts jobs``, whose
+    exact counts may take longer than one statement timeout's slack)."""
+    return Operations(pool, schema=settings.db_schema,
+                      deadline_seconds=statement_deadline(settings) if deadline else None)
+
+
 def make_deliverer(settings: Settings, environ: Mapping[str, str] | None = None
                    ) -> HttpDeliverer:
-    """The HTTP deliverer the settings describe (URL, timeout, token, slots, proxy).
+    """The HTTP deliverer the settings describe (URL, timeout, token, slots, proxy,
+    transport).
 
     The egress proxy is ``RECEIPTS_PROVIDER_PROXY``, else the standard
     ``*_PROXY``/``NO_PROXY`` variables of *environ* (default ``os.environ``,
@@ -126,6 +137,7 @@ def make_deliverer(settings: Settings, environ: Mapping[str, str] | None = None
         max_connections=settings.concurrency,
         tls=tls,
         proxy=proxy,
+        transport=settings.provider_transport,
     )
 
 
@@ -319,10 +331,8 @@ async def run_worker(settings: Settings, deliverer: Deliverer | None = None) -> 
             # Which egress proxy the provider's requests take, credentials masked.
             "proxy": settings.provider_proxy_choice(os.environ).describe(),
         })
-        heartbeat = Heartbeat(
-            Operations(runtime.pool, schema=settings.db_schema,
-                       deadline_seconds=statement_deadline(settings)),
-            runtime.worker, runtime.metrics, tag=runtime.queue.worker_tag or new_tag())
+        heartbeat = Heartbeat(runtime.queue, runtime.worker, runtime.metrics,
+                              tag=runtime.queue.worker_tag or new_tag())
         beating = asyncio.create_task(heartbeat.run(), name="heartbeat")
         try:
             with worker_gc():

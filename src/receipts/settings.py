@@ -2,7 +2,9 @@
 
 Every duration is in seconds and says so in its name. Secrets (the database
 password inside the DSN, the provider token) are ``SecretStr`` and are never
-printed: :func:`redact_dsn` is the one way a DSN reaches a log line or an error.
+printed: :func:`receipts.dsn.redact_dsn` is the one way a DSN reaches a log
+line or an error (the DSN helpers live in :mod:`receipts.dsn`, without pydantic,
+and are re-exported here for existing callers).
 
 Settings are built once at the entry point (:func:`load_settings`) and passed
 down; nothing in the package reads the environment on its own.
@@ -13,7 +15,7 @@ from __future__ import annotations
 import os
 import re
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Literal
+from typing import Literal
 from urllib.parse import urlsplit
 
 from pydantic import (
@@ -25,41 +27,32 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from receipts.statements import DEFAULT_SCHEMA, SCHEMA_NAME, SCHEMA_RULE
+from receipts import __version__, admission, flow, retry
 
-if TYPE_CHECKING:
-    from receipts.proxy import ProxyChoice
+# The DSN helpers live in receipts.dsn; the `as` names are re-exported for existing callers.
+from receipts.dsn import MASK as MASK
+from receipts.dsn import check_dsn as check_dsn
+from receipts.dsn import dsn_password as dsn_password
+from receipts.dsn import dsn_secrets
+from receipts.dsn import redact_dsn as redact_dsn
+from receipts.dsn import safe_dsn as safe_dsn
+from receipts.dsn import schema_for as schema_for
+from receipts.proxy import (
+    ProxyChoice,
+    ProxyConfigError,
+    check_proxy_url,
+    choose_proxy,
+    is_loopback,
+)
+from receipts.statements import SCHEMA_NAME, SCHEMA_RULE
 
 ENV_PREFIX = "RECEIPTS_"
-MASK = "***"
 
 LogLevel = Literal["DEBUG", "INFO", "WARNING", "ERROR"]
 
 
 class SettingsError(ValueError):
     """Settings that cannot run; ``str()`` is one line per problem, naming the variable."""
-
-
-# URI userinfo: the password runs to the *last* '@' before the path, so an
-# unencoded '@' inside a password is masked whole. Key/value: a quoted value
-# (even one missing its closing quote) or a bare word.
-_DSN_PASSWORD_URI = re.compile(
-    r"(?P<head>[a-z][a-z0-9+.-]*://[^:/@\s]*:)(?P<pw>[^/\s]*)@", re.I
-)
-_DSN_PASSWORD_KV = re.compile(
-    r"(?P<head>\bpassword\s*=\s*)(?P<pw>'(?:[^'\\]|\\.)*(?:'|$)|\S+)", re.I
-)
-
-
-def redact_dsn(text: str) -> str:
-    """Return *text* with every DSN password replaced by ``***``.
-
-    Handles both URI (``postgresql://user:secret@host/db``) and key/value
-    (``host=h password=secret``) forms; text without a password is returned
-    unchanged. Use it on anything that might contain a DSN before logging it.
-    """
-    text = _DSN_PASSWORD_URI.sub(lambda m: m.group("head") + "***@", text)
-    return _DSN_PASSWORD_KV.sub(lambda m: m.group("head") + "***", text)
 
 
 def package_version() -> str:
@@ -69,107 +62,7 @@ def package_version() -> str:
     called ``receipts-queue`` (PyPI's ``receipts`` is another project), and a
     source tree that was never installed has no metadata at all. Never raises.
     """
-    from receipts import __version__
-
     return __version__
-
-
-def check_dsn(dsn: str) -> None:
-    """Raise ``ValueError`` when libpq would not accept *dsn* (URI or key/value).
-
-    Parsed by psycopg's conninfo (libpq's own parser), so every form libpq
-    accepts passes, multi-host failover URIs with ``target_session_attrs``
-    included. The message never contains the DSN or any part of it.
-    """
-    from psycopg.conninfo import conninfo_to_dict
-
-    if not dsn.strip():
-        raise ValueError("is empty")
-    if "://" in dsn:
-        authority = dsn.split("://", 1)[1].split("/", 1)[0].split("?", 1)[0]
-        if authority.count("@") > 1:  # libpq would read the rest as a host name
-            raise ValueError("has an unencoded '@' in its user or password (write it as %40)")
-    try:
-        info = conninfo_to_dict(dsn)
-    except Exception:  # psycopg.ProgrammingError; its message may quote the DSN
-        raise ValueError(
-            "is not a valid libpq connection string (postgresql://… URI or key=value pairs)"
-        ) from None
-    for port in str(info.get("port") or "").split(","):
-        if port and not (port.isascii() and port.isdigit() and 0 < int(port) < 65_536):
-            raise ValueError("has an invalid port (a number from 1 to 65535 for each host)")
-    for key, allowed in _DSN_CHOICES.items():
-        value = info.get(key)
-        if value is not None and str(value) not in allowed:
-            # libpq would refuse it only when connecting; the value is not a secret.
-            raise ValueError(f"has an invalid {key} {str(value)[:40]!r} "
-                             f"(one of: {', '.join(allowed)})")
-
-
-#: Keywords whose values libpq checks only when it connects (libpq's
-#: documentation, "Parameter Key Words"): checked here so a typo is bad
-#: usage (exit 2) at start, not a connection error later.
-_DSN_CHOICES: dict[str, tuple[str, ...]] = {
-    "sslmode": ("disable", "allow", "prefer", "require", "verify-ca", "verify-full"),
-    "target_session_attrs": ("any", "read-write", "read-only", "primary", "standby",
-                             "prefer-standby"),
-    "gssencmode": ("disable", "prefer", "require"),
-    "load_balance_hosts": ("disable", "random"),
-}
-
-
-def schema_for(dsn: str) -> str:
-    """The schema of the receipts tables when ``RECEIPTS_DATABASE_SCHEMA`` is unset.
-
-    The first schema of a ``search_path`` that the DSN's own ``options`` set
-    (``options=-c search_path=shop,public`` → ``shop``; ``"$user"`` is
-    skipped), else ``public``. It is decided from the configuration, never
-    from a session: a pooled server connection may carry another client's
-    ``SET search_path``. Returns a lower-case name; an ``options`` value that
-    cannot be parsed gives ``public``.
-    """
-    from psycopg.conninfo import conninfo_to_dict
-
-    try:
-        options = conninfo_to_dict(dsn).get("options") or ""
-    except Exception:  # check_dsn reports a bad DSN; here it counts as no search_path
-        return DEFAULT_SCHEMA
-    found = re.search(r"(?:-c\s*|--)search_path\s*=\s*((?:\\\s|[^\s])+)", str(options))
-    if not found:
-        return DEFAULT_SCHEMA
-    for part in found.group(1).replace("\\ ", " ").split(","):
-        name = part.strip()
-        if name and name != '"$user"' and name != "$user":
-            return name[1:-1] if name.startswith('"') and name.endswith('"') else name.lower()
-    return DEFAULT_SCHEMA
-
-
-def safe_dsn(dsn: str) -> str:
-    """*dsn* as key=value pairs without its password, for logs and messages.
-
-    Parsed, not pattern-matched: a password with spaces, quotes, ``@`` or
-    ``%`` cannot leak a fragment. An unparsable DSN becomes ``<invalid DSN>``.
-    """
-    from psycopg.conninfo import conninfo_to_dict, make_conninfo
-
-    try:
-        info = conninfo_to_dict(dsn)
-    except Exception:
-        return "<invalid DSN>"
-    if info.pop("password", None) is not None:
-        info["password"] = MASK
-    return make_conninfo("", **info)
-
-
-def dsn_password(dsn: str) -> str | None:
-    """The password inside *dsn* as libpq reads it (decoded), or None."""
-    from psycopg.conninfo import conninfo_to_dict
-
-    try:
-        password = conninfo_to_dict(dsn).get("password")
-    except Exception:
-        return None
-    return str(password) if password else None
 
 
 class Settings(BaseSettings):
@@ -186,7 +79,8 @@ class Settings(BaseSettings):
     )
 
     database_url: SecretStr = Field(
-        description="libpq DSN of the database that holds receipt_jobs (required).",
+        description="libpq DSN (postgresql://… URI or key=value pairs) of the database that "
+                    "holds receipt_jobs (required; secret).",
     )
     database_schema: str | None = Field(
         default=None,
@@ -197,11 +91,11 @@ class Settings(BaseSettings):
     )
     provider_url: str = Field(
         default="",
-        description="URL the receipt is POSTed to; required by the worker (see "
-                    ":func:`check_worker_settings`), empty means not set.",
+        description="URL the receipt is POSTed to, http:// or https://; required by the "
+                    "worker, empty means not set.",
     )
     provider_token: SecretStr | None = Field(
-        default=None, description="Bearer token sent to the provider, if any."
+        default=None, description="Bearer token sent to the provider, if any (secret)."
     )
     provider_proxy: SecretStr | None = Field(
         default=None,
@@ -219,41 +113,83 @@ class Settings(BaseSettings):
     provider_client_key_file: str | None = Field(
         default=None, description="PEM key of the client certificate (if not in the same file).",
     )
+    # receipts.transport.TransportName and DEFAULT_TRANSPORT (not imported: aiohttp and
+    # httpx would load with the settings); tests/unit/test_defaults.py holds them equal.
+    provider_transport: Literal["aiohttp", "httpx"] = Field(
+        default="aiohttp",
+        description="The HTTP client that carries deliveries: 'aiohttp' (the least CPU per "
+                    "delivery) or 'httpx' (httpx's own transport, httpcore); both classify "
+                    "every answer and failure alike.",
+    )
     concurrency: int = Field(default=32, ge=1, le=10_000,
                              description="Delivery slots per worker process.")
-    lease_seconds: float = Field(default=60.0, gt=0, le=86_400)
+    lease_seconds: float = Field(default=60.0, gt=0, le=86_400,
+                                 description="Lease of one attempt: how long a claimed job "
+                                             "stays the worker's before recovery may take it "
+                                             "back.")
     lease_margin_seconds: float | None = Field(
         default=None, ge=0, le=3_600,
         description="Lease minus this bounds the delivery timeout; default min(10, lease / 4).",
     )
-    max_attempts: int = Field(default=5, ge=1, le=1_000)
-    delivery_timeout_seconds: float = Field(default=10.0, gt=0, le=3_600)
-    poll_interval_seconds: float = Field(default=1.0, gt=0, le=3_600)
-    claim_batch_max: int = Field(default=100, ge=1, le=1_000)
+    max_attempts: int = Field(default=5, ge=1, le=1_000,
+                              description="Attempts before a job fails.")
+    delivery_timeout_seconds: float = Field(
+        default=10.0, gt=0, le=3_600,
+        description="Deadline of one provider exchange, body included.")
+    poll_interval_seconds: float = Field(
+        default=1.0, gt=0, le=3_600,
+        description="Sleep when the queue looks empty (×0.75–1.25 jitter).")
+    claim_batch_max: int = Field(
+        default=100, ge=1, le=1_000,
+        description="Most jobs one claim takes (never more than free slots).")
     metrics_port: int = Field(default=9464, ge=0, le=65_535,
                               description="Port of /metrics, /healthz and /readyz; 0 disables.")
-    log_level: LogLevel = "INFO"
-    pool_max_size: int = Field(default=2, ge=1, le=100)
-    listen_notify: bool = True
+    log_level: LogLevel = Field(default="INFO", description="DEBUG, INFO, WARNING or ERROR.")
+    pool_max_size: int = Field(default=2, ge=1, le=100,
+                               description="Database connections per process for statements.")
+    listen_notify: bool = Field(
+        default=True,
+        description="One extra connection that LISTENs for wake-ups (and elects the waker).")
     pgbouncer: bool = Field(
         default=False,
         description="Transaction-pooling mode: no prepared statements, LISTEN or startup options.",
     )
-    shutdown_grace_seconds: float = Field(default=20.0, ge=0, le=3_600)
-    retry_base_seconds: float = Field(default=10.0, gt=0, le=86_400)
-    retry_cap_seconds: float = Field(default=900.0, gt=0, le=7 * 86_400)
-    retry_after_max_seconds: float = Field(default=3_600.0, ge=0, le=7 * 86_400)
-    recovery_delay_seconds: float = Field(default=5.0, ge=0, le=86_400)
-    recovery_batch_size: int = Field(default=100, ge=1, le=100)
-    retention_days: float = Field(default=30.0, ge=0, le=3_650)
-    prune_batch_size: int = Field(default=1_000, ge=1, le=10_000)
-    pushgateway_url: str | None = None
-    queue_stats_interval_seconds: float = Field(default=15.0, ge=1, le=3_600)
-    statement_timeout_seconds: float = Field(default=5.0, gt=0, le=3_600)
-    lock_timeout_seconds: float = Field(default=2.0, gt=0, le=3_600)
-    idle_in_transaction_timeout_seconds: float = Field(default=10.0, gt=0, le=3_600)
+    shutdown_grace_seconds: float = Field(
+        default=20.0, ge=0, le=3_600,
+        description="After SIGTERM, how long in-flight deliveries may finish (at most the "
+                    "delivery timeout).")
+    retry_base_seconds: float = Field(
+        default=retry.BASE_SECONDS, gt=0, le=86_400,
+        description="Backoff ceiling of the first retry (full jitter, doubling per attempt).")
+    retry_cap_seconds: float = Field(default=retry.CAP_SECONDS, gt=0, le=7 * 86_400,
+                                     description="Backoff ceiling of any retry.")
+    retry_after_max_seconds: float = Field(
+        default=retry.RETRY_AFTER_MAX_SECONDS, ge=0, le=7 * 86_400,
+        description="Clamp for a provider's Retry-After (of a job's retry and of a pause).")
+    recovery_delay_seconds: float = Field(
+        default=5.0, ge=0, le=86_400,
+        description="An expired job is due again after this × U(0.5, 1).")
+    recovery_batch_size: int = Field(default=100, ge=1, le=100,
+                                     description="Rows per recovery statement (≤ 100).")
+    retention_days: float = Field(
+        default=30.0, ge=0, le=3_650,
+        description="Prune done/failed rows older than this; 0 keeps everything.")
+    prune_batch_size: int = Field(default=1_000, ge=1, le=10_000,
+                                  description="Rows per prune statement.")
+    pushgateway_url: str | None = Field(
+        default=None, description="Push the sweep's figures to this Prometheus Pushgateway.")
+    queue_stats_interval_seconds: float = Field(
+        default=15.0, ge=1, le=3_600, description="How often a worker reads the queue gauges.")
+    statement_timeout_seconds: float = Field(default=5.0, gt=0, le=3_600,
+                                             description="Per-connection statement_timeout.")
+    lock_timeout_seconds: float = Field(default=2.0, gt=0, le=3_600,
+                                        description="Per-connection lock_timeout.")
+    idle_in_transaction_timeout_seconds: float = Field(
+        default=10.0, gt=0, le=3_600,
+        description="Per-connection idle_in_transaction_session_timeout.")
     auth_pause_seconds: float = Field(
-        default=30.0, gt=0, le=3_600, description="First fleet-wide pause after a 401/403."
+        default=flow.AUTH_PAUSE_SECONDS, gt=0, le=3_600,
+        description="First fleet-wide pause after a 401/403 (doubles up to the pause cap).",
     )
     provider_rate_limit_per_second: float = Field(
         default=0.0, ge=0, le=1_000_000,
@@ -292,36 +228,39 @@ class Settings(BaseSettings):
                     "uvloop when it is installed, else asyncio.",
     )
     admission_min_rate_per_second: float = Field(
-        default=50.0, gt=0, le=1_000_000,
+        default=admission.MIN_RATE_PER_SECOND, gt=0, le=1_000_000,
         description="Admission control never claims slower than this (jobs/s per worker).",
     )
     admission_max_rate_per_second: float = Field(
-        default=20_000.0, gt=0, le=10_000_000,
+        default=admission.MAX_RATE_PER_SECOND, gt=0, le=10_000_000,
         description="Admission control's ceiling and starting limit (jobs/s per worker).",
     )
     outage_window_seconds: float = Field(
-        default=30.0, gt=0, le=3_600,
+        default=flow.WINDOW_SECONDS, gt=0, le=3_600,
         description="Outage detection looks at each job's latest answer over this window.",
     )
     outage_min_jobs: int = Field(
-        default=5, ge=1, le=10_000,
+        default=flow.MIN_JOBS, ge=1, le=10_000,
         description="Distinct jobs that must have failed before an outage is declared.",
     )
     outage_failure_ratio: float = Field(
-        default=0.8, gt=0, le=1,
+        default=flow.FAILURE_RATIO, gt=0, le=1,
         description="Share of the distinct jobs answered in the window that must have failed.",
     )
     outage_pause_seconds: float = Field(
-        default=5.0, gt=0, le=3_600, description="First fleet-wide pause after an outage."
+        default=flow.OUTAGE_PAUSE_SECONDS, gt=0, le=3_600,
+        description="First fleet-wide pause after an outage."
     )
     pause_max_seconds: float = Field(
-        default=300.0, gt=0, le=86_400, description="Cap of a pause doubled by failed probes."
+        default=flow.PAUSE_MAX_SECONDS, gt=0, le=86_400,
+        description="Cap of a pause doubled by failed probes."
     )
     max_in_progress_answers: int = Field(
         default=20, ge=0, le=10_000,
         description="409 'in progress' answers per job that give their attempt back.",
     )
-    application_name: str = Field(default="receipts", min_length=1, max_length=63)
+    application_name: str = Field(default="receipts", min_length=1, max_length=63,
+                                  description="Prefix of the connections' application_name.")
     ui_host: str = Field(
         default="127.0.0.1", min_length=1,
         description="Address `receipts ui` binds to (the chart sets 0.0.0.0).",
@@ -412,8 +351,6 @@ class Settings(BaseSettings):
     @classmethod
     def _valid_proxy(cls, value: SecretStr | None) -> SecretStr | None:
         if value is not None:
-            from receipts.proxy import ProxyConfigError, check_proxy_url
-
             try:
                 check_proxy_url(value.get_secret_value(), "proxy")
             except ProxyConfigError as exc:
@@ -438,7 +375,8 @@ class Settings(BaseSettings):
     def _upper_level(cls, value: object) -> object:
         return value.upper() if isinstance(value, str) else value
 
-    @field_validator("synchronous_commit", "attempt_history", "event_loop", mode="before")
+    @field_validator("synchronous_commit", "attempt_history", "event_loop", "provider_transport",
+                     mode="before")
     @classmethod
     def _lower_choice(cls, value: object) -> object:
         return value.strip().lower() if isinstance(value, str) else value
@@ -546,21 +484,11 @@ class Settings(BaseSettings):
         (percent-encoded), since either spelling may reach a message. Empty
         values are left out; never log the result.
         """
-        from psycopg.conninfo import conninfo_to_dict
-
-        found: list[str] = []
-        try:
-            found.append(str(conninfo_to_dict(self.dsn).get("password") or ""))
-            if "://" in self.dsn:
-                found.append(urlsplit(self.dsn).password or "")
-        except Exception:  # the validator already refused unparsable DSNs
-            pass
+        found = dsn_secrets(self.dsn)
         for token in (self.provider_token, self.ui_admin_token, self.ui_viewer_token):
             if token is not None:
                 found.append(token.get_secret_value())
         if self.provider_proxy is not None:
-            from receipts.proxy import ProxyChoice
-
             found += ProxyChoice(self.provider_proxy.get_secret_value()).secrets()
         return [s for s in found if s]
 
@@ -571,8 +499,6 @@ class Settings(BaseSettings):
         Raises :class:`SettingsError` naming the variable when the proxy that
         applies is not usable (the message never holds its credentials).
         """
-        from receipts.proxy import ProxyConfigError, choose_proxy
-
         setting = self.provider_proxy.get_secret_value() if self.provider_proxy else None
         try:
             return choose_proxy(self.provider_url, setting=setting, environ=environ)
@@ -625,8 +551,6 @@ def check_ui_settings(settings: Settings) -> None:
     unless ``RECEIPTS_UI_ANONYMOUS_READ`` says an authenticating proxy stands
     in front; the two tokens must differ (a reader could otherwise act).
     """
-    from receipts.ui.session import is_loopback
-
     viewer, admin = settings.ui_viewer_token, settings.ui_admin_token
     if (viewer is not None and admin is not None
             and viewer.get_secret_value() == admin.get_secret_value()):

@@ -1,15 +1,16 @@
-"""The named SQL statements of ``sql/queries.sql`` and ``sql/operations.sql``, loaded once.
+"""The named SQL statements of ``sql/*.sql``, loaded once: one file per audience.
 
-Each runtime statement is a ``-- name: NAME`` block: the queue's own (claim,
-ack, recovery, review) in ``queries.sql``, the operator's (fleet pause,
-heartbeats, bulk actions; :mod:`receipts.operations`) in
-``operations.sql``. A method of :class:`receipts.jobqueue.JobQueue`,
-:class:`receipts.operations.Operations` (or :mod:`receipts.enqueue`)
-carries the name of the block it runs, so a reader goes from the method to
-the SQL without a search. This module needs only psycopg's ``sql`` composer.
+Each runtime statement is a ``-- name: NAME`` block: the worker's and
+recovery's (claim, ack, flow control, gauges, heartbeat, recovery;
+:mod:`receipts.jobqueue`) in ``queries.sql``, the operator's (review, retry,
+discard, bulk actions, the fleet pause; :mod:`receipts.operations`) in
+``operations.sql``, the orders service's (:mod:`receipts.enqueue`) in
+``enqueue.sql``. A method carries the name of the block it runs, so a reader
+goes from the method to the SQL without a search. This module needs only
+psycopg's ``sql`` composer.
 
 Every table is written ``{schema}.receipt_jobs`` in the file and qualified
-here with the configured schema (:func:`receipts.settings.schema_for`), so a
+here with the configured schema (:func:`receipts.dsn.schema_for`), so a
 ``SET search_path`` that another client leaked onto a pooled server
 connection (PgBouncer transaction pooling) cannot send a statement to another
 table, or to none (docs/design.md, "Schema").
@@ -49,8 +50,9 @@ def qualifier(schema: str | None) -> str:
     return f'"{schema}".'
 
 
-#: The files of named statements, in load order (a name may be defined once).
-STATEMENT_FILES = ("sql/queries.sql", "sql/operations.sql")
+#: The files of named statements, one per audience, in load order (a name may be
+#: defined once across them).
+STATEMENT_FILES = ("sql/enqueue.sql", "sql/queries.sql", "sql/operations.sql")
 
 
 @cache
@@ -78,7 +80,7 @@ def statements(schema: str | None = DEFAULT_SCHEMA) -> dict[str, str]:
 def query(name: str, schema: str | None = DEFAULT_SCHEMA) -> sql.SQL:
     """The named statement as a composable, built once (ack and reschedule are hot).
 
-    Raises ``KeyError`` for a name that ``sql/queries.sql`` does not define.
+    Raises ``KeyError`` for a name that no file of :data:`STATEMENT_FILES` defines.
     """
     return sql.SQL(statements(schema)[name])  # type: ignore[arg-type,unused-ignore]
 

@@ -22,10 +22,9 @@ import importlib.util
 import re
 import sys
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from receipts.model import Job, Outcome
+from receipts.model import Job, Outcome, Verdict
 
 #: W3C Trace Context ``traceparent``, version 00: trace id, parent span id, flags
 #: (lower-case hex; all-zero ids are invalid). The table's CHECK uses the same pattern.
@@ -112,8 +111,6 @@ async def traced_delivery(job: Job, attempt: Callable[[], Awaitable[Outcome]]) -
     """
     from opentelemetry import trace
     from opentelemetry.trace import Status, StatusCode
-
-    from receipts.model import Verdict
 
     with _tracer().start_as_current_span(
         DELIVERY_SPAN,

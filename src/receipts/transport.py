@@ -1,17 +1,23 @@
-"""aiohttp's client as the deliverer's wire, with httpx's exceptions and interface.
+"""The deliverer's wire: one door (:class:`Transport`), two clients behind it.
 
-:class:`AiohttpTransport` offers two doors onto one exchange. The deliverer's
-is :meth:`AiohttpTransport.sender`: method, header pairs and body in, an
-:class:`Answer` out, no per-request objects of ours beyond it (the seam is
-thin because each layer costs CPU per delivery, bench/README.md). The other
-is httpx's: it is an ``httpx.AsyncBaseTransport`` (``httpx.Request`` in,
-``httpx.Response`` out), for tests and for anything written against httpx.
-Both raise httpx's exceptions. aiohttp (a maintained client with llhttp, a
-C parser) does the protocol: framing, keep-alive pooling, TLS (the caller's
+A transport's one door is :meth:`Transport.sender`: it binds a URL and its
+timeouts once, and returns a :data:`Send`, a callable taking method, header
+pairs and body and returning an :class:`Answer` once the answer's head has
+arrived. No per-request objects of ours beyond that (the seam is thin
+because each layer costs CPU per delivery, bench/README.md). Two clients
+stand behind it, chosen by ``RECEIPTS_PROVIDER_TRANSPORT`` (:func:`make_transport`):
+
+* ``aiohttp`` (:class:`AiohttpTransport`, the default): aiohttp's client, a
+  maintained client with llhttp (a C parser), at the lowest CPU per delivery
+  the bench measured;
+* ``httpx`` (:class:`HttpxTransport`): httpx's own transport (httpcore + h11),
+  the client this service was first specified with.
+
+The library does the protocol: framing, keep-alive pooling, TLS (the caller's
 ``ssl.SSLContext``: private CA, client certificate, SNI and host name
 checks), proxies (``CONNECT`` for ``https``), response-head limits and read
-flow control. This module only translates, and decides two things aiohttp
-leaves open (docs/design.md, "The HTTP path"):
+flow control. This module only translates, and, for aiohttp, decides two
+things aiohttp leaves open (docs/design.md, "The HTTP path"):
 
 * **What was sent.** Anything raised while getting a connection (aiohttp's
   ``connect()``, observed by :class:`_Connector`) means nothing reached the
@@ -21,60 +27,69 @@ leaves open (docs/design.md, "The HTTP path"):
   server dropped it while it sat in the pool) has the request sent once more
   on a fresh connection; :attr:`AiohttpTransport.stale_retries` counts them.
 
-How it fails (each an httpx exception, so callers classify as with httpx):
+How it fails: every transport raises this module's own three exceptions
+(subclasses of :class:`TransportError`), whichever client is behind the door;
+:mod:`receipts.delivery` maps each once to the outcome's reason.
 
-=====================================================  ==============================
+=====================================================  ===========================
 what happened                                          raised
-=====================================================  ==============================
-refused, DNS, TLS or certificate failure, a proxy      ``httpx.ConnectError``
-that failed while tunnelling
-a proxy that refused the ``CONNECT`` tunnel            ``httpx.ProxyError``
-no connection within the ``connect``/``pool`` timeout  ``httpx.ConnectTimeout``
-a header name that is no token, a value with control   ``httpx.LocalProtocolError``
-characters (refused before anything is written)
-closed or reset after the request was written          ``httpx.RemoteProtocolError``
-                                                       / ``httpx.ReadError``
-a malformed or oversized head, a body cut short        ``httpx.RemoteProtocolError``
-no bytes within the ``read`` timeout                   ``httpx.ReadTimeout``
-a scheme other than http/https                         ``httpx.UnsupportedProtocol``
-=====================================================  ==============================
+=====================================================  ===========================
+refused, DNS, TLS or certificate failure, a proxy      :class:`NothingSent`
+that failed or refused the ``CONNECT`` tunnel, no
+connection within the ``connect``/``pool`` timeout, a
+header name that is no token or a value with control
+characters, a scheme other than http/https
+closed or reset after the request was written, a       :class:`ConnectionLost`
+malformed or oversized head, a body cut short
+no bytes within the ``read`` timeout                   :class:`AnswerTimeout`
+=====================================================  ===========================
 
-Timeouts come from the request's ``timeout`` extension (``connect``,
-``read``, ``pool``; seconds, None for none), or the sender's, converted once;
-callers that need one deadline for the whole exchange wrap the call and the
-body read in a deadline (``asyncio.timeout``, :mod:`receipts.deadlines`):
-cancellation at any point closes the connection.
+Timeouts are given to :meth:`Transport.sender` as a mapping (``connect``,
+``read``, ``pool``; seconds, None for none), converted once; callers that
+need one deadline for the whole exchange wrap the call and the body read in
+a deadline (``asyncio.timeout``, :mod:`receipts.deadlines`): cancellation at
+any point closes the connection.
 """
 
 from __future__ import annotations
 
 import contextvars
 import functools
-import re
 import ssl
-from collections.abc import AsyncIterator, Awaitable, Callable, Mapping, Sequence
-from typing import Any, Protocol
+from collections.abc import Awaitable, Callable, Mapping, Sequence
+from typing import Any, Literal, Protocol
 
 import aiohttp
 import httpx
 from yarl import URL
 
-_TOKEN = re.compile(rb"[-!#$%&'*+.^_`|~0-9A-Za-z]+")
-
-#: Header names already seen to be valid tokens (bounded: callers' names only).
-_VALID_NAMES: set[bytes] = set()
-_VALID_NAMES_MAX = 512
+#: ``RECEIPTS_PROVIDER_TRANSPORT``'s choices (:func:`make_transport`).
+TransportName = Literal["aiohttp", "httpx"]
+DEFAULT_TRANSPORT: TransportName = "aiohttp"
 
 
-def _is_token(name: bytes) -> bool:
-    """True for a valid header name (an RFC 9110 token); remembers valid ones."""
-    if name in _VALID_NAMES:
-        return True
-    if not _TOKEN.fullmatch(name):
-        return False
-    if len(_VALID_NAMES) < _VALID_NAMES_MAX:
-        _VALID_NAMES.add(name)
-    return True
+class TransportError(Exception):
+    """An exchange that produced no answer; always one of the three subclasses below.
+
+    ``str()`` says what failed, often as the client's exception type and
+    message (it may quote a proxy URL: callers mask credentials before
+    logging it); ``__cause__`` is the client's own exception.
+    """
+
+
+class NothingSent(TransportError):
+    """No byte of the request reached the provider (no connection, a refused
+    proxy tunnel, a request refused before writing): safe to send again."""
+
+
+class ConnectionLost(TransportError):
+    """The connection failed after the request was written, or the answer was
+    broken: the provider may have acted on the request (outcome unknown)."""
+
+
+class AnswerTimeout(TransportError):
+    """No byte of the answer within the ``read`` timeout after the request was
+    written: the provider may have acted on it (outcome unknown)."""
 
 
 def _describe(exc: BaseException) -> str:
@@ -94,10 +109,6 @@ MAX_HEADER_LINE_BYTES = 8190
 #: True when the connection came from the idle pool (it served an earlier request).
 _REUSED: contextvars.ContextVar[bool] = contextvars.ContextVar("receipts_reused",
                                                                 default=False)
-
-#: Request headers the client writes itself from the body.
-_FRAMING = frozenset({b"Content-Length", b"content-length", b"Transfer-Encoding",
-                      b"transfer-encoding", b"CONTENT-LENGTH", b"TRANSFER-ENCODING"})
 
 
 class _NotConnected(aiohttp.ClientConnectionError):
@@ -134,38 +145,6 @@ class _Connector(aiohttp.TCPConnector):
         return conn
 
 
-class AiohttpBody(httpx.AsyncByteStream):
-    """A response body read from aiohttp's stream; closing it releases the connection."""
-
-    __slots__ = ("_response",)
-
-    def __init__(self, response: aiohttp.ClientResponse) -> None:
-        self._response = response
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        content = self._response.content
-        try:
-            while True:
-                chunk = await content.readany()
-                if not chunk:
-                    return
-                yield chunk
-        except (aiohttp.ClientError, OSError, TimeoutError) as exc:
-            raise _translate(exc) from exc
-
-    def skip_buffered(self) -> bool:
-        """True when the whole body has already arrived (nothing to read or wait for).
-
-        aiohttp gives the connection back to its pool by itself once a body is
-        complete, so a caller that does not want the body (a 2xx) only closes.
-        """
-        return self._response.content.is_eof()
-
-    async def aclose(self) -> None:
-        """Give the connection back (body complete, reusable) or close it."""
-        self._response.release()
-
-
 #: Request headers for :data:`Send`: (name, value) pairs, in order.
 Headers = Sequence[tuple[str, str]]
 
@@ -196,8 +175,8 @@ class Answer(Protocol):
     async def read_into(self, buffer: bytearray, limit: int) -> None:
         """Append the body to *buffer* until it ends or *buffer* holds *limit* bytes.
 
-        Raises the httpx exceptions of the module doc (a body cut short: a
-        ``RemoteProtocolError``); what arrived before stays in *buffer*.
+        Raises the exceptions of the module doc (a body cut short:
+        :class:`ConnectionLost`); what arrived before stays in *buffer*.
         """
         ...
 
@@ -242,58 +221,24 @@ class AiohttpAnswer:
         self._response.release()
 
 
-class HttpxAnswer:
-    """An :class:`Answer` over an ``httpx.Response`` from any httpx transport."""
+class Transport(Protocol):
+    """The deliverer's one door onto the wire (module doc: what it raises)."""
 
-    __slots__ = ("_response", "headers", "status")
+    def sender(self, url: str, timeouts: Mapping[str, float | None] | None = None) -> Send:
+        """A :data:`Send` for *url* (``http``/``https``, percent-encoded) with *timeouts*
+        (``connect``, ``read``, ``pool``; seconds, None for none; None: the
+        transport's own). Each call sends one request with the given header
+        pairs (names: valid tokens) and body, and returns its :class:`Answer`
+        once the head has arrived."""
+        ...
 
-    def __init__(self, response: httpx.Response) -> None:
-        self._response = response
-        self.status: int = response.status_code
-        self.headers: HeaderLookup = response.headers
-
-    def complete(self) -> bool:
-        """True when the transport's stream says its body has wholly arrived
-        (a stream with a ``skip_buffered()`` method, such as :class:`AiohttpBody`)."""
-        skip = getattr(self._response.stream, "skip_buffered", None)
-        return bool(skip is not None and skip())
-
-    async def read_into(self, buffer: bytearray, limit: int) -> None:
-        """Append the raw body (no decoding) to *buffer* until its end or *limit* bytes."""
-        stream = self._response.stream
-        assert isinstance(stream, httpx.AsyncByteStream)
-        async for chunk in stream:
-            buffer += chunk
-            if len(buffer) >= limit:
-                return
-
-    async def release(self) -> None:
-        """Close the response (the transport decides whether its connection is kept)."""
-        await self._response.aclose()
+    async def aclose(self) -> None:
+        """Close every connection."""
+        ...
 
 
-def httpx_sender(transport: httpx.AsyncBaseTransport, url: str,
-                 timeouts: Mapping[str, float | None] | None = None) -> Send:
-    """A :data:`Send` for *url* over any httpx transport (httpx's own, for comparisons):
-    each call builds an ``httpx.Request`` (``Host`` from *url* first, values as UTF-8
-    bytes, ``Content-Length`` from the body) with *timeouts* as its ``timeout``
-    extension."""
-    target = httpx.URL(url)
-    host = (b"Host", target.netloc)
-    extensions = {"timeout": dict(timeouts)} if timeouts is not None else {}
-
-    async def send(method: str, headers: Headers, body: bytes) -> Answer:
-        raw = [host, *((name.encode("ascii"), value.encode("utf-8", "surrogateescape"))
-                       for name, value in headers)]
-        raw.append((b"Content-Length", b"%d" % len(body)))
-        request = httpx.Request(method, target, headers=raw, stream=httpx.ByteStream(body),
-                                extensions=extensions)
-        return HttpxAnswer(await transport.handle_async_request(request))
-    return send
-
-
-class AiohttpTransport(httpx.AsyncBaseTransport):
-    """httpx's transport interface over aiohttp's client (module doc: what it raises).
+class AiohttpTransport:
+    """A :class:`Transport` over aiohttp's client (module doc: what it raises).
 
     Args:
         tls: the TLS client context for ``https`` URLs (private CA, client
@@ -323,11 +268,8 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
                                                       sock_read=None)
         self._timeout = self._default_timeout
         self._proxy = proxy
-        self._timeouts_key: object = None
         self._session: aiohttp.ClientSession | None = None
         self._fresh: aiohttp.ClientSession | None = None
-        self._url_key: str = ""
-        self._url: URL = URL()
         #: Requests sent again on a fresh connection after a reused one failed.
         self.stale_retries = 0
 
@@ -343,58 +285,24 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
             max_field_size=MAX_HEADER_LINE_BYTES, max_headers=MAX_RESPONSE_HEADERS)
 
     def sender(self, url: str, timeouts: Mapping[str, float | None] | None = None) -> Send:
-        """A :data:`Send` for *url* (``http``/``https``, percent-encoded as httpx gives it):
-        the deliverer's path, without httpx's request and response objects.
+        """A :data:`Send` for *url* (``http``/``https``, percent-encoded), without
+        per-request objects of ours beyond the answer.
 
-        *timeouts* as httpx's ``timeout`` extension (``connect``, ``read``,
-        ``pool``; seconds, None for none), converted once. Each call sends one
+        *timeouts*: ``connect``, ``read``, ``pool`` (seconds, None for none),
+        converted once to aiohttp's. Each call sends one
         request and returns its :class:`Answer` once the head has arrived;
         header names must be valid tokens (the caller's constants: not checked
-        per request), values are checked by aiohttp. Raises the httpx
-        exceptions of the module doc.
+        per request), values are checked by aiohttp. Raises the exceptions of
+        the module doc.
         """
         # A partial, not a closure: no extra coroutine frame per request.
         return functools.partial(self._send, URL(url, encoded=True),
                                  _client_timeout(timeouts, self._default_timeout))
 
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        """Send *request*; return its response once the head has arrived.
-
-        The body streams from ``response.stream`` (an :class:`AiohttpBody`);
-        closing the response gives the connection back. Raises the httpx
-        exceptions of the module doc (``LocalProtocolError`` for a header name
-        that is no token).
-        """
-        raw_url = str(request.url)
-        if raw_url != self._url_key:
-            self._url = URL(raw_url, encoded=True)
-            self._url_key = raw_url
-        headers = []
-        for name, value in request.headers.raw:
-            if name in _FRAMING:
-                continue  # aiohttp frames the body itself (one Content-Length)
-            if not _is_token(name):
-                raise httpx.LocalProtocolError(f"invalid header name {name!r}")
-            headers.append((name.decode("ascii"), value.decode("utf-8", "surrogateescape")))
-        body = request.read() if isinstance(request.stream, httpx.ByteStream) else (
-            await request.aread())
-        timeouts = request.extensions.get("timeout")
-        if timeouts is not self._timeouts_key:  # callers pass one dict every time
-            self._timeouts_key = timeouts
-            self._timeout = _client_timeout(timeouts, self._default_timeout)
-        response = (await self._send(self._url, self._timeout, request.method, headers,
-                                     body))._response
-        return httpx.Response(
-            response.status, headers=response.raw_headers, stream=AiohttpBody(response),
-            request=request,
-            extensions={"http_version": b"HTTP/1.1",
-                        "reason_phrase": (response.reason or "").encode("latin-1", "replace")},
-        )
-
     async def _send(self, url: URL, timeout: aiohttp.ClientTimeout, method: str,
                     headers: Headers, body: bytes) -> AiohttpAnswer:
         """One request through aiohttp's session, resent once on a fresh connection when a
-        reused one died before its answer (module doc); aiohttp's errors as httpx's."""
+        reused one died before its answer (module doc); aiohttp's errors as this module's."""
         session = self._session
         if session is None:
             session = self._session = self._new_session(fresh=False)
@@ -427,7 +335,7 @@ class AiohttpTransport(httpx.AsyncBaseTransport):
 
 
 def _client_timeout(timeouts: Any, default: aiohttp.ClientTimeout) -> aiohttp.ClientTimeout:
-    """aiohttp's timeouts for httpx's ``timeout`` extension (seconds, None: no limit):
+    """aiohttp's timeouts for a sender's *timeouts* (seconds, None: no limit):
     ``connect`` → ``sock_connect`` (TCP, tunnel, TLS), ``read`` → ``sock_read``
     (between bytes), ``pool`` → ``connect`` (waiting for a connection slot plus
     connecting, aiohttp's nearest). No extension: *default*."""
@@ -447,29 +355,146 @@ def _stale(exc: BaseException) -> bool:
     return isinstance(exc, aiohttp.ClientOSError | aiohttp.ClientConnectionResetError)
 
 
-def _translate(exc: BaseException) -> httpx.TransportError:
-    """The httpx exception for an aiohttp failure (the module doc's table)."""
+def _translate(exc: BaseException) -> TransportError:
+    """This module's exception for an aiohttp failure (the module doc's table)."""
     if isinstance(exc, _NotConnected):
         cause = exc.__cause__
         if isinstance(cause, aiohttp.ClientHttpProxyError):
-            return httpx.ProxyError(f"proxy refused the tunnel: {cause.status} {cause.message}")
-        return httpx.ConnectError(_describe(cause or exc))
+            return NothingSent(f"proxy refused the tunnel: {cause.status} {cause.message}")
+        return NothingSent(_describe(cause or exc))
     if isinstance(exc, aiohttp.ConnectionTimeoutError):
-        return httpx.ConnectTimeout("no connection within the connect timeout")
+        return NothingSent("no connection within the connect timeout")
     if isinstance(exc, TimeoutError):  # aiohttp's read timeouts subclass it
-        return httpx.ReadTimeout(_describe(exc))
+        return AnswerTimeout(_describe(exc))
     if isinstance(exc, aiohttp.ServerDisconnectedError):
         if isinstance(exc.message, str):
-            return httpx.RemoteProtocolError("server disconnected without sending a response")
-        return httpx.RemoteProtocolError("server disconnected during the response head")
+            return ConnectionLost("server disconnected without sending a response")
+        return ConnectionLost("server disconnected during the response head")
     if isinstance(exc, aiohttp.ClientResponseError):  # a head the parser refused
-        return httpx.RemoteProtocolError(f"invalid response: {exc.message}")
+        return ConnectionLost(f"invalid response: {exc.message}")
     if isinstance(exc, aiohttp.ClientPayloadError):
-        return httpx.RemoteProtocolError(_describe(exc))
+        return ConnectionLost(_describe(exc))
     if isinstance(exc, aiohttp.InvalidURL | aiohttp.NonHttpUrlClientError):
-        return httpx.UnsupportedProtocol(_describe(exc))
+        return NothingSent(_describe(exc))
     if isinstance(exc, ValueError):  # a header aiohttp refuses to write (control characters)
-        return httpx.LocalProtocolError(_describe(exc))
-    if isinstance(exc, OSError | aiohttp.ClientConnectionError):
-        return httpx.ReadError(_describe(exc))
-    return httpx.RemoteProtocolError(_describe(exc))
+        return NothingSent(_describe(exc))
+    return ConnectionLost(_describe(exc))
+
+
+# ------------------------------------------------------------------ httpx
+
+
+class HttpxAnswer:
+    """An :class:`Answer` over an ``httpx.Response`` from httpx's transport."""
+
+    __slots__ = ("_response", "headers", "status")
+
+    def __init__(self, response: httpx.Response) -> None:
+        self._response = response
+        self.status: int = response.status_code
+        self.headers: HeaderLookup = response.headers
+
+    def complete(self) -> bool:
+        """False: httpcore does not say whether a body has wholly arrived (the
+        deliverer then reads it, briefly, so the connection can be reused)."""
+        return False
+
+    async def read_into(self, buffer: bytearray, limit: int) -> None:
+        """Append the raw body (no decoding) to *buffer* until its end or *limit* bytes."""
+        stream = self._response.stream
+        assert isinstance(stream, httpx.AsyncByteStream)
+        try:
+            async for chunk in stream:
+                buffer += chunk
+                if len(buffer) >= limit:
+                    return
+        except httpx.TransportError as exc:
+            raise _translate_httpx(exc) from exc
+
+    async def release(self) -> None:
+        """Close the response (httpcore keeps its connection when the body was read)."""
+        await self._response.aclose()
+
+
+class HttpxTransport:
+    """A :class:`Transport` over httpx's own transport (httpcore + h11).
+
+    ``RECEIPTS_PROVIDER_TRANSPORT=httpx``. Same arguments as
+    :class:`AiohttpTransport`; httpcore keeps idle connections for
+    ``keepalive_seconds`` and does not resend a request whose reused
+    connection died (such a failure is :class:`ConnectionLost`, retried
+    through the backoff with the same idempotency key). Costs more CPU per
+    delivery than aiohttp (bench/README.md).
+    """
+
+    def __init__(self, *, tls: ssl.SSLContext | None = None, max_connections: int = 100,
+                 keepalive_seconds: float = KEEPALIVE_SECONDS,
+                 connect_timeout_seconds: float | None = 5.0,
+                 proxy: str | None = None) -> None:
+        if max_connections < 1:
+            raise ValueError("max_connections must be at least 1")
+        self._connect = connect_timeout_seconds
+        self._transport = httpx.AsyncHTTPTransport(
+            verify=tls if tls is not None else True, trust_env=False,
+            limits=httpx.Limits(max_connections=max_connections,
+                                max_keepalive_connections=max_connections,
+                                keepalive_expiry=keepalive_seconds),
+            proxy=httpx.Proxy(proxy) if proxy else None)
+
+    def sender(self, url: str, timeouts: Mapping[str, float | None] | None = None) -> Send:
+        """A :data:`Send` for *url* (see :meth:`Transport.sender`): each call builds
+        one ``httpx.Request`` (``Host`` from *url*, values as UTF-8 bytes,
+        ``Content-Length`` from the body). Raises the exceptions of the module doc."""
+        target = httpx.URL(url)
+        host = (b"Host", target.netloc)
+        chosen = {"connect": self._connect, "read": None, "write": None, "pool": None}
+        chosen.update(timeouts or {})
+        extensions = {"timeout": chosen}
+        transport = self._transport
+
+        async def send(method: str, headers: Headers, body: bytes) -> Answer:
+            try:
+                raw = [host, *((name.encode("ascii"), value.encode("utf-8", "surrogateescape"))
+                               for name, value in headers)]
+                raw.append((b"Content-Length", b"%d" % len(body)))
+                request = httpx.Request(method, target, headers=raw,
+                                        stream=httpx.ByteStream(body), extensions=extensions)
+                return HttpxAnswer(await transport.handle_async_request(request))
+            except (httpx.TransportError, httpx.InvalidURL, UnicodeEncodeError) as exc:
+                raise _translate_httpx(exc) from exc
+        return send
+
+    async def aclose(self) -> None:
+        """Close every connection."""
+        await self._transport.aclose()
+
+
+#: httpx's failures that happen before any byte of the request reached the provider.
+_HTTPX_NOTHING_SENT = (httpx.ConnectError, httpx.ConnectTimeout, httpx.PoolTimeout,
+                       httpx.ProxyError, httpx.UnsupportedProtocol, httpx.LocalProtocolError,
+                       httpx.InvalidURL, UnicodeEncodeError)
+
+
+def _translate_httpx(exc: Exception) -> TransportError:
+    """This module's exception for an httpx failure (the module doc's table)."""
+    if isinstance(exc, _HTTPX_NOTHING_SENT):
+        return NothingSent(_describe(exc))
+    if isinstance(exc, httpx.TimeoutException):  # ReadTimeout, WriteTimeout
+        return AnswerTimeout(_describe(exc))
+    return ConnectionLost(_describe(exc))
+
+
+def make_transport(name: TransportName = DEFAULT_TRANSPORT, *,
+                   tls: ssl.SSLContext | None = None, max_connections: int = 100,
+                   connect_timeout_seconds: float | None = 5.0,
+                   proxy: str | None = None) -> Transport:
+    """The transport ``RECEIPTS_PROVIDER_TRANSPORT`` names: ``aiohttp`` (the default,
+    :class:`AiohttpTransport`) or ``httpx`` (:class:`HttpxTransport`), with the
+    given TLS context, connection limit, connect timeout (seconds) and proxy URL.
+    Raises ``ValueError`` for another name."""
+    kinds: dict[str, type[AiohttpTransport] | type[HttpxTransport]] = {
+        "aiohttp": AiohttpTransport, "httpx": HttpxTransport}
+    if name not in kinds:
+        raise ValueError(f"unknown transport {name!r} (one of: {', '.join(kinds)})")
+    return kinds[name](tls=tls, max_connections=max_connections,
+                       connect_timeout_seconds=connect_timeout_seconds, proxy=proxy)

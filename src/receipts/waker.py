@@ -32,6 +32,32 @@ the server ends it, freeing the lock. While a waker is heard, the claim loop
 polls :data:`receipts.worker.WAKER_POLL_FACTOR` times less often: polling stays
 the safety net, and an idle fleet's cost to the database does not grow with
 its pod count.
+
+What keeps a calm day cheap (docs/design.md, "Calm-day wake-ups"):
+
+* **Members.** A pod with a tag (its ``receipt_workers`` row's) holds a
+  second advisory lock on its LISTEN session (``member_lock``) and LISTENs
+  on a channel of its own, ``receipts_ready_<tag>``. Once per heartbeat the
+  waker reads the members (``fleet_members``: the locks, joined with the
+  heartbeat rows' slots and deliveries in flight) and announces each one's
+  share of the provider rate limit on :data:`FLEET_CHANNEL`
+  (:mod:`receipts.ratelimit`), with the watermark.
+* **The watermark.** Each probe also returns the oldest ready ``(run_at,
+  id)`` at or after the previous one (capped at now − :data:`MARGIN_SECONDS`),
+  which claims start their index scan from (:meth:`Wakeups.claim_bound`).
+  Every :data:`SWEEP_SECONDS` or so (longer while the sweep is slow, so that
+  it costs at most :data:`SWEEP_BUSY_SHARE` of the time), ``waker_sweep``
+  looks below it for a row that became ready there (a back-dated run_at, a
+  transaction that commits long after it began) and lowers it.
+* **Targeted wake-ups.** New due work, or a due head waiting
+  :data:`STUCK_SECONDS`, wakes only the members whose free slots add up to
+  the due jobs, in turn, on their own channels, with the watermark as
+  payload. With no member known, every pod is woken on ``receipts_ready`` as
+  before; with members, new work still notifies ``receipts_ready``, with
+  payload :data:`MEMBERS_PAYLOAD`, which wakes released workers and pods
+  without a tag and which members ignore. A pod not woken keeps a slow,
+  jittered poll whose fleet-wide rate does not grow with the pod count
+  (:meth:`Wakeups.fleet_size`).
 """
 
 from __future__ import annotations
@@ -39,10 +65,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import json
 import random
 import time
+from collections import deque
 from collections.abc import Callable
-from datetime import datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 from uuid import UUID
 
@@ -51,6 +79,7 @@ from receipts.enqueue import NOTIFY_CHANNEL
 from receipts.errors import QueueError
 from receipts.logs import get_logger
 from receipts.metrics import Metrics
+from receipts.ratelimit import shares_of
 from receipts.settings import Settings
 from receipts.statements import query
 
@@ -60,7 +89,7 @@ log = get_logger("waker")
 WAKER_CHANNEL = "receipts_waker"
 #: How often the elected waker probes the ready index, seconds. Pickup is this
 #: plus a round trip or two (the bench's pickup figures: p99 ≈ 60 ms).
-PROBE_SECONDS = 0.05
+PROBE_SECONDS = 0.07
 #: How often the waker tells the other pods it is alive, seconds.
 HEARTBEAT_SECONDS = 1.0
 #: A waker unheard for this long is presumed gone; the others try the lock.
@@ -77,6 +106,32 @@ OUTAGE_BACKOFF_FIRST_SECONDS = 0.5
 OUTAGE_BACKOFF_MAX_SECONDS = 30.0
 #: How long a stopping waker spends on its step-down message, seconds.
 STEP_DOWN_SECONDS = 1.0
+#: The channel of the waker's fleet announcement (JSON: schema, shares, watermark).
+FLEET_CHANNEL = "receipts_fleet"
+#: The payload of a wake-up on ``receipts_ready`` that members ignore (the waker
+#: woke the ones the work needs on their own channels).
+MEMBERS_PAYLOAD = "members"
+#: A member pod's own wake-up channel is this prefix and its tag.
+MEMBER_CHANNEL_PREFIX = "receipts_ready_"
+#: The watermark is never above now minus this (seconds): a row made ready by a
+#: statement that began less than this ago (a retry, a recovered lease, an
+#: ordinary checkout) is never below it; older ones are the sweep's.
+MARGIN_SECONDS = 1.0
+#: A due head that has waited this long (seconds) wakes more pods.
+STUCK_SECONDS = 0.15
+#: How often the waker sweeps below the watermark at most, seconds.
+SWEEP_SECONDS = 0.25
+#: ...and at least (seconds), however slow the sweep is.
+SWEEP_MAX_SECONDS = 10.0
+#: The sweep's share of the waker's time: after a sweep that took t seconds
+#: the next waits at least t / SWEEP_BUSY_SHARE (a long reader makes it slow).
+SWEEP_BUSY_SHARE = 0.02
+#: While a waker is heard, the fleet's pods together poll about once per this
+#: many seconds (each pod every pods × this), so an idle fleet's polls do not
+#: grow with its size.
+FLEET_POLL_SECONDS = 2.0
+NIL_UUID = UUID(int=0)
+_EPOCH = datetime(1970, 1, 1, tzinfo=UTC)
 
 
 def lock_key(schema: str) -> int:
@@ -87,6 +142,35 @@ def lock_key(schema: str) -> int:
     """
     digest = hashlib.sha256(f"receipts.waker:{schema}".encode()).digest()
     return int.from_bytes(digest[:8], "big", signed=True)
+
+
+def member_key(schema: str) -> int:
+    """The first key of every member lock of the queue in *schema* (0 ≤ key < 2³¹)."""
+    digest = hashlib.sha256(f"receipts.member:{schema}".encode()).digest()
+    return int.from_bytes(digest[:4], "big") & 0x7FFF_FFFF
+
+
+def tag_number(tag: str) -> int:
+    """A worker tag (8 hex digits) as the signed 32-bit second key of its member lock."""
+    n = int(tag, 16)
+    return n - (1 << 32) if n >= 1 << 31 else n
+
+
+def encode_mark(run_at: datetime, job_id: UUID) -> str:
+    """A watermark as a wake-up payload: microseconds since 1970 (exact), a space, the id."""
+    delta = run_at - _EPOCH
+    micros = (delta.days * 86_400 + delta.seconds) * 1_000_000 + delta.microseconds
+    return f"{micros} {job_id}"
+
+
+def decode_mark(payload: str) -> tuple[datetime, UUID] | None:
+    """The watermark of a payload made by :func:`encode_mark` (or the probe); None when
+    it is not one (an empty or foreign payload)."""
+    micros, _, job_id = payload.strip().partition(" ")
+    try:
+        return _EPOCH + timedelta(microseconds=int(micros)), UUID(job_id)
+    except ValueError:
+        return None
 
 
 class Wakeups:
@@ -104,6 +188,7 @@ class Wakeups:
     """
 
     def __init__(self, settings: Settings, metrics: Metrics, wake: Callable[[], None], *,
+                 tag: str | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
         self.metrics = metrics
@@ -111,6 +196,10 @@ class Wakeups:
         self._clock = clock
         self.schema = settings.db_schema
         self.key = lock_key(self.schema)
+        #: This pod's tag (its heartbeat row's), or None: then it is no member, has
+        #: no channel of its own and is woken with everyone.
+        self.tag = tag
+        self.channel = MEMBER_CHANNEL_PREFIX + tag if tag else None
         self.is_waker = False
         #: When this pod last heard the fleet's waker (monotonic), or None.
         self.heard_at: float | None = None
@@ -118,8 +207,41 @@ class Wakeups:
         self._seen: tuple[datetime | None, UUID | None] = (None, None)
         #: When this pod tries the lock next, while no waker is heard (monotonic).
         self._next_try = clock()
+        #: The watermark claims start from, as last computed or heard, or None.
+        self.watermark: tuple[datetime, UUID] | None = None
+        #: The last announced shares (tag → share of the rate limit) and when heard.
+        self.shares: dict[str, float] | None = None
+        self.shares_at = float("-inf")
+        #: When this pod's LISTEN session took its member lock (monotonic), or None.
+        self.member_since: float | None = None
+        # The waker's own state: the watermark it probes from, the members in
+        # the order they are woken (tag, free slots), the next sweep.
+        self._mark: tuple[datetime | None, UUID | None] = (None, None)
+        self._members: deque[tuple[str, int]] = deque()
+        self._next_sweep = clock()
+        self._started = clock()
         self._probe_seconds = metrics.statement_duration.labels("waker_probe")
+        self._sweep_seconds = metrics.statement_duration.labels("waker_sweep")
         metrics.waker_elected.set(0)
+
+    def claim_bound(self) -> tuple[datetime, UUID] | None:
+        """The watermark a claim may start from now: None unless a waker is heard
+        (only a live waker's sweep lowers it for rows that appear below it)."""
+        return self.watermark if self.waker_alive() else None
+
+    def fleet_size(self) -> int:
+        """The pods the last fresh announcement named (1 when none is known)."""
+        if self.shares and self._clock() - self.shares_at < SILENT_SECONDS:
+            return max(1, len(self.shares))
+        return 1
+
+    def member_age(self) -> float | None:
+        """Seconds since this pod's member lock was taken, or, before its LISTEN
+        session first took one, since this pod started (None: it has no tag)."""
+        if self.tag is None:
+            return None
+        return self._clock() - (self._started if self.member_since is None
+                                else self.member_since)
 
     def waker_alive(self) -> bool:
         """True while this pod is the waker or has heard one within ``SILENT_SECONDS``."""
@@ -154,6 +276,9 @@ class Wakeups:
         self.is_waker = elected
         self.metrics.waker_elected.set(1 if elected else 0)
         self._seen = (None, None)
+        self._mark = (None, None)  # a new waker walks the index once from its start
+        self._members.clear()
+        self._next_sweep = self._clock()
 
     async def serve(self, session: ListenSession) -> None:
         """One session's life: LISTEN, then listen, elect and probe until it fails.
@@ -161,7 +286,13 @@ class Wakeups:
         Raises :class:`QueueError` when the session fails; on cancellation a
         waker steps down first (at most ``STEP_DOWN_SECONDS``).
         """
-        await session.listen(NOTIFY_CHANNEL, WAKER_CHANNEL)
+        await session.listen(NOTIFY_CHANNEL, WAKER_CHANNEL, FLEET_CHANNEL,
+                             *([self.channel] if self.channel else []))
+        if self.tag is not None:
+            row = await session.fetchone(query("member_lock"), {
+                "key": member_key(self.schema), "tag": tag_number(self.tag)})
+            # A session that lost its lock (a reconnect) counts from its new one.
+            self.member_since = self._clock() if row and row[0] else None
         self._wake()  # anything enqueued while nobody listened here
         try:
             await self._loop(session)
@@ -180,6 +311,10 @@ class Wakeups:
             if self.is_waker:
                 if now >= next_probe:
                     heartbeat = now >= next_heartbeat
+                    if heartbeat:
+                        await self.read_members(session)
+                    if now >= self._next_sweep:
+                        await self.sweep(session)
                     await self.probe(session, heartbeat=heartbeat)
                     next_probe = max(next_probe + PROBE_SECONDS, self._clock())
                     if heartbeat:
@@ -206,9 +341,20 @@ class Wakeups:
                 self.hear(channel, payload)
 
     def hear(self, channel: str, payload: str) -> None:
-        """Act on one notification: a wake-up, or the waker's heartbeat or step-down."""
+        """Act on one notification: a wake-up (the fleet's, or this pod's own with the
+        watermark), the waker's announcement, heartbeat or step-down."""
         if channel == NOTIFY_CHANNEL:
+            # 'members': the waker woke the members it chose on their own channels;
+            # this one is for released workers and pods without a tag.
+            if payload != MEMBERS_PAYLOAD or self.channel is None:
+                self._wake()
+        elif channel == self.channel:
+            mark = decode_mark(payload)
+            if mark is not None and not self.is_waker:
+                self.watermark = mark
             self._wake()
+        elif channel == FLEET_CHANNEL:
+            self._hear_fleet(payload)
         elif channel == WAKER_CHANNEL and not self.is_waker:
             if payload == self.schema:
                 self.heard_at = self._clock()
@@ -228,14 +374,70 @@ class Wakeups:
         log.info("waker_elected", extra={"schema": self.schema})
         return True
 
+    def _hear_fleet(self, payload: str) -> None:
+        """The waker's announcement: shares and watermark (JSON; foreign or bad ones ignored)."""
+        try:
+            doc = json.loads(payload)
+            if not isinstance(doc, dict) or doc.get("schema") != self.schema:
+                return
+            shares = {str(k): float(v) for k, v in dict(doc.get("shares") or {}).items()}
+        except (ValueError, TypeError):
+            return
+        now = self._clock()
+        self.shares, self.shares_at = shares, now
+        if not self.is_waker:
+            self.heard_at = now
+            mark = decode_mark(str(doc.get("after") or ""))
+            if mark is not None:
+                self.watermark = mark
+
+    async def read_members(self, session: ListenSession) -> dict[str, float]:
+        """The waker reads the live members (``fleet_members``); returns their shares.
+
+        Keeps the members' wake-up order (a pod that joined goes last) and
+        each one's free slots as its last heartbeat row said (its slots when
+        it has no row yet).
+        """
+        members: dict[str, tuple[int | None, int]] = {}
+        rows = await session.fetchall(query("fleet_members", self.schema),
+                                      {"key": member_key(self.schema)})
+        for tag, slots, inflight in rows:
+            members[tag] = (slots, inflight or 0)
+        order = [t for t, _ in self._members if t in members]
+        order += sorted(t for t in members if t not in order)
+        self._members = deque(
+            (t, max((members[t][0] or self.settings.concurrency) - members[t][1], 0))
+            for t in order)
+        shares = shares_of({t: m[0] for t, m in members.items()})
+        self.shares, self.shares_at = shares, self._clock()
+        return shares
+
+    def _targets(self) -> tuple[list[str], list[int]]:
+        """Member channels in wake-up order (pods with free slots first) and their free slots."""
+        ranked = sorted(self._members, key=lambda m: m[1] <= 0)  # stable: keeps the turn
+        return ([MEMBER_CHANNEL_PREFIX + t for t, _ in ranked],
+                [max(f, 0) for _, f in ranked])
+
     async def probe(self, session: ListenSession, *, heartbeat: bool = False) -> bool:
-        """One ``waker_probe``: wake the fleet when new due work appeared; True when it did."""
+        """One ``waker_probe``: wake the pods new due work needs; True when it woke any.
+
+        Also moves the watermark forward (:attr:`watermark`), and on a
+        *heartbeat* announces the members' shares with it.
+        """
         seen_run_at, seen_id = self._seen
+        from_run_at, from_id = self._mark
+        channels, free = self._targets()
+        shares = self.shares if heartbeat and self._members else None
         params: dict[str, Any] = {
             "max_attempts": self.settings.max_attempts,
             "seen_run_at": seen_run_at, "seen_id": seen_id,
+            "from_run_at": from_run_at, "from_id": from_id,
+            "margin_seconds": MARGIN_SECONDS, "stuck_seconds": STUCK_SECONDS,
+            "channels": channels, "free": free,
             "channel": NOTIFY_CHANNEL, "heartbeat": heartbeat,
             "waker_channel": WAKER_CHANNEL, "schema_name": self.schema,
+            "fleet_channel": FLEET_CHANNEL,
+            "shares": None if shares is None else json.dumps(shares, sort_keys=True),
         }
         start = time.perf_counter()
         row = await session.fetchone(query("waker_probe", self.schema), params)
@@ -243,11 +445,43 @@ class Wakeups:
         if row is None:
             return False
         self._seen = (row[0], row[1])
+        self._mark = (row[3], row[4])
+        self.watermark = (row[3], row[4])
+        woken = int(row[6] or 0)
+        if woken:
+            self._members.rotate(-woken)  # the next new work goes to the next pods
         if row[2]:
             self.metrics.waker_wakes.inc()
-            self._wake()
+            if not channels:  # (a targeted wake reaches this pod on its own channel)
+                self._wake()
             return True
         return False
+
+    async def sweep(self, session: ListenSession) -> bool:
+        """One ``waker_sweep`` below the watermark; True when it lowered it.
+
+        The next sweep is due after :data:`SWEEP_SECONDS`, or after the
+        sweep's own duration / :data:`SWEEP_BUSY_SHARE` when longer (at most
+        :data:`SWEEP_MAX_SECONDS`).
+        """
+        below_run_at, below_id = self._mark
+        if below_run_at is None:
+            self._next_sweep = self._clock() + SWEEP_SECONDS
+            return False
+        start = time.perf_counter()
+        row = await session.fetchone(query("waker_sweep", self.schema), {
+            "max_attempts": self.settings.max_attempts,
+            "below_run_at": below_run_at, "below_id": below_id or NIL_UUID})
+        took = time.perf_counter() - start
+        self._sweep_seconds.observe(took)
+        self._next_sweep = self._clock() + min(
+            SWEEP_MAX_SECONDS, max(SWEEP_SECONDS, took / SWEEP_BUSY_SHARE))
+        if row is None:
+            return False
+        self._mark = (row[0], row[1])
+        self.watermark = (row[0], row[1])
+        log.info("watermark_lowered", extra={"schema": self.schema})
+        return True
 
     async def step_down(self, session: ListenSession) -> None:
         """Release the lock and tell the fleet (payload ``"<schema> left"``)."""

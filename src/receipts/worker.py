@@ -27,8 +27,12 @@ Shape (docs/design.md §4, §11):
   (:class:`~receipts.gate.GateShell`), which may extend the pause (outage,
   systemic rejection, 401/403, ``Retry-After``) and judges a 4xx on evidence
   (acceptances of other jobs around it), holding it (the job's lease, not
-  its slot) meanwhile. Under a fleet-wide rate limit a claim that ran out of
-  tokens sleeps until the next token.
+  its slot) meanwhile. Under a fleet-wide rate limit a claim
+  charges the pod's own token bucket at its announced share
+  (:mod:`receipts.ratelimit`; the shared bucket row when no share is
+  known), and a claim that ran out of tokens sleeps until the next ones.
+* Claims start at the waker's watermark (:meth:`Wakeups.claim_bound`), not
+  at the ready index's first entry.
 * Admission control (off by default, ``RECEIPTS_ADMISSION_CONTROL``): claims
   also spend a local token bucket whose rate an AIMD limiter adapts to the
   latency of a small durable commit (the commit probe),
@@ -72,9 +76,10 @@ from receipts.model import (
     Reason,
     Verdict,
 )
+from receipts.ratelimit import Choice, TokenBucket, choose
 from receipts.retry import BackoffPolicy
 from receipts.settings import Settings
-from receipts.waker import Wakeups
+from receipts.waker import FLEET_POLL_SECONDS, Wakeups
 
 log = get_logger("worker")
 
@@ -145,7 +150,8 @@ class Worker:
         self.admission = AdmissionController(admission_policy(settings)) if (
             settings.admission_control) else None
         self.completer = Completer(queue, metrics, lease_seconds=settings.lease_seconds,
-                                   watch_durability=commits_asynchronously(settings, "worker"))
+                                   watch_durability=commits_asynchronously(settings, "worker"),
+                                   worker=socket.gethostname()[:100])
         self.gate = gate or ProviderGate(flow_policy(settings))
         #: The gate's shell: holds rejections, settles them, writes the fleet's pause.
         self.flow = GateShell(self.gate, queue, self.completer, metrics, self.policy,
@@ -187,8 +193,12 @@ class Worker:
         self._probe_seconds = metrics.statement_duration.labels("commit_probe")
         #: The pod's LISTEN session and its part in the fleet's waker election; None
         #: when it cannot have one (behind PgBouncer, or RECEIPTS_LISTEN_NOTIFY off).
-        self.wakeups = Wakeups(settings, metrics, self.wake) if (
+        self.wakeups = Wakeups(settings, metrics, self.wake,
+                               tag=getattr(queue, "worker_tag", None)) if (
             settings.listen_notify and not settings.pgbouncer) else None
+        #: This pod's share of the fleet-wide rate limit (rate and capacity set
+        #: from the waker's announcement before each use; receipts.ratelimit).
+        self.bucket = TokenBucket(max(queue.rate, 1e-9), 1.0)
         #: receipts_delivery_duration_seconds by outcome, labelled once (labels() locks).
         self._delivery_seconds = {reason: metrics.delivery_duration.labels(reason)
                                   for reason in Reason}
@@ -335,6 +345,10 @@ class Worker:
         probe_until: datetime | None = None
         state = FlowState()
         limit = min(free, self.settings.claim_batch_max)
+        bucket: TokenBucket | None = None
+        choice = self.rate_choice() if self.queue.rate > 0 and not gate.paused else None
+        if choice is not None and choice.mode == "wait":
+            return choice.wait_seconds, False
         # Admission control meters claims only while the provider is not paused.
         admission = None if gate.paused else self.admission
         if admission is not None:
@@ -342,6 +356,18 @@ class Worker:
             self.metrics.claim_rate_limit.set(admission.limit)
             if limit == 0:
                 return wait, False
+        if choice is not None and choice.mode == "local":
+            # The pod's own share of the fleet's rate limit (receipts.ratelimit).
+            bucket = self.bucket
+            bucket.resize(self.queue.rate * choice.share, self.settings.burst * choice.share)
+            granted, wait = bucket.allowance(limit)
+            if granted == 0:
+                if admission is not None:
+                    admission.refund(limit)
+                return wait, False
+            if admission is not None:
+                admission.refund(limit - granted)
+            limit = granted
         self._busy_since = time.monotonic()
         try:
             if gate.paused and not recheck:
@@ -349,8 +375,11 @@ class Worker:
                 if won is not None:
                     probe_until, state = won
                     limit = gate.probe_size(limit)
-            result = await self.claim_once(limit, probe=probe_until is not None)
+            result = await self.claim_once(limit, probe=probe_until is not None,
+                                           shared_bucket=bucket is None)
         except QueueError as exc:
+            if bucket is not None:
+                bucket.refund(limit)
             self._db_state(False)
             self._unreachable = isinstance(exc, DatabaseUnavailable)
             self.metrics.db_errors.labels("claim").inc()
@@ -368,6 +397,8 @@ class Worker:
             return 0.0, False
         if admission is not None:
             admission.refund(limit - len(result.attempts))
+        if bucket is not None:
+            bucket.refund(limit - len(result.attempts))
         self.flow.observe_flow(result.flow)
         if gate.paused:
             left = gate.pause_left()
@@ -386,26 +417,43 @@ class Worker:
         return self.poll_seconds() * random.uniform(0.75, 1.25), True
 
     def poll_seconds(self) -> float:
-        """The safety-net poll interval now: longer while the fleet's waker is heard."""
+        """The safety-net poll interval now: longer while the fleet's waker is heard,
+        and as many times :data:`~receipts.waker.FLEET_POLL_SECONDS` as the fleet
+        has pods when that is longer (its polls together stay about that often)."""
         poll = self.settings.poll_interval_seconds
         if self.wakeups is not None and self.wakeups.waker_alive():
-            return poll * WAKER_POLL_FACTOR
+            return max(poll * WAKER_POLL_FACTOR,
+                       FLEET_POLL_SECONDS * self.wakeups.fleet_size())
         return poll
+
+    def rate_choice(self) -> Choice:
+        """Which token bucket the next claim charges under the rate limit
+        (:func:`receipts.ratelimit.choose`): the shared row without a LISTEN session."""
+        w = self.wakeups
+        if w is None:
+            return Choice("shared")
+        return choose(shares=w.shares, tag=w.tag, shares_age=time.monotonic() - w.shares_at,
+                      member_age=w.member_age())
 
     def _probe_guard_seconds(self) -> float:
         """How long other pods wait for this pod's probe before probing themselves."""
         return self.settings.delivery_timeout_seconds + self.settings.lease_margin
 
-    async def claim_once(self, limit: int, *, probe: bool = False) -> ClaimResult:
+    async def claim_once(self, limit: int, *, probe: bool = False,
+                         shared_bucket: bool = True) -> ClaimResult:
         """Claim up to *limit* jobs and start their deliveries; returns the claim's result.
 
+        The claim starts at the waker's watermark when one is heard; under a
+        rate limit it charges the shared bucket row unless not *shared_bucket*.
         Raises the queue's errors (the caller backs off).
         """
         self._wake.clear()
         self.max_overclaim = max(
             self.max_overclaim, limit - (self.settings.concurrency - len(self._inflight)))
+        after = self.wakeups.claim_bound() if self.wakeups is not None else None
         start = time.perf_counter()
-        result = await self.queue.claim(limit, probe=probe)
+        result = await self.queue.claim(limit, probe=probe, after=after,
+                                        shared_bucket=shared_bucket)
         self.metrics.statement_duration.labels("claim").observe(time.perf_counter() - start)
         self._db_state(True)
         self.metrics.claims.inc()

@@ -54,6 +54,7 @@ def worker_env(dsn: str, provider: Child, **extra: str) -> dict[str, str]:
 # ----------------------------------------------------------------- settings
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("env", "names"),
     [
@@ -83,6 +84,7 @@ def test_each_invalid_setting_is_refused_with_its_name_and_exit_2(env, names):
     assert SECRET not in result.stderr + result.stdout
 
 
+@pytest.mark.slow
 def test_a_database_that_does_not_answer_is_exit_1_without_the_password():
     dsn = f"postgresql://app:{SECRET}@127.0.0.1:{free_port()}/db"
     result = receipts("migrate", env={"RECEIPTS_DATABASE_URL": dsn})
@@ -91,6 +93,7 @@ def test_a_database_that_does_not_answer_is_exit_1_without_the_password():
     assert SECRET not in result.stderr + result.stdout
 
 
+@pytest.mark.slow
 def test_the_demo_on_a_database_that_does_not_answer_is_one_line_and_exit_1():
     dsn = f"postgresql://app:{SECRET}@127.0.0.1:{free_port()}/db"
     result = receipts("demo", "--dsn", dsn, timeout=60)
@@ -100,6 +103,7 @@ def test_the_demo_on_a_database_that_does_not_answer_is_one_line_and_exit_1():
     assert SECRET not in result.stderr + result.stdout
 
 
+@pytest.mark.slow
 def test_the_review_page_on_a_taken_port_exits_1_at_once():
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
@@ -114,11 +118,13 @@ def test_the_review_page_on_a_taken_port_exits_1_at_once():
     assert SECRET not in result.stderr + result.stdout
 
 
+@pytest.mark.slow
 def test_bad_usage_is_exit_2():
     assert receipts("no-such-command").returncode == 2
     assert receipts("recover", "--loop", "soon").returncode == 2
 
 
+@pytest.mark.slow
 def test_migrate_enqueue_and_stats_from_the_command_line(server):
     dsn = server.new_database(migrated=False)
     try:
@@ -137,6 +143,7 @@ def test_migrate_enqueue_and_stats_from_the_command_line(server):
 # -------------------------------------------------------------- processes
 
 
+@pytest.mark.slow
 def test_a_worker_killed_mid_delivery_is_recovered_and_redelivered_with_the_same_key(
         dsn, provider, sup):
     set_faults(provider, latency_seconds=2.0)
@@ -166,6 +173,7 @@ def test_a_worker_killed_mid_delivery_is_recovered_and_redelivered_with_the_same
     assert receipts_seen["receipt:order-crash"]["requests"] == 2
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("event_loop", ["uvloop", "asyncio"])
 def test_sigterm_finishes_inflight_deliveries_acks_them_claims_nothing_more_exits_0(
         dsn, provider, sup, event_loop):
@@ -188,6 +196,7 @@ def test_sigterm_finishes_inflight_deliveries_acks_them_claims_nothing_more_exit
     assert started["event_loop"] == event_loop
 
 
+@pytest.mark.slow
 def test_recover_loop_runs_until_sigterm(dsn, sup):
     recover = sup.start("recover", ["recover", "--loop", "0.2"], {"RECEIPTS_DATABASE_URL": dsn})
     recover.wait_for_output("recovery_sweep", count=2)
@@ -195,6 +204,7 @@ def test_recover_loop_runs_until_sigterm(dsn, sup):
     assert recover.stop(timeout_seconds=10) == 0
 
 
+@pytest.mark.slow
 def test_the_demo_runs_end_to_end_and_loses_nothing(server):
     dsn = server.new_database()
     try:
@@ -234,6 +244,7 @@ def test_the_demo_runs_end_to_end_and_loses_nothing(server):
     assert count(total, "acks") == sum(count(cols, "acks") for cols in per_worker)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args",
     [["--orders", "0"], ["--workers", "0"], ["--concurrency", "-1"],
@@ -246,6 +257,7 @@ def test_demo_refuses_bad_options_before_starting_anything(args):
     assert "Traceback" not in result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "args",
     [["provider", "--port", "99999"], ["provider", "--latency-ms", "-5"],

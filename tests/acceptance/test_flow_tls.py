@@ -49,6 +49,7 @@ def start_tls_workers(sup: Supervisor, dsn: str, url: str, pki: Pki, n: int, *,
     return [w.wait_healthy() for w in workers]
 
 
+@pytest.mark.slow
 def test_nginx_refusing_a_missing_client_certificate_pauses_the_fleet_until_it_is_mounted(
         database: str, fleet: Supervisor, nginx: Nginx, pki: Pki):
     dsn, sup = database, fleet

@@ -78,6 +78,7 @@ def _libpq_env() -> dict[str, str]:
     return {"LD_LIBRARY_PATH": str(bin_dir().parent / "lib")}
 
 
+@pytest.mark.slow
 def test_the_base_install_holds_only_the_package_and_psycopg(base_venv: Path) -> None:
     listed = run([sys.executable, "-m", "pip", "--python", str(base_venv / "bin" / "python"),
                   "list", "--format", "json"])
@@ -118,6 +119,7 @@ ENQUEUE_SCRIPT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # the base_venv fixture builds a virtualenv (~90 s)
 def test_the_base_install_enqueues_and_imports_nothing_heavy(
     base_venv: Path, pg18: Server
 ) -> None:
@@ -187,6 +189,7 @@ def test_the_lock_pins_every_requirement_the_image_installs() -> None:
     assert (REPO / "requirements.lock").read_text().count("--hash=sha256:") >= len(pins)
 
 
+@pytest.mark.slow  # the base_venv fixture builds a virtualenv (~90 s)
 def test_the_command_without_the_worker_extra_says_which_extra_in_one_line(
         base_venv: Path) -> None:
     result = run([str(base_venv / "bin" / "receipts"), "--version"])

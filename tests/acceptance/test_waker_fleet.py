@@ -66,6 +66,7 @@ def pickups(provider: Child, committed: list[float]) -> list[float]:
     return [t - c for t, c in zip(times, committed, strict=True)]
 
 
+@pytest.mark.slow
 def test_a_killed_waker_is_replaced_within_seconds_and_pickup_stays_fast(dsn, sup, provider):
     workers = start_workers(sup, dsn, provider, 3)
     waker = the_waker(workers)
@@ -97,6 +98,7 @@ def test_a_killed_waker_is_replaced_within_seconds_and_pickup_stays_fast(dsn, su
     assert max(after) < 1.0, after
 
 
+@pytest.mark.slow
 def test_a_frozen_waker_loses_its_session_and_the_fleet_elects_another(dsn, sup, provider):
     workers = start_workers(sup, dsn, provider, 2)
     waker = the_waker(workers)
@@ -119,6 +121,7 @@ def test_a_frozen_waker_loses_its_session_and_the_fleet_elects_another(dsn, sup,
           and len(elected(workers)) == 1, "one waker again", 20)
 
 
+@pytest.mark.slow
 def test_an_upgrade_released_workers_are_woken_and_old_enqueuers_keep_working(
         dsn, sup, provider):
     """A released worker listens on receipts_ready and polls every second; a released

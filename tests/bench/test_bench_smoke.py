@@ -8,9 +8,12 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
+@pytest.mark.slow
 def test_the_benchmark_runs_end_to_end_and_writes_its_table_as_json(tmp_path):
     out = tmp_path / "smoke.json"
     env = {**os.environ, "XDG_RUNTIME_DIR": os.environ.get("XDG_RUNTIME_DIR", "/tmp")}
@@ -36,10 +39,11 @@ def test_the_benchmark_runs_end_to_end_and_writes_its_table_as_json(tmp_path):
     assert "target" in result.stdout and "raw pgbench" in result.stdout
 
 
+@pytest.mark.slow
 def test_the_console_benchmark_runs_end_to_end(tmp_path):
     out = tmp_path / "console.json"
     result = subprocess.run(
-        [sys.executable, "-m", "bench.console", "--rounds", "1", "--drain-jobs", "500",
+        [sys.executable, "-m", "bench.experiments.console", "--rounds", "1", "--drain-jobs", "500",
          "--readings", "2", "--reading-rows", "2000", "--bulk-rows", "3000",
          "--json", str(out)],
         cwd=ROOT, capture_output=True, text=True, timeout=170,
@@ -53,6 +57,7 @@ def test_the_console_benchmark_runs_end_to_end(tmp_path):
     assert doc["bulk_retry"]["rows"] == 3000 and doc["bulk_retry"]["batches"] >= 2
 
 
+@pytest.mark.slow
 def test_the_memory_bench_runs_end_to_end_and_fits_its_line(tmp_path):
     out = tmp_path / "memory.json"
     env = {**os.environ, "XDG_RUNTIME_DIR": os.environ.get("XDG_RUNTIME_DIR", "/tmp")}
@@ -69,11 +74,12 @@ def test_the_memory_bench_runs_end_to_end_and_fits_its_line(tmp_path):
     assert "KiB × slots" in result.stdout
 
 
+@pytest.mark.slow
 def test_the_commit_comparison_runs_both_modes_interleaved(tmp_path):
     out = tmp_path / "commit.json"
     env = {**os.environ, "XDG_RUNTIME_DIR": os.environ.get("XDG_RUNTIME_DIR", "/tmp")}
     result = subprocess.run(
-        [sys.executable, "-m", "bench.commit", "--rounds", "1", "--seconds", "1",
+        [sys.executable, "-m", "bench.experiments.commit", "--rounds", "1", "--seconds", "1",
          "--jobs", "3000", "--json", str(out)],
         cwd=ROOT, env=env, capture_output=True, text=True, timeout=170,
     )
@@ -93,6 +99,7 @@ def run_smoke(module: str, tmp_path: Path) -> tuple[dict, str]:
     return json.loads(out.read_text()), result.stdout
 
 
+@pytest.mark.slow
 def test_the_checkout_scenario_runs_on_both_disks_with_the_shim_loaded(tmp_path):
     doc, stdout = run_smoke("bench.checkout", tmp_path)
     assert set(doc["summary"]) == {"local", "slow"}
@@ -109,8 +116,9 @@ def test_the_checkout_scenario_runs_on_both_disks_with_the_shim_loaded(tmp_path)
     assert "target" in stdout
 
 
+@pytest.mark.slow
 def test_the_wakeups_scenario_measures_pickup_and_an_idle_fleet(tmp_path):
-    doc, stdout = run_smoke("bench.wakeups", tmp_path)
+    doc, stdout = run_smoke("bench.experiments.wakeups", tmp_path)
     assert set(doc["summary"]["pickup"]) == {"waker", "notify"}
     assert all(run["measured"] == run["jobs"] for run in doc["pickup"])
     assert {run["pods"] for run in doc["idle"]} == {1, 2}

@@ -14,6 +14,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.slow
 def test_the_five_minute_soak_loses_nothing_and_judges_every_target(tmp_path):
     env = {**os.environ, "XDG_RUNTIME_DIR": os.environ.get("XDG_RUNTIME_DIR", "/tmp")}
     result = subprocess.run(

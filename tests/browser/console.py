@@ -105,8 +105,8 @@ async def serve(pg18: Server, admin_token: str | None, *, viewer_token: str | No
     queue = JobQueue(pool, lease_seconds=30, max_attempts=5)
     jobs = await seed(dsn, queue) if seeded else {}
     port = free_port()
-    app = make_app(queue, admin_token=admin_token, viewer_token=viewer_token,
-                   loopback_only=loopback_only, options=options)
+    app = make_app(queue, Operations(pool), admin_token=admin_token,
+                   viewer_token=viewer_token, loopback_only=loopback_only, options=options)
     runner = await start_server(app, port, host="127.0.0.1")
     try:
         yield Served(dsn, queue, port, jobs, app)

@@ -36,6 +36,7 @@ def session_cookie(cookies: list[dict[str, object]]) -> str:
     return value
 
 
+@pytest.mark.slow
 async def test_signing_out_revokes_the_session_on_every_replica(
         ui: Served, page: Page) -> None:
     from receipts.ui.app import CONSOLE
@@ -47,7 +48,7 @@ async def test_signing_out_revokes_the_session_on_every_replica(
     await page.goto(ui.url + "/")
     csrf = await page.eval("document.querySelector('input[name=csrf]').value")
     other_port = free_port()
-    other = make_app(ui.queue, admin_token=TOKEN, loopback_only=True)
+    other = make_app(ui.queue, ui.operations, admin_token=TOKEN, loopback_only=True)
     runner = await start_server(other, other_port, host="127.0.0.1")
     replicas = (ui.url, f"http://127.0.0.1:{other_port}")
     try:
@@ -76,6 +77,7 @@ async def recover_with(url: str, cookie: str, csrf: str) -> httpx.Response:
             "Origin": url, "Cookie": f"receipts_ui_session={cookie}"})
 
 
+@pytest.mark.slow
 async def test_wrong_tokens_are_throttled_per_client(ui: Served, page: Page) -> None:
     for _ in range(5):
         await sign_in(page, ui.url, "not-the-token-at-all")
@@ -100,6 +102,7 @@ async def test_wrong_tokens_are_throttled_per_client(ui: Served, page: Page) -> 
         assert response.cookies["receipts_ui_session"].split(".")[2] == "admin"
 
 
+@pytest.mark.slow
 async def test_with_a_viewer_token_reading_needs_a_sign_in_too(pg18: Server, page: Page) -> None:
     async with serve(pg18, TOKEN, viewer_token=VIEWER_TOKEN) as ui:
         await page.goto(ui.url + "/?state=failed")
@@ -129,6 +132,7 @@ async def test_with_a_viewer_token_reading_needs_a_sign_in_too(pg18: Server, pag
         assert status == 403
 
 
+@pytest.mark.slow
 async def test_over_plain_http_on_a_real_name_signing_in_explains_the_secure_cookie(
         pg18: Server, page: Page) -> None:
     async with serve(pg18, TOKEN, loopback_only=False) as ui:
@@ -148,6 +152,7 @@ async def test_over_plain_http_on_a_real_name_signing_in_explains_the_secure_coo
             assert 'id="insecure"' not in behind.text
 
 
+@pytest.mark.slow
 async def test_every_action_is_audited_with_its_session_and_its_jobs(
         ui: Served, page: Page, caplog: pytest.LogCaptureFixture) -> None:
     caplog.set_level(logging.INFO, logger="receipts.ui")

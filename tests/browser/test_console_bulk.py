@@ -11,6 +11,7 @@ import time
 
 import httpx
 import psycopg
+import pytest
 
 from receipts.bulk import BulkPolicy
 from receipts.ui.app import UiOptions
@@ -46,6 +47,7 @@ async def viewers(url: str, paths: list[str]) -> list[tuple[int, str]]:
             for r in responses]
 
 
+@pytest.mark.slow
 async def test_a_bulk_retry_of_a_million_failed_jobs_runs_in_batches_with_progress(
         pg18: Server, page: Page, capsys) -> None:
     options = UiOptions(refresh_seconds=1.0, bulk_policy=BulkPolicy(pace=0.0))
@@ -98,6 +100,7 @@ async def test_a_bulk_retry_of_a_million_failed_jobs_runs_in_batches_with_progre
                   f"batches; test {time.monotonic() - started:.0f} s (insert included)")
 
 
+@pytest.mark.slow
 async def test_a_query_the_server_stops_says_slow_not_unavailable(
         pg18: Server, page: Page) -> None:
     async with serve(pg18, TOKEN, settings={"statement_timeout_seconds": 0.5}) as ui:

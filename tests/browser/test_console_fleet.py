@@ -10,6 +10,8 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import pytest
+
 from receipts.embedded import free_port
 from receipts.supervisor import Child, MetricSamples, Supervisor
 from receipts.ui.app import UiOptions
@@ -45,6 +47,7 @@ def paused(samples: MetricSamples) -> float:
     return samples.total("receipts_provider_paused")
 
 
+@pytest.mark.slow
 async def test_a_pause_from_the_page_stops_two_worker_processes_and_a_resume_restarts_them(
         pg18: Server, page: Page, tmp_path: Path) -> None:
     async with serve(pg18, TOKEN, options=UiOptions(refresh_seconds=1.0), seeded=False) as ui:

@@ -43,7 +43,7 @@ async def ui(request: pytest.FixtureRequest, pg18: Server) -> AsyncIterator[Serv
             await reschedule_one(served.queue, claimed[order], delay_seconds=0,
                                  error="422 " + order, permanent=True)
         await served.queue.record_attempts([])
-        await served.operations.heartbeat(
+        await served.queue.heartbeat(
             tag="0badcafe", pod="receipts-worker-6c9d8f7b5-" + "q" * 40, pid=1, version="0.3.0",
             slots=32, inflight=1, claimed_total=3, uptime_seconds=60, since_claim_seconds=1)
         await served.operations.pause_fleet(900, note="provider maintenance " + "n" * 150,
@@ -67,6 +67,7 @@ async def check_page(page: Page, name: str, mode: str, width: int, axe_source: s
     assert not violations, f"{name} ({mode}, {width} px): " + json.dumps(violations, indent=1)
 
 
+@pytest.mark.slow
 async def test_every_page_is_readable_at_both_widths(
         ui: Served, page: Page, axe_source: str) -> None:
     mode = ui.mode  # type: ignore[attr-defined]
@@ -105,6 +106,7 @@ async def test_every_page_is_readable_at_both_widths(
             await ui.reread()
 
 
+@pytest.mark.slow
 async def test_read_only_tables_give_the_order_id_its_room(ui: Served, page: Page) -> None:
     await page.viewport(1440)
     await page.goto(ui.url + "/?state=failed")
@@ -116,6 +118,7 @@ async def test_read_only_tables_give_the_order_id_its_room(ui: Served, page: Pag
     assert cell >= 200
 
 
+@pytest.mark.slow
 async def test_the_title_and_headings_keep_bidi_text_in_its_place(
         ui: Served, page: Page) -> None:
     await page.goto(f"{ui.url}/jobs/{ui_job_id(ui, BIDI_ORDER)}")
@@ -126,6 +129,7 @@ async def test_the_title_and_headings_keep_bidi_text_in_its_place(
                            ".unicodeBidi") == "isolate"
 
 
+@pytest.mark.slow
 async def test_done_is_exact_when_the_table_statistics_lag(ui: Served, page: Page) -> None:
     with_done = "INSERT INTO receipt_jobs (id, order_id, state, attempts, finished_at) SELECT" \
                 " gen_random_uuid(), 'done-' || g, 'done', 1, now() FROM generate_series(1," \
@@ -145,6 +149,7 @@ def ui_job_id(ui: Served, order_id: str) -> str:
 
 
 
+@pytest.mark.slow
 async def test_the_accessibility_check_finds_a_known_problem(
         page: Page, axe_source: str) -> None:
     """The harness itself: axe-core, injected the same way, reports an image without alt."""

@@ -46,6 +46,7 @@ def page_loads(page: Page, url: str) -> int:
 # --------------------------------------------------------------- live refresh
 
 
+@pytest.mark.slow
 async def test_the_summary_and_list_refresh_by_themselves_until_paused(
         ui: Served, page: Page) -> None:
     url = ui.url + "/?state=ready"
@@ -81,6 +82,7 @@ async def test_the_summary_and_list_refresh_by_themselves_until_paused(
     await text_is(page, "#count-ready", "5")
 
 
+@pytest.mark.slow
 async def test_a_refresh_leaves_a_selection_in_progress_alone(ui: Served, page: Page) -> None:
     await sign_in(page, ui)
     await page.goto(ui.url + "/?state=failed")
@@ -100,6 +102,7 @@ async def test_a_refresh_leaves_a_selection_in_progress_alone(ui: Served, page: 
 # ------------------------------------------------------------------ every state
 
 
+@pytest.mark.slow
 async def test_every_state_has_a_list_and_a_running_job_names_its_holder(
         ui: Served, page: Page, pg18: Server) -> None:
     fetch_rows(ui.dsn, "UPDATE receipt_jobs SET run_at = now() + interval '1 hour'"
@@ -113,9 +116,9 @@ async def test_every_state_has_a_list_and_a_running_job_names_its_holder(
         await worker_queue.ack([(jobs["done-1"].id, jobs["done-1"].token)])
     finally:
         await pool.close()
-    await ui.operations.heartbeat(tag="0badcafe", pod="receipts-worker-5d8f7-x2k4p", pid=7,
-                                  version="0.3.0", slots=32, inflight=2, claimed_total=4,
-                                  uptime_seconds=300, since_claim_seconds=2)
+    await ui.queue.heartbeat(tag="0badcafe", pod="receipts-worker-5d8f7-x2k4p", pid=7,
+                             version="0.3.0", slots=32, inflight=2, claimed_total=4,
+                             uptime_seconds=300, since_claim_seconds=2)
     fetch_rows(ui.dsn, "UPDATE receipt_jobs SET lease_until = now() - interval '3 min'"
                        " WHERE order_id = 'run-expired' RETURNING 1")
     await ui.reread()
@@ -148,12 +151,13 @@ async def test_every_state_has_a_list_and_a_running_job_names_its_holder(
     assert "pid 7, 0.3.0" in await page.text("#holder")
 
 
+@pytest.mark.slow
 async def test_the_workers_seen_lately_are_listed(ui: Served, page: Page) -> None:
     for tag, pod, stopped in (("00000001", "receipts-worker-a", False),
                               ("00000002", "receipts-worker-b", True)):
-        await ui.operations.heartbeat(tag=tag, pod=pod, pid=11, version="0.3.0", slots=64,
-                                      inflight=3, claimed_total=1234, uptime_seconds=60,
-                                      since_claim_seconds=1, stopped=stopped)
+        await ui.queue.heartbeat(tag=tag, pod=pod, pid=11, version="0.3.0", slots=64,
+                                 inflight=3, claimed_total=1234, uptime_seconds=60,
+                                 since_claim_seconds=1, stopped=stopped)
     fetch_rows(ui.dsn, "INSERT INTO receipt_workers (tag, pod, slots, seen_at) VALUES"
                        " ('00000003', 'long-gone', 8, now() - interval '1 hour') RETURNING 1")
     await ui.reread()
@@ -166,6 +170,7 @@ async def test_the_workers_seen_lately_are_listed(ui: Served, page: Page) -> Non
     assert await page.text("#count-workers") == "1"
 
 
+@pytest.mark.slow
 async def test_recover_now_returns_expired_leases(ui: Served, page: Page) -> None:
     (job,) = await claim_jobs(ui.queue, 1)
     fetch_rows(ui.dsn, "UPDATE receipt_jobs SET lease_until = now() - interval '1 min'"
@@ -183,6 +188,7 @@ async def test_recover_now_returns_expired_leases(ui: Served, page: Page) -> Non
 # ------------------------------------------------------------------ the provider
 
 
+@pytest.mark.slow
 async def test_the_provider_panel_shows_the_pause_its_reason_and_the_last_probe(
         ui: Served, page: Page) -> None:
     await ui.queue.extend_pause(PauseReason.OUTAGE, 120)
@@ -197,6 +203,7 @@ async def test_the_provider_panel_shows_the_pause_its_reason_and_the_last_probe(
     await page.wait_for(f"document.querySelector('#provider .countdown').innerText !== {left!r}")
 
 
+@pytest.mark.slow
 async def test_an_operator_pauses_and_resumes_the_fleet_from_the_page(
         ui: Served, page: Page) -> None:
     await sign_in(page, ui)
@@ -233,6 +240,7 @@ async def test_an_operator_pauses_and_resumes_the_fleet_from_the_page(
     assert "manual" in await page.text("#pause-reason")
 
 
+@pytest.mark.slow
 async def test_the_chart_draws_the_sampled_hour_on_the_server(ui: Served, page: Page) -> None:
     monitor = ui.app[CONSOLE].monitor
     now = (await ui.operations.fleet_flow()).now

@@ -49,6 +49,7 @@ async def _rows(page: Page) -> list[str]:
 # ------------------------------------------------------------------ reading
 
 
+@pytest.mark.slow
 async def test_list_filter_and_open_a_job_with_its_attempt_history(
     ui: Served, page: Page, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -91,6 +92,7 @@ async def test_list_filter_and_open_a_job_with_its_attempt_history(
     assert "postgresql://" not in html and "dbname" not in html and TOKEN not in html
 
 
+@pytest.mark.slow
 async def test_pages_read_without_javascript(ui: Served, page: Page) -> None:
     await page.send("Emulation.setScriptExecutionDisabled", value=True)
     await page.goto(ui.url + "/?status=422")
@@ -104,6 +106,7 @@ async def test_pages_read_without_javascript(ui: Served, page: Page) -> None:
     assert len(scripts) == 1 and scripts[0].startswith(' src="/static/live.js"')
 
 
+@pytest.mark.slow
 async def test_hostile_provider_errors_render_escaped_and_clipped(ui: Served, page: Page) -> None:
     await page.goto(ui.url + "/")
     assert await page.eval("window.__pwned === undefined")
@@ -128,6 +131,7 @@ async def test_hostile_provider_errors_render_escaped_and_clipped(ui: Served, pa
 # ------------------------------------------------------------------ actions
 
 
+@pytest.mark.slow
 async def test_retry_needs_the_admin_token_and_then_happens(ui: Served, page: Page) -> None:
     await page.goto(ui.url + "/?status=422")
     target = ui.jobs["order-422-a"].id
@@ -167,6 +171,7 @@ async def test_retry_needs_the_admin_token_and_then_happens(ui: Served, page: Pa
     assert {ui.state("order-503-a"), ui.state("order-503-b")} == {"discarded"}
 
 
+@pytest.mark.slow
 async def test_all_matching_is_bounded_by_the_moment_of_confirmation(
         ui: Served, page: Page) -> None:
     await page.goto(ui.url + "/login")
@@ -176,7 +181,7 @@ async def test_all_matching_is_bounded_by_the_moment_of_confirmation(
     await page.click("button[value='retry:filter']")
     assert "Retry 3 jobs?" in await page.text("h1")
     # Meanwhile another operator retries one of them, and a new 422 failure arrives.
-    await ui.queue.retry_jobs([ui.jobs["order-422-a"].id], expected=1)
+    await ui.operations.retry_jobs([ui.jobs["order-422-a"].id], expected=1)
     (late,) = await claim_jobs(ui.queue, 1)
     await reschedule_one(ui.queue, late, delay_seconds=0, error="422 late", permanent=True)
     await ui.queue.record_attempts([AttemptRecord(late.id, 1, Reason.REJECTED, 422,
@@ -190,6 +195,7 @@ async def test_all_matching_is_bounded_by_the_moment_of_confirmation(
         ("failed",)]
 
 
+@pytest.mark.slow
 async def test_a_selection_with_a_job_that_does_not_qualify_changes_nothing(
     ui: Served, page: Page
 ) -> None:
@@ -208,6 +214,7 @@ async def test_a_selection_with_a_job_that_does_not_qualify_changes_nothing(
     assert ui.state("order-ready") == "running"
 
 
+@pytest.mark.slow
 async def test_a_forged_cross_site_post_is_refused(ui: Served, page: Page) -> None:
     """A page on another site auto-submits a retry form to the signed-in operator's page."""
     await page.goto(ui.url + "/login")
@@ -246,6 +253,7 @@ async def test_a_forged_cross_site_post_is_refused(ui: Served, page: Page) -> No
     assert {ui.state(o) for o in ui.jobs} == {"failed"}
 
 
+@pytest.mark.slow
 async def test_the_read_only_page_offers_no_actions_and_refuses_every_post(
     readonly_ui: Served, page: Page
 ) -> None:
@@ -267,6 +275,7 @@ async def test_the_read_only_page_offers_no_actions_and_refuses_every_post(
     assert {readonly_ui.state(o) for o in readonly_ui.jobs} == {"failed"}
 
 
+@pytest.mark.slow
 async def test_a_running_job_shows_only_its_lease_token_prefix(ui: Served, page: Page) -> None:
     (job,) = await claim_jobs(ui.queue, 1)
     await page.goto(f"{ui.url}/jobs/{job.id}")

@@ -27,7 +27,10 @@ with what the provider received:
   against the trail's claims plus the attempts the worker says a crash undid
   (``receipts_writes_undone_total{statement="claim"}``);
 * stale acks: what the lease guard refused (``ReceiptsStaleAcks`` pages on
-  these; a crash must not produce them).
+  these; a crash must not produce them);
+* traces: every receipt the provider received more than once is accounted
+  for by its row's ``attempts`` plus the records of attempts whose claim the
+  crash undid (``completion.UNDONE_CLAIM``) in its history.
 
 The end checks reuse the chaos run's (:mod:`tests.chaos.checks`).
 """
@@ -52,6 +55,7 @@ from typing import Any
 
 import psycopg
 
+from receipts.completion import UNDONE_CLAIM
 from receipts.embedded import EmbeddedPostgres, free_port
 from receipts.migrate import apply_migrations
 from receipts.supervisor import ChildError, Supervisor
@@ -118,7 +122,9 @@ class CrashReport:
             f"(drain {f.get('rate_before_crash', 0):,.0f} jobs/s before it)",
             f"  lost {int(f.get('lost', 0))}, duplicates {int(f.get('duplicates', 0))} "
             f"({int(f.get('duplicate_keys', 0))} keys, {int(f.get('twice_with_one_attempt', 0))}"
-            " of them delivered twice while their row says attempts = 1)",
+            " of them delivered twice while their row says attempts = 1; "
+            f"{int(f.get('undone_records', 0))} records of undone claims in the histories, "
+            f"{int(f.get('untraced', 0))} resends without a trace)",
             f"  acks counted {int(f.get('acks', 0))} vs done rows {int(f.get('done', 0))} "
             f"(drift {int(f.get('ack_drift', 0))}); stale acks {int(f.get('stale_acks', 0))}; "
             f"writes undone by the crash {int(f.get('undone', 0))} "
@@ -286,12 +292,16 @@ class CrashRun:
         requests = await asyncio.to_thread(provider.get_json, "/requests", timeout_seconds=60)
         codes = await asyncio.to_thread(sup.stop_all, timeout_seconds=20)
         rows = await self._sql(dsn, "SELECT order_id, state, attempts FROM receipt_jobs")
+        undone = dict(await self._sql(
+            dsn, "SELECT j.order_id, count(*) FROM receipt_attempts AS a"
+                 " JOIN receipt_jobs AS j ON j.id = a.job_id WHERE a.error = %s GROUP BY 1",
+            (UNDONE_CLAIM,)))
         audit = [AuditRow(*r) for r in await self._sql(dsn, AUDIT_QUERY)]
         with (self.report.workdir or Path(".")).joinpath("audit.jsonl").open("w") as fh:
             for row in audit:  # what the checks judged, kept with the logs
                 fh.write(json.dumps(dataclasses.asdict(row)) + "\n")
         self._judge(orders, rows, audit, metrics, stats, receipts, requests, codes,
-                    outage_seconds=restarted - crashed)
+                    outage_seconds=restarted - crashed, undone_records=undone)
         self.report.figures.update(done_at_crash=done_at_crash,
                                    restart_seconds=restarted - crashed,
                                    drain_seconds=drained - restarted, rate_before_crash=rate)
@@ -313,7 +323,7 @@ class CrashRun:
     def _judge(self, orders: list[str], rows: list[tuple[Any, ...]], audit: list[AuditRow],
                metrics: dict[str, Any], stats: dict[str, Any], receipts: dict[str, Any],
                requests: list[list[str]], codes: dict[str, int], *,
-               outage_seconds: float) -> None:
+               outage_seconds: float, undone_records: dict[str, int] | None = None) -> None:
         """The checks (see the module doc). Stale acks, and with durable commits any
         duplicate, are judged only when the server was back well within the lease:
         leases that expire during a longer outage make both, rightly."""
@@ -326,6 +336,10 @@ class CrashRun:
         duplicates = sum(n - 1 for n in per_key.values())
         twice_one = sum(1 for key, n in per_key.items()
                         if n > 1 and attempts.get(key.removeprefix("receipt:")) == 1)
+        traced = undone_records or {}
+        untraced = sorted(key for key, n in per_key.items() if n > 1 and (
+            attempts.get(key.removeprefix("receipt:"), 0)
+            + int(traced.get(key.removeprefix("receipt:"), 0)) < n))
         trail = read_trail(audit)
         mismatches = []
         totals: Counter[str] = Counter()
@@ -376,6 +390,9 @@ class CrashRun:
                     totals["stale"] == 0 or not within_lease,
                     f"{totals['stale']} stale" + ("" if within_lease else
                                                  f" (not judged: {outage_note})")),
+            Finding("every receipt sent again leaves a trace: its row's attempts plus the "
+                    "history's records of claims the crash undid cover every sending",
+                    not untraced, f"{len(untraced)} keys without, e.g. {untraced[:3]}"),
             Finding("every process exited 0 on SIGTERM",
                     all(code == 0 for code in codes.values()), str(codes)),
         ]
@@ -389,7 +406,8 @@ class CrashRun:
             lost=len(expected - set(states)) + sum(1 for s in states.values()
                                                    if s not in ("done", "failed")),
             duplicates=duplicates, duplicate_keys=sum(1 for n in per_key.values() if n > 1),
-            twice_with_one_attempt=twice_one, done=done, acks=totals["acks"],
+            twice_with_one_attempt=twice_one, untraced=len(untraced),
+            undone_records=sum(int(n) for n in traced.values()), done=done, acks=totals["acks"],
             ack_drift=totals["acks"] - done, stale_acks=totals["stale"],
             undone=totals["undone"], undone_claims=totals["undone_claims"],
             redone=totals["redone"], requests=stats["requests"])

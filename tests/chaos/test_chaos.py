@@ -13,7 +13,7 @@ import pytest
 
 from tests.chaos.run import ChaosConfig, run_chaos
 
-pytestmark = [pytest.mark.chaos, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 async def test_no_job_is_lost_and_no_stale_ack_lands_under_every_fault(tmp_path):

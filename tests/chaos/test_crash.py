@@ -13,7 +13,7 @@ import pytest
 
 from tests.chaos.crash import CrashConfig, run_crash
 
-pytestmark = [pytest.mark.chaos, pytest.mark.timeout(240)]
+pytestmark = [pytest.mark.chaos, pytest.mark.slow, pytest.mark.timeout(240)]
 
 
 @pytest.mark.parametrize("synchronous_commit", ["off", "on"])

@@ -135,7 +135,8 @@ def big_dsn(pg18: Server) -> Iterator[str]:
         for _, definition in indexes:
             conn.execute(definition)
         conn.execute(statements()["claim"].format(limit=1000),
-                     {"max_attempts": MAX_ATTEMPTS, "lease_seconds": 600.0, "probe": False})
+                     {"max_attempts": MAX_ATTEMPTS, "lease_seconds": 600.0, "probe": False,
+                      "after_run_at": None, "after_id": None})
         conn.execute("VACUUM (ANALYZE) receipt_jobs")
     try:
         yield dsn
@@ -156,6 +157,7 @@ def _explain(conn: psycopg.Connection[Any], query: str) -> tuple[dict[str, Any],
     return top, list(_nodes(top["Plan"]))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("paused", [False, True], ids=["flowing", "paused"])
 def test_the_signal_is_one_cheap_statement_over_the_partial_indexes(
     big_dsn: str, tmp_path: Path, paused: bool
@@ -299,6 +301,7 @@ async def enqueue_backlog(dsn: str, n: int) -> None:
             await enqueue_async(conn, f"backlog-{i}-{uuid.uuid4()}")
 
 
+@pytest.mark.slow
 async def test_keda_formula_on_the_rendered_query_under_poisson_load(
     pg18: Server, tmp_path: Path
 ) -> None:
@@ -386,6 +389,7 @@ async def test_keda_formula_on_the_rendered_query_under_poisson_load(
     assert sampler.samples[-1].replicas == 0
 
 
+@pytest.mark.slow
 def test_a_configured_schema_qualifies_the_keda_query_and_reaches_the_pods(
     pg18: Server, tmp_path: Path
 ):

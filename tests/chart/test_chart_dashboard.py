@@ -233,6 +233,7 @@ def _shipped(docs: list[dict[str, Any]]) -> dict[str, Any]:
     return json.loads(configmap["data"]["receipts.json"])  # type: ignore[no-any-return]
 
 
+@pytest.mark.slow
 def test_dashboard_ships_as_a_sidecar_configmap_when_enabled() -> None:
     assert not [d for d in render() if d["metadata"]["name"].endswith("-dashboard")]
     docs = render((CHART / "ci" / "keda-values.yaml",))
@@ -246,6 +247,7 @@ def test_dashboard_ships_as_a_sidecar_configmap_when_enabled() -> None:
     assert one(docs, "Deployment")
 
 
+@pytest.mark.slow
 def test_each_release_gets_its_own_dashboard_uid_and_title() -> None:
     values = (CHART / "ci" / "keda-values.yaml",)
     first = _shipped(render(values))
@@ -370,6 +372,7 @@ def prometheus(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         target.server_close()
 
 
+@pytest.mark.slow
 def test_every_dashboard_query_answers_with_data_on_a_real_prometheus(prometheus: str) -> None:
     failures = {}
     for title, expr in EXPRS:

@@ -189,6 +189,7 @@ def run_installed(venv: Path, user: str | None, *args: str) -> subprocess.Comple
     return run(cmd, env=env, cwd="/")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [["--help"], ["worker", "--help"]], ids=" ".join)
 def test_the_installed_entrypoint_runs_as_non_root(
     installed_receipts: tuple[Path, str | None], args: list[str]
@@ -213,6 +214,7 @@ def test_the_image_carries_the_migrations_and_sql(
     assert list((package / "sql").glob("*.sql"))
 
 
+@pytest.mark.slow
 def test_the_non_root_user_cannot_write_the_installation(
     installed_receipts: tuple[Path, str | None],
 ) -> None:

@@ -158,6 +158,7 @@ DNS_SUBDOMAIN = re.compile(r"^[a-z0-9]([-a-z0-9.]*[a-z0-9])?$")
 LONG = "checkout-receipts-eu-west-1-production-bluegreen-canary"  # 56 characters
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("release", [
     "r", "shop", "receipts", LONG[:43], LONG[:44], LONG[:45], LONG[:52], LONG[:53],
     "x" * 53, "receipts-" + "y" * 44, "shop-" + "z" * 48, "s" * 44,
@@ -228,6 +229,7 @@ def test_network_policy_allows_what_the_pods_need_and_nothing_else() -> None:
     assert len(egress) == 4
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("sets", "port"), [
     (("config.providerUrl=https://provider.test/v1",), 443),
     (("config.providerUrl=http://provider.test:8080/v1",), 8080),
@@ -262,6 +264,7 @@ def test_extra_volumes_reach_every_workload_with_the_ca_file_setting() -> None:
     assert "HTTPS_PROXY" not in data
 
 
+@pytest.mark.slow
 def test_helm_test_runs_receipts_check_with_the_workers_settings() -> None:
     docs = render()
     pod = one(docs, "Pod")
@@ -312,6 +315,7 @@ def _notes(*args: str) -> str:
     return result.stdout.split("NOTES:", 1)[1]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
 def test_notes_review_jobs_in_a_one_off_pod_that_works_at_zero_workers(
         kube_version: str) -> None:
@@ -339,6 +343,7 @@ def test_notes_review_jobs_in_a_one_off_pod_that_works_at_zero_workers(
     assert "port-forward svc/receipts-ui 8090" in notes  # the review page, when on
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("rate", "latency"), [(1, 0.2), (2_000, 0.2), (500, 10.0)])
 def test_the_planner_s_values_render(rate: float, latency: float, tmp_path: Path) -> None:
     from receipts.planner import helm_values, plan

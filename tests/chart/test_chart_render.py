@@ -55,6 +55,7 @@ def test_ci_scenarios_cover_the_documented_cases() -> None:
 # --------------------------------------------------------------------------- lint
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("values", SCENARIOS, ids=SCENARIO_IDS)
 def test_helm_lint_strict_is_clean(values: tuple[Path, ...]) -> None:
     args = ["lint", "--strict", str(CHART), "-f", str(REQUIRED_VALUES)]
@@ -68,6 +69,7 @@ def test_helm_lint_strict_is_clean(values: tuple[Path, ...]) -> None:
 # ------------------------------------------------------------- schema validation
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kube_version", KUBE_VERSIONS)
 @pytest.mark.parametrize("values", SCENARIOS, ids=SCENARIO_IDS)
 def test_every_manifest_validates_against_its_schema(
@@ -106,6 +108,7 @@ def test_crd_validation_catches_a_misspelt_field() -> None:
     assert any("maxReplicas" in e.message for e in errors)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("values", SCENARIOS, ids=SCENARIO_IDS)
 def test_scaled_object_min_replicas_do_not_exceed_max(values: tuple[Path, ...]) -> None:
     # The CRD's CEL rule (minReplicaCount <= maxReplicaCount) is not evaluated by jsonschema.
@@ -199,6 +202,7 @@ def test_budget_counts_fixed_replicas_without_autoscaling() -> None:
         *sets, "connectionBudget.maxConnections=19")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("sets", "surge"),
     [
@@ -220,6 +224,7 @@ def test_budget_counts_the_pods_a_rollout_or_an_eviction_adds(sets: tuple[str, .
     assert f"= {need} connections" in message
 
 
+@pytest.mark.slow
 def test_budget_counts_keda_s_own_connection() -> None:
     keda = ("autoscaling.keda.enabled=true",)
     render((), (*keda, "connectionBudget.maxConnections=36"))  # 35 + KEDA 1
@@ -230,6 +235,7 @@ def test_budget_counts_keda_s_own_connection() -> None:
                 "connectionBudget.maxConnections=35"))
 
 
+@pytest.mark.slow
 def test_budget_has_no_listener_connection_behind_pgbouncer() -> None:
     pgbouncer = (CHART / "ci" / "pgbouncer-values.yaml",)
     render(pgbouncer)  # (20 + 1) × 2 + 1 + 1 = 44
@@ -240,6 +246,7 @@ def test_budget_has_no_listener_connection_behind_pgbouncer() -> None:
     assert configmap["data"]["RECEIPTS_PGBOUNCER"] == "true"
 
 
+@pytest.mark.slow
 def test_budget_counts_reserved_connections_and_skips_disabled_jobs() -> None:
     base = ("autoscaling.maxReplicas=2", "config.poolMaxSize=1", "config.listenNotify=false")
     render((), (*base, "connectionBudget.maxConnections=5"))  # (2 + 1) × 1 + 1 + 1
@@ -249,6 +256,7 @@ def test_budget_counts_reserved_connections_and_skips_disabled_jobs() -> None:
                                               "connectionBudget.maxConnections=7")
 
 
+@pytest.mark.slow
 def test_keda_behind_a_transaction_pooler_is_refused_unless_declared_compatible() -> None:
     sets = ("config.pgbouncer=true", "autoscaling.keda.enabled=true")
     result = template((), sets)
@@ -321,6 +329,7 @@ def _settings_from(configmap: dict[str, Any]) -> Settings:
     return Settings(database_url="postgresql://receipts@db.example/receipts", **env)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "config",
     [
@@ -351,6 +360,7 @@ def test_the_stop_budget_formula_by_hand() -> None:
         "terminationGracePeriodSeconds"] == 40
 
 
+@pytest.mark.slow
 def test_a_grace_period_below_the_stop_budget_is_refused_with_the_formula() -> None:
     result = template((), ("worker.terminationGracePeriodSeconds=39",))
     assert result.returncode != 0
@@ -364,6 +374,7 @@ def test_a_grace_period_below_the_stop_budget_is_refused_with_the_formula() -> N
     assert result.returncode != 0 and "below 50" in result.stderr
 
 
+@pytest.mark.slow
 def test_extra_env_cannot_override_a_setting_the_chart_computes_from() -> None:
     result = template((), ("config.extraEnv.RECEIPTS_SHUTDOWN_GRACE_SECONDS=600",))
     assert result.returncode != 0
@@ -379,6 +390,7 @@ def test_a_delivery_timeout_longer_than_the_lease_allows_is_refused() -> None:
     assert "leaseMarginSeconds" in result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("values", SCENARIOS, ids=SCENARIO_IDS)
 def test_no_container_runs_as_root_or_writes_its_root_filesystem(values: tuple[Path, ...]) -> None:
     specs = pod_specs(render(values))
@@ -413,6 +425,7 @@ SECRET_DSN = "postgresql://receipts:Sup3rS3cretPw@db.example:5432/receipts"
 SECRET_TOKEN = "tok_9f8e7d6c5b4a"
 
 
+@pytest.mark.slow
 def test_secrets_never_appear_outside_secrets() -> None:
     docs = render((CHART / "ci" / "keda-values.yaml",),
                   (f"secret.databaseUrl={SECRET_DSN}", f"secret.providerToken={SECRET_TOKEN}"))
@@ -447,6 +460,7 @@ def test_existing_secret_replaces_the_chart_secret_everywhere() -> None:
     assert deployment["spec"]["template"]["spec"]["serviceAccountName"] == "receipts-runner"
 
 
+@pytest.mark.slow
 def test_keda_scales_on_jobs_due_or_in_flight_and_replaces_the_hpa() -> None:
     docs = render((CHART / "ci" / "keda-values.yaml",))
     assert by_kind(docs, "HorizontalPodAutoscaler") == []
@@ -472,6 +486,7 @@ def test_keda_scales_on_jobs_due_or_in_flight_and_replaces_the_hpa() -> None:
     assert "replicas" not in one(docs, "Deployment")["spec"]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     ("concurrency", "utilisation", "max_attempts", "target"),
     [
@@ -553,6 +568,7 @@ def test_worker_deployment_wiring() -> None:
     assert service["spec"]["ports"][0]["targetPort"] == "metrics"
 
 
+@pytest.mark.slow
 def test_config_change_rolls_the_workers() -> None:
     def checksum(*sets: str) -> str:
         deployment = one(render((), sets), "Deployment")
@@ -604,6 +620,7 @@ def _all_objects(docs: list[dict[str, Any]]) -> list[str]:
     return sorted(f"{d['kind']}/{d['metadata']['name']}" for d in docs)
 
 
+@pytest.mark.slow
 def test_release_names_prefix_every_object() -> None:
     docs = render((CHART / "ci" / "keda-values.yaml",), release="prod")
     for name in _all_objects(docs):
@@ -652,6 +669,7 @@ def test_placement_defaults_to_none_anywhere() -> None:
         assert _placement(spec) == (None, None, None)
 
 
+@pytest.mark.slow
 def test_retention_zero_turns_pruning_off_and_renders() -> None:
     data = one(render((), ("config.retentionDays=0",)), "ConfigMap")["data"]
     assert data["RECEIPTS_RETENTION_DAYS"] == "0"
@@ -672,6 +690,7 @@ def test_failed_recovery_runs_and_their_logs_are_kept_for_the_runbook() -> None:
     assert job["spec"]["jobTemplate"]["spec"]["ttlSecondsAfterFinished"] == 86400
 
 
+@pytest.mark.slow
 def test_pdb_lets_unhealthy_pods_be_evicted_where_kubernetes_knows_the_field() -> None:
     pdb = one(render(), "PodDisruptionBudget")
     assert pdb["spec"]["unhealthyPodEvictionPolicy"] == "AlwaysAllow"

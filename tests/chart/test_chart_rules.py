@@ -115,6 +115,7 @@ def test_the_rate_limit_alert_needs_a_rate_limit() -> None:
     assert "min_over_time(receipts_provider_tokens" in expr and ">= 0" in expr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("profile", sorted(PROFILES))
 def test_every_alert_in_a_healthy_fleet_and_in_each_fault(profile: str, tmp_path: Path) -> None:
     """alert_scenarios.yaml: exactly the listed alerts fire at each check, for the profile."""
@@ -141,6 +142,7 @@ def test_promtool_checks_the_plain_rule_file() -> None:
     promtool("check", "rules", str(RULES_FILE))
 
 
+@pytest.mark.slow
 def test_promtool_checks_the_prometheus_rule_of_every_scenario(tmp_path: Path) -> None:
     checked = []
     for values in CI_VALUES:
@@ -178,6 +180,7 @@ tests:
 """
 
 
+@pytest.mark.slow
 def test_scale_to_zero_rules_do_not_page_when_workers_are_scaled_away(tmp_path: Path) -> None:
     keda = (CHART / "ci" / "keda-values.yaml",)
     # With kube-state-metrics: only while the Deployment wants pods.
@@ -196,6 +199,7 @@ def test_scale_to_zero_rules_do_not_page_when_workers_are_scaled_away(tmp_path: 
     _promtool_test(tmp_path, without, SCALED_TO_ZERO_TESTS)
 
 
+@pytest.mark.slow
 def test_no_rule_depends_on_a_replica_count() -> None:
     default = template((MONITORING,), ("prometheusOperator.enabled=true",))
     other = template((MONITORING,), ("prometheusOperator.enabled=true",
@@ -257,6 +261,7 @@ tests:
 """
 
 
+@pytest.mark.slow
 def test_recovery_success_can_be_read_from_the_pushgateway_instead(tmp_path: Path) -> None:
     result = template((), ("prometheusOperator.enabled=true",
                            "alerts.recoveryLastSuccessFrom=pushgateway"))
@@ -267,6 +272,7 @@ def test_recovery_success_can_be_read_from_the_pushgateway_instead(tmp_path: Pat
     _promtool_test(tmp_path, spec_text, PUSHGATEWAY_TESTS)
 
 
+@pytest.mark.slow
 def test_recovery_success_is_read_where_the_values_say_it_is() -> None:
     def source(*sets: str) -> str:
         result = template((), ("prometheusOperator.enabled=true", *sets))
@@ -285,6 +291,7 @@ def test_recovery_success_is_read_where_the_values_say_it_is() -> None:
     assert source("alerts.recoveryLastSuccessFrom=kube-state-metrics") == "kube-state-metrics"
 
 
+@pytest.mark.slow
 def test_the_recovery_alert_names_the_cronjob_as_rendered_for_any_release_name() -> None:
     release = "checkout-receipts-eu-west-1-production-blue-green-ab"  # 52 characters
     docs = render((), ("prometheusOperator.enabled=true", "alerts.kubeStateMetrics=true"),
@@ -327,6 +334,7 @@ tests:
 """
 
 
+@pytest.mark.slow
 def test_pruning_is_watched_only_when_it_runs() -> None:
     result = template((), ("prometheusOperator.enabled=true", "config.retentionDays=7"))
     assert result.returncode == 0, result.stderr
@@ -340,6 +348,7 @@ def test_pruning_is_watched_only_when_it_runs() -> None:
 KSM_TESTS = Path(__file__).resolve().parent / "kube-state-metrics.rules.test.yaml"
 
 
+@pytest.mark.slow
 def test_the_kube_state_metrics_alerts_fire_and_stay_silent(tmp_path: Path) -> None:
     result = template((), ("prometheusOperator.enabled=true", "alerts.kubeStateMetrics=true"))
     assert result.returncode == 0, result.stderr
@@ -351,6 +360,7 @@ def test_the_kube_state_metrics_alerts_fire_and_stay_silent(tmp_path: Path) -> N
     _promtool_test(tmp_path, spec_text, KSM_TESTS.read_text(), annotations=True)
 
 
+@pytest.mark.slow
 def test_with_a_fixed_replica_count_growth_alone_is_enough(tmp_path: Path) -> None:
     result = template((), ("prometheusOperator.enabled=true", "autoscaling.enabled=false"))
     assert result.returncode == 0, result.stderr
@@ -359,6 +369,7 @@ def test_with_a_fixed_replica_count_growth_alone_is_enough(tmp_path: Path) -> No
     _promtool_test(tmp_path, spec_text, FIXED_REPLICAS_TESTS)
 
 
+@pytest.mark.slow
 def test_promtool_unit_tests_pass() -> None:
     promtool("test", "rules", RULES_TEST_FILE.name, cwd=RULES_TEST_FILE.parent)
 
@@ -391,6 +402,7 @@ def test_every_alert_is_documented_with_a_runbook(alert: str) -> None:
     assert page.read_text().startswith(f"# {alert}\n")
 
 
+@pytest.mark.slow
 def test_runbook_links_follow_the_base_url_the_operator_sets() -> None:
     base = "https://docs.example.internal/receipts/runbook/"
     result = template((), ("prometheusOperator.enabled=true", f"alerts.runbookUrl={base}"))

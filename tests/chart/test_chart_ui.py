@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
+import pytest
 from chartkit import CHART, by_kind, render, template
 
 UI_VALUES = (CHART / "ci" / "ui-values.yaml",)
@@ -48,6 +49,7 @@ def test_the_review_page_deployment_binds_all_interfaces_and_gets_only_what_it_n
     assert worker_service["spec"]["selector"]["app.kubernetes.io/component"] == "worker"
 
 
+@pytest.mark.slow
 def test_without_an_admin_token_secret_the_page_is_read_only() -> None:
     docs = render((), ("ui.enabled=true", "ui.anonymousRead=true"))
     (container,) = _ui(docs, "Deployment")["spec"]["template"]["spec"]["containers"]
@@ -57,6 +59,7 @@ def test_without_an_admin_token_secret_the_page_is_read_only() -> None:
     assert env["RECEIPTS_UI_ANONYMOUS_READ"] == "true"
 
 
+@pytest.mark.slow
 def test_reading_the_page_needs_a_viewer_token_unless_said_otherwise() -> None:
     result = template((), ("ui.enabled=true",))
     assert result.returncode != 0
@@ -67,6 +70,7 @@ def test_reading_the_page_needs_a_viewer_token_unless_said_otherwise() -> None:
     assert bad.returncode != 0 and "refreshSeconds" in bad.stderr
 
 
+@pytest.mark.slow
 def test_the_connection_budget_counts_the_review_page() -> None:
     # Defaults: (10 + 1 surge) × (2 + 1) + 1 + 1 = 35, plus 2 per review page replica.
     render((), ("ui.enabled=true", "ui.anonymousRead=true", "connectionBudget.maxConnections=37"))

@@ -150,6 +150,7 @@ def _expire(old: OldRelease, job: uuid.UUID) -> None:
 # -------------------------------------------------------------- the lease protocol
 
 
+@pytest.mark.slow
 def test_the_old_lease_protocol_holds_on_today_s_schema(old: OldRelease) -> None:
     a, b = old.enqueue("order-a", "order-b")
     assert old.enqueue("order-a") == []  # a duplicate enqueue is a no-op
@@ -194,6 +195,7 @@ def test_the_old_lease_protocol_holds_on_today_s_schema(old: OldRelease) -> None
     assert old.run("job_attempts", {"id": b}) == []  # its history went with it
 
 
+@pytest.mark.slow
 def test_the_old_rate_limited_claim_charges_the_bucket_on_today_s_schema(
         old: OldRelease) -> None:
     old.enqueue(*(f"limited-{n}" for n in range(5)))
@@ -219,6 +221,7 @@ def _pause(old: OldRelease, *, reason: str, cause: str, seconds: float) -> None:
         (reason, cause, seconds, seconds, seconds))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("cause", "reason"), [("rejecting", "outage"),
                                                ("manual", "retry_after")])
 def test_a_newer_pause_reads_as_one_the_old_release_knows(
@@ -276,6 +279,7 @@ def test_no_newer_code_can_write_a_reason_the_old_release_does_not_know(
 # ------------------------------------------------------- review and every statement
 
 
+@pytest.mark.slow
 def test_every_old_statement_runs_on_today_s_schema(old: OldRelease) -> None:
     """Each block of the frozen file runs (parses, finds its columns) with 0.2.0's
     parameters; the lease-protocol tests above check what the main ones do."""

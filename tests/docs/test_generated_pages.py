@@ -42,8 +42,12 @@ NOT_SETTINGS = {
 # receipts_* names that are no metric: database objects and code.
 NOT_METRICS = {
     "receipts_enqueue",  # the SQL function
+    "receipts_record_attempts",  # the attempt history's one door (migration 0009)
+    "receipts_prune",  # pruning's one door (migration 0009)
+    "receipts_refuse_unguarded_done",  # the done guard's trigger function
     "receipts_ready",  # the LISTEN/NOTIFY channel
     "receipts_waker",  # the waker's heartbeat channel
+    "receipts_fleet",  # the waker's announcement channel (members' shares, watermark)
     "receipts_schema_migrations",  # the migrations' tracking table
     "receipts_drain",  # bench.procs' drain
     "receipts_jobs_due_or_in_flight",  # the External metric an adapter serves to the HPA
@@ -75,13 +79,31 @@ def test_every_generated_page_is_what_the_code_says_now() -> None:
 
 
 def test_every_setting_has_a_description() -> None:
-    from receipts import cli
     from receipts.settings import Settings
 
     missing = [name for name, field in Settings.model_fields.items()
-               if not (field.description or cli.SETTING_HELP.get(name))]
+               if not (field.description or "").strip()]
     assert not missing, (f"settings without a description: {missing}; give each Field a "
-                         "description (it is the settings reference's text)")
+                         "description (the one source of --help's and the reference's text)")
+
+
+def test_help_and_the_settings_reference_say_the_same_thing_for_each_setting() -> None:
+    """One source for each description: --help's epilogs and the reference page both
+    print the field's text, and each field is in some command's --help."""
+    from receipts import cli
+    from receipts.settings import ENV_PREFIX, Settings
+
+    page = gen.settings_page()
+    helps = {command: " ".join(cli.settings_help(command).split())
+             for command in ("worker", *cli.COMMAND_SETTINGS)}
+    for name, field in Settings.model_fields.items():
+        text = " ".join((field.description or "").split())
+        variable = f"{ENV_PREFIX}{name.upper()}"
+        shown = [command for command, help_text in helps.items() if variable in help_text]
+        assert shown, f"{variable} is in no command's --help"
+        for command in shown:
+            assert text in helps[command], f"`receipts {command} --help` differs for {variable}"
+        assert gen._cell(text) in page, f"docs/reference/settings.md differs for {variable}"
 
 
 def test_every_alert_has_a_written_runbook_page_titled_with_its_name() -> None:

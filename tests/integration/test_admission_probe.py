@@ -19,6 +19,7 @@ def _lsn(dsn: str) -> int:
     return int(lsn)  # type: ignore[call-overload]
 
 
+@pytest.mark.slow
 async def test_the_commit_probe_writes_wal_and_commits_as_an_ordinary_role(dsn):
     role = f"probe_{uuid.uuid4().hex[:8]}"
     with psycopg.connect(dsn, autocommit=True) as conn:

@@ -1,8 +1,8 @@
 """Every row of the provider-outcome table (docs/design.md §3), against a real HTTP server.
 
-The classification must not depend on the transport under httpx: the
-outcome rows run on the default transport (``receipts``) and on httpx's own
-(``httpcore``).
+The classification must not depend on the transport behind the deliverer's one
+door: the outcome rows run on both values of ``RECEIPTS_PROVIDER_TRANSPORT``,
+aiohttp's client (the default) and httpx's own transport (httpcore).
 """
 
 from __future__ import annotations
@@ -20,21 +20,19 @@ from receipts.delivery import SUCCESS_BODY_SECONDS, HttpDeliverer
 from receipts.embedded import free_port
 from receipts.model import Job, Outcome, Verdict
 
-TRANSPORTS = ["receipts", "httpcore"]
+TRANSPORTS = ["aiohttp", "httpx"]
 
 
 def a_job(order_id: str = "order-1", attempt: int = 1) -> Job:
     return Job(id=uuid.uuid4(), order_id=order_id, token=uuid.uuid4(), attempt=attempt)
 
 
-def make(url: str, timeout: float, transport: str = "receipts", **kwargs) -> HttpDeliverer:
-    if transport == "httpcore":
-        kwargs["transport"] = httpx.AsyncHTTPTransport(trust_env=False)
-    return HttpDeliverer(url, timeout_seconds=timeout, **kwargs)
+def make(url: str, timeout: float, transport: str = "aiohttp", **kwargs) -> HttpDeliverer:
+    return HttpDeliverer(url, timeout_seconds=timeout, transport=transport, **kwargs)
 
 
 async def deliver_once(url: str, timeout: float = 2.0, job: Job | None = None,
-                       transport: str = "receipts") -> Outcome:
+                       transport: str = "aiohttp") -> Outcome:
     """One delivery through a fresh HttpDeliverer (closed afterwards)."""
     deliverer = make(url, timeout, transport)
     try:
@@ -84,9 +82,9 @@ async def test_each_status_is_classified_as_the_contract_says(
         assert outcome.detail == f"{code} order unknown"
 
 
-async def test_the_idempotency_key_and_body_are_identical_on_every_attempt(stub):
+async def test_the_idempotency_key_and_body_are_identical_on_every_attempt(stub, transport):
     stub.answer(status(503))
-    deliverer = HttpDeliverer(stub.url, timeout_seconds=2)
+    deliverer = HttpDeliverer(stub.url, timeout_seconds=2, transport=transport)
     job = a_job("order-42")
     try:
         for attempt in (1, 2, 3):
@@ -206,11 +204,11 @@ def capture(seen: list[web.Request], bodies: list[bytes], answer: web.Response |
     return fn
 
 
-async def test_the_request_carries_exactly_the_contract_headers_and_body(stub):
+async def test_the_request_carries_exactly_the_contract_headers_and_body(stub, transport):
     seen: list[web.Request] = []
     bodies: list[bytes] = []
     stub.answer(capture(seen, bodies))
-    deliverer = HttpDeliverer(stub.url, timeout_seconds=2, token="tok-1")
+    deliverer = HttpDeliverer(stub.url, timeout_seconds=2, token="tok-1", transport=transport)
     job = a_job("ørder-日本-1", attempt=3)
     try:
         assert (await deliverer.deliver(job)).verdict is Verdict.DELIVERED
@@ -232,11 +230,11 @@ async def test_the_request_carries_exactly_the_contract_headers_and_body(stub):
                               separators=(",", ":")).encode()
 
 
-async def test_the_url_userinfo_becomes_basic_auth_when_no_token_is_set(stub):
+async def test_the_url_userinfo_becomes_basic_auth_when_no_token_is_set(stub, transport):
     seen: list[web.Request] = []
     stub.answer(capture(seen, []))
     url = stub.url.replace("http://", "http://us%40er:p%3Ass@")
-    deliverer = HttpDeliverer(url, timeout_seconds=2)
+    deliverer = HttpDeliverer(url, timeout_seconds=2, transport=transport)
     try:
         await deliverer.deliver(a_job())
     finally:
@@ -266,11 +264,12 @@ async def test_a_redirect_is_not_followed(stub, transport):
     assert len(stub.requests) == 1
 
 
-async def test_cookies_set_by_the_provider_are_never_sent_back(stub):
+@pytest.mark.slow
+async def test_cookies_set_by_the_provider_are_never_sent_back(stub, transport):
     seen: list[web.Request] = []
     answer = web.json_response({}, headers={"Set-Cookie": "session=abc; Path=/"})
     stub.answer(capture(seen, [], answer))
-    deliverer = HttpDeliverer(stub.url, timeout_seconds=2)
+    deliverer = HttpDeliverer(stub.url, timeout_seconds=2, transport=transport)
     try:
         for _ in range(2):
             await deliverer.deliver(a_job())
@@ -279,7 +278,7 @@ async def test_cookies_set_by_the_provider_are_never_sent_back(stub):
     assert [r.headers.get("Cookie") for r in seen] == [None, None]
 
 
-async def test_deliveries_reuse_keep_alive_connections_up_to_the_connection_limit(stub):
+async def test_deliveries_reuse_keep_alive_connections_up_to_the_connection_limit(stub, transport):
     peers: set[object] = set()
 
     async def ok(request: web.Request) -> web.Response:
@@ -288,7 +287,8 @@ async def test_deliveries_reuse_keep_alive_connections_up_to_the_connection_limi
         return web.json_response({}, status=201)
 
     stub.answer(ok)
-    deliverer = HttpDeliverer(stub.url, timeout_seconds=5, max_connections=8)
+    deliverer = HttpDeliverer(stub.url, timeout_seconds=5, max_connections=8,
+                              transport=transport)
     try:
         for _ in range(20):
             assert (await deliverer.deliver(a_job())).verdict is Verdict.DELIVERED

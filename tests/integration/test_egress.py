@@ -14,14 +14,13 @@ import time
 import uuid
 from collections import Counter
 
-import httpx
 import pytest
 
 from receipts.delivery import HttpDeliverer, tls_context
 from receipts.model import Job, Outcome, Reason, Verdict
 from receipts.runtime import make_deliverer
 from receipts.settings import load_settings
-from receipts.transport import AiohttpTransport
+from receipts.transport import AiohttpTransport, HttpxTransport
 from tests.servers import Nginx, Pki, Squid, Tinyproxy, large_head
 
 SECRET = "pr0xy-s3cret-4471"
@@ -46,6 +45,7 @@ def settings_for(url: str, **extra: object):
 # ------------------------------------------------------------------ keep-alive
 
 
+@pytest.mark.slow
 async def test_a_keep_alive_connection_nginx_closes_when_idle_is_resent_and_burns_no_attempt():
     """Bursts about 1 s apart against keepalive_timeout 1s: reused connections die under
     the request. Each such request is sent once more on a fresh connection, within
@@ -60,7 +60,7 @@ async def test_a_keep_alive_connection_nginx_closes_when_idle_is_resent_and_burn
     theirs_site = nginx.site(keepalive_timeout="1s")
     with nginx:
         ours = AiohttpTransport(max_connections=20)
-        theirs = httpx.AsyncHTTPTransport(limits=httpx.Limits(max_connections=20))
+        theirs = HttpxTransport(max_connections=20)
         ours_d = HttpDeliverer(ours_site.url, timeout_seconds=5, transport=ours)
         theirs_d = HttpDeliverer(theirs_site.url, timeout_seconds=5, transport=theirs)
         seen: dict[str, Counter[str]] = {"ours": Counter(), "theirs": Counter()}
@@ -139,6 +139,7 @@ async def test_mutual_tls_with_the_client_certificate_is_delivered_and_without_i
 # ---------------------------------------------------------------------- proxies
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("proxy_kind", [Tinyproxy, Squid], ids=["tinyproxy", "squid"])
 async def test_plain_and_tls_providers_are_reached_through_a_proxy(proxy_kind, pki: Pki):
     nginx = Nginx()
@@ -157,6 +158,7 @@ async def test_plain_and_tls_providers_are_reached_through_a_proxy(proxy_kind, p
     assert "CONNECT" in log and f"127.0.0.1:{tls.port}" in log  # TLS end to end, tunnelled
 
 
+@pytest.mark.slow
 async def test_the_environment_proxy_applies_unless_no_proxy_matches_and_the_setting_wins():
     nginx = Nginx()
     site = nginx.site()
@@ -209,8 +211,10 @@ async def test_tls_sends_the_provider_s_host_name(pki: Pki):
         transport = AiohttpTransport(tls=tls_context(pki.ca))
         try:
             by_name = site.url.replace("127.0.0.1", "localhost")
-            response = await transport.handle_async_request(httpx.Request("POST", by_name))
-            body = await response.aread()
+            answer = await transport.sender(by_name)("POST", [], b"")
+            body = bytearray()
+            await answer.read_into(body, 1024)
+            await answer.release()
         finally:
             await transport.aclose()
-    assert (response.status_code, body) == (201, b"sni=localhost")
+    assert (answer.status, bytes(body)) == (201, b"sni=localhost")

@@ -24,6 +24,7 @@ def base_dir() -> Iterator[Path]:
         shutil.rmtree(folder, ignore_errors=True)
 
 
+@pytest.mark.slow
 def test_constructing_a_server_touches_nothing_until_prepare(base_dir: Path) -> None:
     server = EmbeddedPostgres(fast=True, base_dir=str(base_dir))
     assert list(base_dir.iterdir()) == []

@@ -103,6 +103,7 @@ async def test_a_latin1_database_stores_a_foreign_error_text_lossily_instead_of_
     assert failures == 2
 
 
+@pytest.mark.slow
 async def test_the_worker_refuses_a_sql_ascii_database_at_start_with_one_line(
         migrated_sql_ascii):
     with pytest.raises(UnusableDatabase, match="SQL_ASCII"):
@@ -111,6 +112,7 @@ async def test_the_worker_refuses_a_sql_ascii_database_at_start_with_one_line(
     assert_refused_in_one_line(result)
 
 
+@pytest.mark.slow
 def test_migrate_refuses_a_sql_ascii_database_and_creates_nothing(sql_ascii):
     assert_refused_in_one_line(receipts_cli(sql_ascii, "migrate"))
     assert_refused_in_one_line(receipts_cli(sql_ascii, "migrate", "--check"))
@@ -124,6 +126,7 @@ def test_migrate_refuses_a_sql_ascii_database_and_creates_nothing(sql_ascii):
     assert receipts_cli(sql_ascii, "migrate", "--print-sql").returncode == 0
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("args", [
     ("enqueue", "order-1"), ("jobs", "stats"), ("jobs", "list"), ("recover",),
 ], ids=["enqueue", "jobs-stats", "jobs-list", "recover"])

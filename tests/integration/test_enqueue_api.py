@@ -151,6 +151,7 @@ def test_enqueue_many_refuses_a_single_string_instead_of_a_list(dsn):
     assert stored(dsn) == {}
 
 
+@pytest.mark.slow
 def test_enqueue_many_validates_every_id_before_sending_anything(dsn):
     with psycopg.connect(dsn) as conn, conn.transaction():
         with pytest.raises(InvalidOrderId, match="control characters"):
@@ -163,6 +164,7 @@ def test_enqueue_many_validates_every_id_before_sending_anything(dsn):
 # ------------------------------------------------------------ scheduled jobs
 
 
+@pytest.mark.slow
 def test_run_at_schedules_the_job_and_none_means_due_now(dsn):
     later = datetime.now(UTC) + timedelta(hours=2)
     with psycopg.connect(dsn) as conn:
@@ -175,6 +177,7 @@ def test_run_at_schedules_the_job_and_none_means_due_now(dsn):
     assert rows["now"] == started  # the transaction's start, as the column default
 
 
+@pytest.mark.slow
 def test_a_naive_run_at_is_refused_before_anything_is_sent(dsn):
     with psycopg.connect(dsn) as conn, conn.transaction():
         with pytest.raises(ValueError, match="timezone-aware"):
@@ -188,6 +191,7 @@ def test_a_naive_run_at_is_refused_before_anything_is_sent(dsn):
 # ------------------------------------------------------------ order id types
 
 
+@pytest.mark.slow
 def test_int_and_uuid_order_ids_are_stored_as_their_canonical_text(dsn):
     order_uuid = uuid.UUID("A0EEBC99-9C0B-4EF8-BB6D-6BB9BD380A11")
     with psycopg.connect(dsn) as conn:
@@ -199,6 +203,7 @@ def test_int_and_uuid_order_ids_are_stored_as_their_canonical_text(dsn):
     assert set(stored(dsn)) == {"42", "-7", "a0eebc99-9c0b-4ef8-bb6d-6bb9bd380a11"}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("bad", [True, 4.2, b"order-1", None, ["order-1"]],
                          ids=["bool", "float", "bytes", "None", "list"])
 def test_other_order_id_types_are_refused_naming_what_is_accepted(dsn, bad):
@@ -210,6 +215,7 @@ def test_other_order_id_types_are_refused_naming_what_is_accepted(dsn, bad):
     assert stored(dsn) == {}
 
 
+@pytest.mark.slow
 def test_a_huge_int_is_held_to_the_length_rule(dsn):
     with psycopg.connect(dsn) as conn, pytest.raises(InvalidOrderId, match="longer than 200"):
         enqueue(conn, 10**250)
@@ -218,6 +224,7 @@ def test_a_huge_int_is_held_to_the_length_rule(dsn):
 # ------------------------------------------------------------ connections
 
 
+@pytest.mark.slow
 def test_a_wrong_connection_gets_an_error_that_says_what_works(dsn):
     with pytest.raises(TypeError, match="psycopg 3 connection or a SQLAlchemy"):
         enqueue(object(), "x")
@@ -248,6 +255,7 @@ def test_autocommit_outside_a_transaction_warns_and_the_job_commits_alone(dsn):
     assert set(stored(dsn)) == {"auto-1", "auto-2", "auto-3"}
 
 
+@pytest.mark.slow
 def test_the_autocommit_warning_can_be_made_an_error_that_sends_nothing(dsn):
     with psycopg.connect(dsn, autocommit=True) as conn, warnings.catch_warnings():
         warnings.simplefilter("error", AutocommitWarning)
@@ -256,6 +264,7 @@ def test_the_autocommit_warning_can_be_made_an_error_that_sends_nothing(dsn):
     assert stored(dsn) == {}
 
 
+@pytest.mark.slow
 def test_a_normal_connection_does_not_warn(dsn):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -266,6 +275,7 @@ def test_a_normal_connection_does_not_warn(dsn):
 # ------------------------------------------------------------ async twins
 
 
+@pytest.mark.slow
 async def test_the_async_twins_behave_like_the_sync_api(dsn):
     async with await psycopg.AsyncConnection.connect(dsn) as conn:
         job_id = await enqueue_async(conn, "a-1")
@@ -281,6 +291,7 @@ async def test_the_async_twins_behave_like_the_sync_api(dsn):
     assert set(stored(dsn)) == {"a-3"}
 
 
+@pytest.mark.slow
 async def test_async_autocommit_warns_too(dsn):
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
         with pytest.warns(AutocommitWarning) as record:
@@ -321,6 +332,7 @@ def listener(dsn):
     listening.close()
 
 
+@pytest.mark.slow
 def test_no_enqueue_path_notifies_from_the_callers_transaction(dsn, listener):
     # A transaction with a pending notification takes one instance-wide lock at
     # commit and holds it through the WAL flush: the checkout must never carry one.
@@ -340,6 +352,7 @@ def test_no_enqueue_path_notifies_from_the_callers_transaction(dsn, listener):
     assert len(stored(dsn)) == 25 + 500 + 3
 
 
+@pytest.mark.slow
 async def test_no_async_enqueue_path_notifies(dsn, listener):
     async with await psycopg.AsyncConnection.connect(dsn) as conn, conn.transaction():
         for i in range(10):
@@ -349,6 +362,7 @@ async def test_no_async_enqueue_path_notifies(dsn, listener):
     assert len(stored(dsn)) == 12
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("notify", [True, False])
 def test_the_old_notify_argument_warns_that_it_is_ignored_and_sends_nothing(
         dsn, listener, notify):
@@ -430,6 +444,7 @@ def orders(dsn: str) -> set[str]:
     return {str(r[0]) for r in fetch_rows(dsn, "SELECT id FROM orders")}
 
 
+@pytest.mark.slow
 def test_sqlalchemy_core_connection_commits_and_rolls_back_with_the_order(dsn, engine, listener):
     from sqlalchemy import text
 
@@ -456,6 +471,7 @@ def test_sqlalchemy_core_connection_commits_and_rolls_back_with_the_order(dsn, e
     assert listener.count() == 0
 
 
+@pytest.mark.slow
 def test_sqlalchemy_orm_session_commits_and_rolls_back_with_the_order(dsn, engine, listener):
     from sqlalchemy import String
     from sqlalchemy.orm import DeclarativeBase, Session, mapped_column
@@ -517,6 +533,7 @@ def test_a_sqlalchemy_engine_on_another_driver_is_refused_naming_the_url_to_use(
         other.dispose()
 
 
+@pytest.mark.slow
 def test_sqlalchemy_async_objects_need_the_async_twins(dsn, async_engine):
     from sqlalchemy.ext.asyncio import AsyncSession
 
@@ -524,6 +541,7 @@ def test_sqlalchemy_async_objects_need_the_async_twins(dsn, async_engine):
         enqueue(AsyncSession(async_engine), "x")
 
 
+@pytest.mark.slow
 async def test_sqlalchemy_async_connection_and_session(dsn, async_engine, listener):
     from sqlalchemy import text
     from sqlalchemy.ext.asyncio import AsyncSession, async_scoped_session, async_sessionmaker

@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from receipts.jobqueue import JobQueue
 from receipts.model import PauseReason
 from receipts.supervisor import run_command
@@ -22,6 +24,7 @@ def flow(dsn: str) -> tuple[object, ...]:
     return row
 
 
+@pytest.mark.slow
 def test_an_operator_pauses_and_resumes_deliveries_from_the_command_line(dsn: str) -> None:
     code, out, err = jobs(dsn, "pause", "--for", "15m", "--reason", "provider maintenance")
     assert code == 0, err
@@ -49,6 +52,7 @@ def test_an_operator_pauses_and_resumes_deliveries_from_the_command_line(dsn: st
     assert code == 0 and json.loads(out)["resumed"] is False
 
 
+@pytest.mark.slow
 async def test_a_manual_pause_does_not_cut_a_longer_outage_pause_short_unless_replaced(
         dsn: str, queue: JobQueue) -> None:
     await queue.extend_pause(PauseReason.OUTAGE, 3600)
@@ -61,6 +65,7 @@ async def test_a_manual_pause_does_not_cut_a_longer_outage_pause_short_unless_re
     assert flow(dsn)[:2] == ("retry_after", "manual")
 
 
+@pytest.mark.slow
 def test_pause_usage_is_checked_before_any_connection() -> None:
     env = {"RECEIPTS_DATABASE_URL": "postgresql://nobody@127.0.0.1:9/none"}
     for args, words in ((["pause", "--reason", "x"], "--for"),
@@ -72,6 +77,7 @@ def test_pause_usage_is_checked_before_any_connection() -> None:
         assert words in result.stderr.strip().splitlines()[-1], result.stderr
 
 
+@pytest.mark.slow
 def test_retry_all_failed_and_discard_by_filter_run_as_batched_bulk_actions(dsn: str) -> None:
     fetch_rows(dsn, """
         INSERT INTO receipt_jobs (id, order_id, state, attempts, last_error, finished_at)

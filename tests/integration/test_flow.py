@@ -71,15 +71,16 @@ async def test_exactly_one_of_many_pods_wins_the_probe(dsn, limited):
     assert len((await limited.claim(5)).attempts) == 4
 
 
-async def test_a_pause_extended_during_the_probe_is_not_ended_by_it(queue):
+async def test_a_pause_extended_during_the_probe_is_not_ended_by_it(queue, operations):
     await queue.extend_pause(PauseReason.OUTAGE, 0.01)
     await asyncio.sleep(0.05)
     probe_until, _ = await queue.begin_probe(30)
     await queue.extend_pause(PauseReason.RETRY_AFTER, 30)  # another pod got a 429
     assert not await queue.resume(probe_until)
-    assert (await queue.flow_state()).pause_reason is PauseReason.RETRY_AFTER
+    assert (await operations.flow_state()).pause_reason is PauseReason.RETRY_AFTER
 
 
+@pytest.mark.slow
 async def test_a_claim_takes_exactly_one_token_per_job_it_returns(dsn, limited):
     enqueue_many(dsn, [f"order-{i}" for i in range(100)])
     first = await limited.claim(20)
@@ -92,6 +93,7 @@ async def test_a_claim_takes_exactly_one_token_per_job_it_returns(dsn, limited):
         (30,)]
 
 
+@pytest.mark.slow
 async def test_concurrent_claimers_never_claim_more_than_the_tokens(dsn, limited):
     """Eight claimers race on real row locks; the bucket holds 30 tokens."""
     enqueue_many(dsn, [f"order-{i}" for i in range(200)])
@@ -109,6 +111,7 @@ async def test_concurrent_claimers_never_claim_more_than_the_tokens(dsn, limited
     check_invariants(dsn, 5)
 
 
+@pytest.mark.slow
 async def test_the_bucket_refills_at_the_rate_up_to_the_burst(dsn):
     enqueue_many(dsn, [f"order-{i}" for i in range(300)])
     settings = make_settings(dsn)
@@ -129,6 +132,7 @@ async def test_the_bucket_refills_at_the_rate_up_to_the_burst(dsn):
         await pool.close()
 
 
+@pytest.mark.slow
 async def test_the_bucket_row_is_updated_in_place_hot(dsn):
     enqueue_many(dsn, [f"order-{i}" for i in range(40)])
     pool = make_pool(make_settings(dsn), "test", max_size=1)
@@ -149,6 +153,7 @@ async def test_the_bucket_row_is_updated_in_place_hot(dsn):
     print(f"\n[bench] receipt_flow: {upd} updates, {hot} HOT ({hot / upd:.0%})")
 
 
+@pytest.mark.slow
 async def test_a_409_gives_the_attempt_back_up_to_its_own_budget(dsn, queue):
     from receipts.model import Attempt, Outcome, Reason, Reschedule, Verdict
     from tests.conftest import reschedule_one  # noqa: F401  (the helper's shape)
@@ -164,6 +169,7 @@ async def test_a_409_gives_the_attempt_back_up_to_its_own_budget(dsn, queue):
     assert attempts == 3  # the budget gave back 20 attempts; the 3 beyond it counted
 
 
+@pytest.mark.slow
 async def test_a_refunded_failure_keeps_the_attempt_and_never_leaves_ready_at_max(dsn, queue):
     from receipts.model import Attempt, Outcome, Reason, Reschedule, Verdict
 
@@ -176,6 +182,7 @@ async def test_a_refunded_failure_keeps_the_attempt_and_never_leaves_ready_at_ma
     check_invariants(dsn, 5)
 
 
+@pytest.mark.slow
 def test_a_pause_survives_a_postgresql_restart(tmp_path):
     server = EmbeddedPostgres(fast=True)
     server.start()
@@ -192,6 +199,7 @@ def test_a_pause_survives_a_postgresql_restart(tmp_path):
         server.cleanup()
 
 
+@pytest.mark.slow
 async def test_a_retry_after_pause_ends_by_itself_without_a_probe(dsn, queue):
     enqueue_many(dsn, ["order-1"])
     await queue.extend_pause(PauseReason.RETRY_AFTER, 0.05)
@@ -230,8 +238,9 @@ def flow_row(dsn: str) -> dict[str, object]:
     return dict(zip(names, row, strict=True))
 
 
+@pytest.mark.slow
 async def test_a_systemic_rejection_is_stored_as_an_outage_that_released_workers_honour(
-        dsn, queue):
+        dsn, queue, operations):
     enqueue_many(dsn, ["order-1"])
     flow = await queue.extend_pause(PauseReason.REJECTING, 60)
     assert flow.pause_reason is PauseReason.REJECTING
@@ -240,16 +249,17 @@ async def test_a_systemic_rejection_is_stored_as_an_outage_that_released_workers
         "outage", "rejecting", True)
     claim = await queue.claim(1)
     assert claim.attempts == [] and claim.flow.pause_reason is PauseReason.REJECTING
-    assert (await queue.flow_state()).pause_reason is PauseReason.REJECTING
-    assert (await queue.provider_pause())["pause_reason"] == "rejecting"
+    assert (await operations.flow_state()).pause_reason is PauseReason.REJECTING
+    assert (await operations.provider_pause())["pause_reason"] == "rejecting"
     # A released worker extends it: it writes pause_reason alone, so the cause no
     # longer applies and the pause reads as what that worker said.
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute(RELEASED_EXTEND_PAUSE, {"reason": "outage", "seconds": 120})
     assert (await queue.claim(1)).flow.pause_reason is PauseReason.OUTAGE
-    assert (await queue.provider_pause())["pause_reason"] == "outage"
+    assert (await operations.provider_pause())["pause_reason"] == "outage"
 
 
+@pytest.mark.slow
 async def test_a_probe_is_due_an_interval_after_the_last_failure_whatever_the_pause_length(
         dsn, queue):
     enqueue_many(dsn, [f"order-{i}" for i in range(3)])
@@ -275,6 +285,7 @@ async def test_a_probe_is_due_an_interval_after_the_last_failure_whatever_the_pa
     assert len((await queue.claim(5)).attempts) == 2
 
 
+@pytest.mark.slow
 async def test_an_operators_pause_is_not_probed_not_shortened_and_kept_until_a_longer_one(
         dsn, queue):
     enqueue_many(dsn, ["order-1"])

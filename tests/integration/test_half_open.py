@@ -78,6 +78,7 @@ def _done(dsn: str) -> int:
     return int(fetch_rows(dsn, "SELECT count(*) FROM receipt_jobs WHERE state = 'done'")[0][0])
 
 
+@pytest.mark.slow
 async def test_a_half_open_connection_is_discarded_and_the_worker_recovers_by_itself(
         proxied, provider, tmp_path: Path):
     direct, via_proxy, proxy = proxied
@@ -109,6 +110,7 @@ async def test_a_half_open_connection_is_discarded_and_the_worker_recovers_by_it
         assert any("no answer within" in f["error"] for f in failures), failures
 
 
+@pytest.mark.slow
 async def test_sigterm_stops_a_worker_whose_connections_hang(proxied, provider, tmp_path: Path):
     direct, via_proxy, proxy = proxied
     with Supervisor(tmp_path) as sup:

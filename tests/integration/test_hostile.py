@@ -72,6 +72,7 @@ ORDER_IDS: list[tuple[str, str, bool, str]] = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "order_id", "accepted", "error"), ORDER_IDS,
                          ids=[row[0] for row in ORDER_IDS])
 def test_enqueue_api_accepts_or_refuses_order_ids_without_poisoning_the_order_transaction(
@@ -100,6 +101,7 @@ CLI_ORDER_IDS: list[tuple[str, bytes, int, str]] = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "arg", "code", "message"), CLI_ORDER_IDS,
                          ids=[row[0] for row in CLI_ORDER_IDS])
 def test_cli_enqueue_answers_each_order_id_with_an_exit_status_and_one_line(
@@ -232,6 +234,7 @@ async def hostile_provider() -> AsyncIterator[tuple[dict[str, Any], str]]:
         await runner.cleanup()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "handler", "verdict", "reason", "retry_after"),
                          PROVIDER_ANSWERS, ids=[row[0] for row in PROVIDER_ANSWERS])
 async def test_hostile_provider_answers_are_classified_within_the_deadline_and_bounded_memory(
@@ -310,6 +313,7 @@ RAW_ANSWERS: list[tuple[str, Any, Verdict, str]] = [
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("name", "answer", "verdict", "reason"), RAW_ANSWERS,
                          ids=[row[0] for row in RAW_ANSWERS])
 async def test_raw_hostile_answers_are_classified_within_the_deadline_and_bounded_memory(
@@ -398,6 +402,7 @@ def test_bad_settings_stop_every_command_with_exit_2_and_no_secret(
 # ----------------------------------------------------- unreachable or unmigrated
 
 
+@pytest.mark.slow
 def test_cli_commands_against_a_closed_port_exit_1_with_one_line_and_no_secret():
     closed = f"postgresql://postgres:{SECRET}@127.0.0.1:{free_port()}/receipts"
     commands = [["migrate"], ["recover"], ["jobs", "stats"], ["enqueue", "order-1"],
@@ -441,6 +446,7 @@ def unmigrated(pg18: Server) -> Any:
         pg18.drop_database(dsn)
 
 
+@pytest.mark.slow
 async def test_workers_without_a_database_or_without_migrations_wait_not_ready_then_resume(
     unmigrated: str, provider, tmp_path: Path
 ):

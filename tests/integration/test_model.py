@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import psycopg
+import pytest
 from hypothesis import HealthCheck, settings
 from hypothesis import strategies as st
 from hypothesis.stateful import (
@@ -35,6 +36,7 @@ from receipts.db import make_pool
 from receipts.enqueue import enqueue
 from receipts.jobqueue import JobQueue
 from receipts.model import Job, JobState
+from receipts.operations import Operations, ReviewFilter
 from tests.conftest import check_invariants, claim_jobs, make_settings, reschedule_one
 
 MAX_ATTEMPTS = 3
@@ -88,6 +90,7 @@ def _machine(runner: asyncio.Runner, queue: JobQueue, dsn: str) -> type[RuleBase
             self.jobs: dict[str, ModelJob] = {}
             self.max_attempts = MAX_ATTEMPTS
             self.queue = queue
+            self.operations = Operations(queue.pool)
 
         @initialize(max_attempts=st.integers(1, MAX_ATTEMPTS))
         def empty_queue(self, max_attempts: int) -> None:
@@ -204,15 +207,18 @@ def _machine(runner: asyncio.Runner, queue: JobQueue, dsn: str) -> type[RuleBase
 
         @rule(data=st.data(), everything=st.booleans())
         def operator_retry(self, data: st.DataObject, everything: bool) -> None:
+            # The operator's one door (retry_jobs): all or nothing, the confirmed count.
             failed = {j.id for j in self.jobs.values() if j.state is JobState.FAILED}
+            target: ReviewFilter | list[uuid.UUID]
             if everything:
-                ids = None
+                target, confirmed = ReviewFilter(state=JobState.FAILED), len(failed)
                 expected = failed
             else:
                 pool = [j.id for j in self.jobs.values()] or [uuid.uuid4()]
-                ids = data.draw(st.lists(st.sampled_from(pool), max_size=3, unique=True))
-                expected = failed & set(ids)
-            assert set(run(self.queue.retry_failed(ids))) == expected
+                target = data.draw(st.lists(st.sampled_from(pool), max_size=3, unique=True))
+                confirmed = len(target)
+                expected = set(target) if set(target) <= failed else set()
+            assert set(run(self.operations.retry_jobs(target, expected=confirmed))) == expected
             for job_id in expected:
                 model = self._by_id(job_id)
                 model.state, model.attempts, model.due = JobState.READY, 0, True
@@ -254,6 +260,7 @@ def _machine(runner: asyncio.Runner, queue: JobQueue, dsn: str) -> type[RuleBase
     return QueueModel
 
 
+@pytest.mark.slow
 def test_the_queue_behaves_like_its_lifecycle_model(dsn):
     constraints = {r[0] for r in psycopg.connect(dsn).execute(
         "SELECT pg_get_constraintdef(oid) FROM pg_constraint"

@@ -24,6 +24,7 @@ def own_postgres() -> Iterator[EmbeddedPostgres]:
         server.cleanup()
 
 
+@pytest.mark.slow
 async def test_readyz_follows_the_database_while_healthz_stays_up(
     own_postgres: EmbeddedPostgres,
 ) -> None:

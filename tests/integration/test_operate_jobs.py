@@ -6,6 +6,8 @@ import json
 import re
 import uuid
 
+import pytest
+
 from receipts.jobqueue import JobQueue
 from receipts.supervisor import run_command
 from tests.conftest import claim_jobs, enqueue_many, fetch_rows, reschedule_one
@@ -31,6 +33,7 @@ async def _seed(dsn: str, queue: JobQueue) -> dict[str, str]:
     return {str(o): str(i) for o, i in fetch_rows(dsn, "SELECT order_id, id FROM receipt_jobs")}
 
 
+@pytest.mark.slow
 async def test_retry_makes_failed_jobs_deliverable_again(dsn: str, queue: JobQueue) -> None:
     ids = await _seed(dsn, queue)
     code, out, err = _jobs(dsn, "retry", ids["failed-1"], ids["failed-2"])
@@ -44,6 +47,7 @@ async def test_retry_makes_failed_jobs_deliverable_again(dsn: str, queue: JobQue
     assert {j.attempt for j in again} == {1}
 
 
+@pytest.mark.slow
 async def test_retry_refuses_a_job_that_is_not_failed_and_changes_nothing(
     dsn: str, queue: JobQueue
 ) -> None:
@@ -64,6 +68,7 @@ async def test_retry_refuses_a_job_that_is_not_failed_and_changes_nothing(
     assert fetch_rows(dsn, SNAPSHOT) == before
 
 
+@pytest.mark.slow
 async def test_retry_all_failed_dry_run_changes_nothing(dsn: str, queue: JobQueue) -> None:
     ids = await _seed(dsn, queue)
     before = fetch_rows(dsn, SNAPSHOT)
@@ -81,6 +86,7 @@ async def test_retry_all_failed_dry_run_changes_nothing(dsn: str, queue: JobQueu
     assert fetch_rows(dsn, "SELECT count(*) FROM receipt_jobs WHERE state = 'failed'") == [(0,)]
 
 
+@pytest.mark.slow
 async def test_json_outputs_parse_and_describe_the_queue(dsn: str, queue: JobQueue) -> None:
     ids = await _seed(dsn, queue)
     code, out, err = _jobs(dsn, "stats", "--json")
@@ -109,6 +115,7 @@ async def test_json_outputs_parse_and_describe_the_queue(dsn: str, queue: JobQue
     assert code == 0 and out.splitlines()[0].startswith("ID") and "failed-2" in out
 
 
+@pytest.mark.slow
 def test_bad_usage_exits_2_and_unknown_jobs_exit_1(dsn: str) -> None:
     for args in (["retry"], ["retry", "not-a-uuid"], ["retry", str(uuid.uuid4()), "--all-failed"],
                  ["list", "--limit", "0"], ["list", "--since", "yesterday"],

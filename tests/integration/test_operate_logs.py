@@ -59,6 +59,7 @@ def _json_lines(text: str) -> list[dict[str, object]]:
     return [json.loads(ln) for ln in lines]  # every line must parse
 
 
+@pytest.mark.slow
 async def test_worker_logs_are_json_lines_with_the_job_fields_and_no_password(
     dsn: str, provider: RunningProvider
 ) -> None:
@@ -93,6 +94,7 @@ async def test_worker_logs_are_json_lines_with_the_job_fields_and_no_password(
                                           " WHERE state = 'failed'")[0][0]
 
 
+@pytest.mark.slow
 async def test_a_worker_without_its_database_logs_json_without_the_password() -> None:
     from receipts.embedded import free_port
 
@@ -110,6 +112,7 @@ async def test_a_worker_without_its_database_logs_json_without_the_password() ->
     assert any("password=***" in str(r.get("database")) for r in records)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("command", [["jobs", "stats"], ["jobs", "list", "--json"],
                                      ["migrate"], ["recover"], ["enqueue", "o-1"]])
 @pytest.mark.parametrize("form", ["uri", "keyvalue"])
@@ -128,6 +131,7 @@ def test_cli_errors_for_an_unreachable_database_never_show_the_password(
     assert "Connection refused" in result.stderr or "connection" in result.stderr.lower()
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("dsn", [
     f"postgresql://receipts:{PASSWORD}@127.0.0.1:notaport/receipts",
     f"mysql://receipts:{PASSWORD}@127.0.0.1/receipts",

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from receipts.model import JobState
 from tests.conftest import (
     RunningProvider,
@@ -22,6 +24,7 @@ async def _db(dsn: str, sql: str, params: tuple[object, ...] = ()) -> list[tuple
     return await asyncio.to_thread(fetch_rows, dsn, sql, params)
 
 
+@pytest.mark.slow
 async def test_after_a_demo_sized_run_scraped_counters_agree_with_the_database(
     dsn: str, provider: RunningProvider
 ) -> None:
@@ -120,6 +123,7 @@ async def test_after_a_demo_sized_run_scraped_counters_agree_with_the_database(
     assert value(s, "receipts_concurrency_slots") == 16
 
 
+@pytest.mark.slow
 async def test_the_lag_gauge_matches_the_oldest_due_ready_job_within_one_interval(
     dsn: str, provider: RunningProvider
 ) -> None:
@@ -190,12 +194,14 @@ async def _no_inflight(served: object) -> bool:
     return value(await served.scrape(), "receipts_inflight_deliveries") == 0  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow
 async def test_a_stale_ack_is_counted_and_changes_nothing_else(
     dsn: str, provider: RunningProvider
 ) -> None:
     await _stale_attempt(dsn, provider)
 
 
+@pytest.mark.slow
 async def test_a_stale_reschedule_after_a_timeout_is_counted_and_changes_nothing_else(
     dsn: str, provider: RunningProvider
 ) -> None:

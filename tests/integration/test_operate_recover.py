@@ -58,17 +58,19 @@ def gateway() -> Iterator[FakeGateway]:
 
 def _seed(dsn: str) -> None:
     """Two expired leases with attempts left, one at max attempts, three old done rows."""
-    enqueue_many(dsn, ["exp-1", "exp-2", "exp-max", "old-1", "old-2", "old-3", "fresh"])
+    enqueue_many(dsn, ["exp-1", "exp-2", "exp-max", "fresh"])
     fetch_rows(dsn, """
         UPDATE receipt_jobs SET state = 'running', attempts = CASE order_id
                  WHEN 'exp-max' THEN 5 ELSE 1 END,
                lease_token = gen_random_uuid(),
                lease_until = statement_timestamp() - interval '1 minute'
         WHERE order_id LIKE 'exp-%%' RETURNING 1""")
+    # Done rows are written as such: an UPDATE to done must pass the ack's lease guard.
     fetch_rows(dsn, """
-        UPDATE receipt_jobs SET state = 'done', attempts = 1,
-               finished_at = statement_timestamp() - interval '3 days'
-        WHERE order_id LIKE 'old-%%' RETURNING 1""")
+        INSERT INTO receipt_jobs (id, order_id, state, attempts, finished_at)
+        SELECT gen_random_uuid(), 'old-' || g, 'done', 1,
+               statement_timestamp() - interval '3 days'
+        FROM generate_series(1, 3) AS g RETURNING 1""")
 
 
 def _env(dsn: str, **extra: str) -> dict[str, str]:
@@ -76,6 +78,7 @@ def _env(dsn: str, **extra: str) -> dict[str, str]:
             "RECEIPTS_RETENTION_DAYS": "1", "RECEIPTS_RECOVERY_DELAY_SECONDS": "0", **extra}
 
 
+@pytest.mark.slow
 def test_recover_pushes_its_counts_to_the_pushgateway(dsn: str, gateway: FakeGateway) -> None:
     _seed(dsn)
     started = time.time()
@@ -102,6 +105,7 @@ def test_recover_pushes_its_counts_to_the_pushgateway(dsn: str, gateway: FakeGat
     assert states == {"exp-1": "ready", "exp-2": "ready", "exp-max": "failed", "fresh": "ready"}
 
 
+@pytest.mark.slow
 def test_recover_without_a_pushgateway_just_prints(dsn: str) -> None:
     _seed(dsn)
     result = run_command(["recover", "--json"], _env(dsn))
@@ -110,6 +114,7 @@ def test_recover_without_a_pushgateway_just_prints(dsn: str) -> None:
     assert (report["expired_to_ready"], report["expired_to_failed"], report["pruned"]) == (2, 1, 3)
 
 
+@pytest.mark.slow
 def test_an_unreachable_pushgateway_is_logged_and_does_not_fail_the_sweep(dsn: str) -> None:
     _seed(dsn)
     url = f"http://127.0.0.1:{free_port()}"
@@ -119,6 +124,7 @@ def test_an_unreachable_pushgateway_is_logged_and_does_not_fail_the_sweep(dsn: s
     assert fetch_rows(dsn, "SELECT count(*) FROM receipt_jobs WHERE state = 'running'") == [(0,)]
 
 
+@pytest.mark.slow
 def test_recover_loop_pushes_after_every_sweep(dsn: str, gateway: FakeGateway,
                                                tmp_path) -> None:
     from receipts.supervisor import Supervisor
@@ -136,6 +142,7 @@ def test_recover_loop_pushes_after_every_sweep(dsn: str, gateway: FakeGateway,
     assert {(m, p) for m, p, _, _ in gateway.requests} == {("PUT", "/metrics/job/receipts-recover")}
 
 
+@pytest.mark.slow
 def test_migrate_waits_for_a_lock_boundedly_and_stops_on_sigterm(server, tmp_path) -> None:
     import signal as signals
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import pytest
+
 from receipts.jobqueue import JobQueue
 from tests.conftest import claim_jobs, enqueue_many, fetch_rows, reschedule_one
 
 
+@pytest.mark.slow
 async def test_a_retry_restarts_the_lag_but_not_the_age_of_the_oldest_undelivered_job(
     dsn: str, queue: JobQueue
 ) -> None:
@@ -33,6 +36,7 @@ async def test_a_retry_restarts_the_lag_but_not_the_age_of_the_oldest_undelivere
     assert (await queue.queue_stats()).oldest_undelivered_age_seconds == 0
 
 
+@pytest.mark.slow
 async def test_the_oldest_finished_row_is_what_pruning_keeps_within_the_retention(
     dsn: str, queue: JobQueue
 ) -> None:

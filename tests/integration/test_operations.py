@@ -3,6 +3,7 @@ the lease holder, bulk actions in batches, counts under a time budget, slow stat
 
 from __future__ import annotations
 
+import asyncio
 import uuid
 from collections.abc import AsyncIterator
 from datetime import timedelta
@@ -10,14 +11,16 @@ from datetime import timedelta
 import psycopg
 import pytest
 
-from receipts import bulk, fleet
+from receipts import bulk, fleet, review
 from receipts.db import borrow, make_pool
 from receipts.errors import StatementTimeout
 from receipts.heartbeat import new_tag
-from receipts.jobqueue import JobQueue, ReviewFilter
+from receipts.jobqueue import JobQueue
 from receipts.model import JobState, PauseReason
-from receipts.operations import Operations
+from receipts.operations import Operations, ReviewFilter
+from tests.compat.test_previous_release import frozen_statements
 from tests.conftest import claim_jobs, enqueue_many, fetch_rows, make_settings
+from tests.integration._operate import wait_for
 
 FAST = bulk.BulkPolicy(first_batch=7, min_batch=3, max_batch=7, pace=0.0)
 
@@ -49,6 +52,7 @@ def counts(dsn: str) -> dict[str, int]:
 # ------------------------------------------------------------------ pause
 
 
+@pytest.mark.slow
 async def test_a_manual_pause_stops_claims_as_a_retry_after_pause_old_workers_read(
         dsn: str, ops: Operations, queue: JobQueue) -> None:
     enqueue_many(dsn, ["p-1", "p-2"])
@@ -74,6 +78,7 @@ async def test_a_manual_pause_stops_claims_as_a_retry_after_pause_old_workers_re
     assert len((await queue.claim(10)).attempts) == 2
 
 
+@pytest.mark.slow
 async def test_a_manual_pause_never_shortens_a_longer_automatic_one_unless_told(
         dsn: str, ops: Operations, queue: JobQueue) -> None:
     await queue.extend_pause(PauseReason.OUTAGE, 3600)
@@ -96,6 +101,7 @@ async def test_a_manual_pause_never_shortens_a_longer_automatic_one_unless_told(
     assert (await ops.fleet_flow()).reason == "manual"
 
 
+@pytest.mark.slow
 async def test_resume_lifts_only_the_pause_the_operator_saw(ops: Operations,
                                                             queue: JobQueue) -> None:
     await fleet.pause(ops, seconds=600, note="seen", author="a")
@@ -122,6 +128,7 @@ async def test_pause_requests_are_checked() -> None:
 # ------------------------------------------------------- heartbeats, holders
 
 
+@pytest.mark.slow
 async def test_a_lease_token_names_the_worker_that_holds_the_job(
         dsn: str, ops: Operations) -> None:
     tag = new_tag()
@@ -133,21 +140,21 @@ async def test_a_lease_token_names_the_worker_that_holds_the_job(
         jobs = await claim_jobs(tagged, 2)
         assert {j.token.hex[-8:] for j in jobs} == {tag}
         assert len({j.token for j in jobs}) == 2 and all(j.token.version == 4 for j in jobs)
-        await ops.heartbeat(tag=tag, pod="receipts-worker-7f9c", pid=42, version="0.3.0",
-                            slots=32, inflight=2, claimed_total=2, uptime_seconds=90,
-                            since_claim_seconds=1.5)
+        await tagged.heartbeat(tag=tag, pod="receipts-worker-7f9c", pid=42, version="0.3.0",
+                               slots=32, inflight=2, claimed_total=2, uptime_seconds=90,
+                               since_claim_seconds=1.5)
         (seen,) = await ops.workers_seen(seconds=120)
         assert (seen["pod"], seen["slots"], seen["inflight"], seen["claimed_total"]) == (
             "receipts-worker-7f9c", 32, 2, 2)
         assert timedelta(seconds=89) < seen["seen_at"] - seen["started_at"] <= timedelta(
             seconds=91)
-        rows = await tagged.review_jobs(ReviewFilter(state=JobState.RUNNING))
+        rows = await ops.review_jobs(ReviewFilter(state=JobState.RUNNING))
         assert {r["holder"] for r in rows} == {"receipts-worker-7f9c"}
         assert {r["expired"] for r in rows} == {False}
         # The second beat keeps the start and the last claim; a stopping one says so.
-        await ops.heartbeat(tag=tag, pod="receipts-worker-7f9c", pid=42, version="0.3.0",
-                            slots=32, inflight=0, claimed_total=2, uptime_seconds=95,
-                            since_claim_seconds=None, stopped=True)
+        await tagged.heartbeat(tag=tag, pod="receipts-worker-7f9c", pid=42, version="0.3.0",
+                               slots=32, inflight=0, claimed_total=2, uptime_seconds=95,
+                               since_claim_seconds=None, stopped=True)
         (again,) = await ops.workers_seen(seconds=120)
         assert again["started_at"] == seen["started_at"]
         assert again["last_claim_at"] == seen["last_claim_at"]
@@ -159,26 +166,93 @@ async def test_a_lease_token_names_the_worker_that_holds_the_job(
 
 
 async def test_running_jobs_can_be_listed_by_whether_their_lease_expired(
-        dsn: str, queue: JobQueue) -> None:
+        dsn: str, queue: JobQueue, ops: Operations) -> None:
     enqueue_many(dsn, ["r-1", "r-2", "r-3"])
     jobs = await claim_jobs(queue, 3)
     fetch_rows(dsn, "UPDATE receipt_jobs SET lease_until = now() - interval '1 s'"
                     " WHERE id = %s RETURNING 1", (jobs[0].id,))
-    expired = await queue.review_jobs(ReviewFilter(state=JobState.RUNNING, expired=True))
+    expired = await ops.review_jobs(ReviewFilter(state=JobState.RUNNING, expired=True))
     assert [r["id"] for r in expired] == [jobs[0].id] and expired[0]["holder"] is None
     live = ReviewFilter(state=JobState.RUNNING, expired=False)
-    assert await queue.review_count(live) == 2
-    assert await queue.review_count(ReviewFilter(state=JobState.RUNNING), cap=2) == 2
+    assert await ops.review_count(live) == 2
+    assert await ops.review_count(ReviewFilter(state=JobState.RUNNING), cap=2) == 2
+
+
+# ------------------------------------------------------------ named retries
+
+
+def _failed_ids(dsn: str, *order_ids: str) -> list[uuid.UUID]:
+    return [r[0] for r in fetch_rows(dsn, """
+        INSERT INTO receipt_jobs (id, order_id, state, attempts, last_error, finished_at)
+        SELECT gen_random_uuid(), o, 'failed', 5, '503 busy', statement_timestamp()
+        FROM unnest(%s::text[]) WITH ORDINALITY AS g(o, n) ORDER BY n RETURNING id""",
+        (list(order_ids),))]  # type: ignore[misc]
+
+
+async def _waiting_on_a_row_lock(dsn: str) -> bool:
+    """True once a session of the test database waits for a row lock."""
+    return bool(fetch_rows(dsn, "SELECT 1 FROM pg_stat_activity WHERE datname ="
+                                " current_database() AND wait_event_type = 'Lock'"))
+
+
+def _states(dsn: str, ids: list[uuid.UUID]) -> list[str]:
+    return [str(fetch_rows(dsn, "SELECT state FROM receipt_jobs WHERE id = %s", (i,))[0][0])
+            for i in ids]
+
+
+async def test_a_named_retry_never_leaves_a_partial_retry_when_a_job_changes_meanwhile(
+        dsn: str, ops: Operations) -> None:
+    """The command line's retry of named jobs (the page's too): a job that leaves the
+    failed state between the check and the update (here another operator discards it
+    in a session of its own) makes the update change nothing, never retry the rest."""
+    a, b = _failed_ids(dsn, "race-a", "race-b")
+    with psycopg.connect(dsn) as other:
+        other.execute("UPDATE receipt_jobs SET state = 'discarded', finished_at = now()"
+                      " WHERE id = %s", (b,))  # not committed yet: b still reads as failed
+        retrying = asyncio.create_task(review.retry(ops, [a, b]))
+        # The check saw both failed; the update now waits for b's row lock.
+        await wait_for(lambda: _waiting_on_a_row_lock(dsn), timeout_seconds=30,
+                       what="the retry's update to wait for the discard's row lock")
+        other.commit()
+    result = await retrying
+    assert not result.ok and result.changed and result.retried == [] and result.count == 0
+    assert [(r.id, r.state) for r in result.refused] == [(str(b), "discarded")]
+    assert _states(dsn, [a, b]) == ["failed", "discarded"]  # a was not retried alone
+    # Nothing in the way: both are retried, in one statement.
+    c, d = _failed_ids(dsn, "race-c", "race-d")
+    done = await review.retry(ops, [c, d, c])
+    assert done.ok and sorted(done.retried) == sorted([str(c), str(d)]) and done.count == 2
+    assert _states(dsn, [c, d]) == ["ready", "ready"]
+
+
+async def test_the_released_check_then_update_retried_part_of_the_named_jobs(dsn: str) -> None:
+    """Why retry_failed went: under the same interleaving the update of 0.2.0's command
+    line (check each job, then ``retry_failed``) retried a alone."""
+    a, b = _failed_ids(dsn, "old-a", "old-b")
+    retry_failed = frozen_statements()["retry_failed"]
+    with psycopg.connect(dsn) as other:
+        other.execute("UPDATE receipt_jobs SET state = 'discarded', finished_at = now()"
+                      " WHERE id = %s", (b,))
+        async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
+            updating = asyncio.create_task(conn.execute(retry_failed,  # type: ignore[arg-type]
+                                                        {"ids": [a, b]}))
+            await wait_for(lambda: _waiting_on_a_row_lock(dsn), timeout_seconds=30,
+                           what="retry_failed to wait for the discard's row lock")
+            other.commit()
+            changed = [r[0] for r in await (await updating).fetchall()]
+    assert changed == [a]
+    assert _states(dsn, [a, b]) == ["ready", "discarded"]  # a partial retry
 
 
 # ------------------------------------------------------------ bulk actions
 
 
+@pytest.mark.slow
 async def test_a_bulk_retry_runs_in_batches_bounded_by_its_confirmation(
         dsn: str, ops: Operations, queue: JobQueue) -> None:
     failed_rows(dsn, 40)
     view = ReviewFilter(state=JobState.FAILED)
-    cutoff, count, exact = await bulk.confirmation(queue, view)
+    cutoff, count, exact = await bulk.confirmation(ops, view)
     assert (count, exact) == (40, True)
     failed_rows(dsn, 5, prefix="later", minutes_ago=-1)  # fail after the confirmation
     row, runner = await bulk.start(ops, action="retry", view=ReviewFilter(
@@ -202,7 +276,7 @@ async def test_a_bulk_action_skips_jobs_that_changed_and_walks_past_what_does_no
     fetch_rows(dsn, "UPDATE receipt_jobs SET last_error = 'rare' WHERE order_id IN"
                     " ('f-3', 'f-17', 'f-29') RETURNING 1")
     view = ReviewFilter(state=JobState.FAILED, order_contains="-1")  # f-1, f-10…f-19
-    cutoff, count, _ = await bulk.confirmation(queue, view)
+    cutoff, count, _ = await bulk.confirmation(ops, view)
     assert count == 11
     fetch_rows(dsn, "UPDATE receipt_jobs SET state = 'ready', finished_at = NULL"
                     " WHERE order_id = 'f-12' RETURNING 1")  # another operator retried it
@@ -217,10 +291,11 @@ async def test_a_bulk_action_skips_jobs_that_changed_and_walks_past_what_does_no
         ("ready",)]
 
 
+@pytest.mark.slow
 async def test_a_stopped_or_abandoned_bulk_action_resumes_where_it_stopped(
         dsn: str, ops: Operations, queue: JobQueue) -> None:
     failed_rows(dsn, 50)
-    cutoff, count, _ = await bulk.confirmation(queue, ReviewFilter(state=JobState.FAILED))
+    cutoff, count, _ = await bulk.confirmation(ops, ReviewFilter(state=JobState.FAILED))
     row, runner = await bulk.start(ops, action="retry", view=ReviewFilter(
         state=JobState.FAILED, cutoff=cutoff), expected=count, created_by="test")
 
@@ -242,7 +317,7 @@ async def test_a_stopped_or_abandoned_bulk_action_resumes_where_it_stopped(
     assert counts(dsn) == {"ready": 50}
     # A running action with a live runner cannot be taken; an idle one can.
     failed_rows(dsn, 10, prefix="g")
-    cutoff, count, _ = await bulk.confirmation(queue, ReviewFilter(state=JobState.FAILED))
+    cutoff, count, _ = await bulk.confirmation(ops, ReviewFilter(state=JobState.FAILED))
     row, _ = await bulk.start(ops, action="retry", view=ReviewFilter(
         state=JobState.FAILED, cutoff=cutoff), expected=count, created_by="test")
     assert await bulk.resume(ops, row["id"], policy=FAST) is None
@@ -251,10 +326,11 @@ async def test_a_stopped_or_abandoned_bulk_action_resumes_where_it_stopped(
     assert await bulk.resume(ops, row["id"], policy=FAST) is not None
 
 
+@pytest.mark.slow
 async def test_a_count_that_takes_too_long_gives_up_at_a_bounded_count(
-        dsn: str, queue: JobQueue) -> None:
+        dsn: str, ops: Operations) -> None:
     failed_rows(dsn, 20)
-    _, count, exact = await bulk.confirmation(queue, ReviewFilter(state=JobState.FAILED), cap=5)
+    _, count, exact = await bulk.confirmation(ops, ReviewFilter(state=JobState.FAILED), cap=5)
     assert (count, exact) == (20, True)
     # Each latest-attempt probe now takes 0.2 s: the exact count needs 4 s.
     with psycopg.connect(dsn, autocommit=True) as conn:
@@ -264,10 +340,11 @@ async def test_a_count_that_takes_too_long_gives_up_at_a_bounded_count(
     fetch_rows(dsn, "INSERT INTO receipt_attempts_real (job_id, slot, seq, attempt, reason)"
                     " SELECT id, 0, 1, 5, 'max_attempts' FROM receipt_jobs RETURNING 1")
     slow = ReviewFilter(state=JobState.FAILED, reason="max_attempts")
-    _, count, exact = await bulk.confirmation(queue, slow, timeout_seconds=0.5, cap=3)
+    _, count, exact = await bulk.confirmation(ops, slow, timeout_seconds=0.5, cap=3)
     assert (count, exact) == (3, False)
 
 
+@pytest.mark.slow
 async def test_a_statement_the_server_stops_is_slow_not_unavailable(dsn: str) -> None:
     pool = make_pool(make_settings(dsn, statement_timeout_seconds=0.2), "test", max_size=1)
     await pool.open(wait=True)
@@ -290,6 +367,7 @@ def test_bulk_batch_sizes_aim_at_the_target_time() -> None:
     assert policy.next_batch(150, 10.0) == 100 and policy.next_batch(20_000, 0.01) == 20_000
 
 
+@pytest.mark.slow
 async def test_a_bulk_action_refuses_a_state_it_does_not_apply_to(ops: Operations) -> None:
     with pytest.raises(ValueError, match="retry does not apply to ready"):
         await ops.bulk_create(action="retry", view=ReviewFilter(

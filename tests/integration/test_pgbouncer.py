@@ -117,6 +117,7 @@ def _worker_env(dsn: str, provider_url: str, metrics_port: int, name: str) -> di
     }
 
 
+@pytest.mark.slow
 async def test_workers_deliver_every_job_through_pgbouncer_transaction_pooling(
     pg18: Server, pgbouncer: int, provider, tmp_path: Path
 ):
@@ -198,6 +199,7 @@ def _poison_search_path(pooled: str, servers: int) -> None:
             conn.close()
 
 
+@pytest.mark.slow
 async def test_a_search_path_leaked_by_another_pooler_client_redirects_nothing(
     pg18: Server, pgbouncer: int, provider, tmp_path: Path
 ):

@@ -24,6 +24,7 @@ from tests.conftest import (
 )
 
 
+@pytest.mark.slow
 def test_migrations_apply_once_and_again_as_a_noop(server):
     dsn = server.new_database(migrated=False)
     try:
@@ -36,6 +37,7 @@ def test_migrations_apply_once_and_again_as_a_noop(server):
         server.drop_database(dsn)
 
 
+@pytest.mark.slow
 def test_concurrent_migration_runners_do_not_collide(server):
     from concurrent.futures import ThreadPoolExecutor
 
@@ -62,6 +64,7 @@ def test_enqueue_rolls_back_with_the_order_and_commits_with_it(dsn):
     assert rows == [("order-1", "ready", 0)]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(
     "bad", ["", "x" * 201, "a\x00b", "line\nbreak", "\udcff", " ", "trail ", " lead"]
 )
@@ -71,6 +74,7 @@ def test_enqueue_refuses_order_ids_the_queue_cannot_carry(dsn, bad):
     assert fetch_rows(dsn, "SELECT count(*) FROM receipt_jobs") == [(0,)]
 
 
+@pytest.mark.slow
 async def test_claim_returns_at_most_the_limit_with_fresh_tokens(dsn, queue: JobQueue):
     enqueue_many(dsn, [f"o{i}" for i in range(5)])
     first = await claim_jobs(queue, 3)
@@ -109,6 +113,7 @@ async def test_an_ack_after_the_lease_expired_is_refused_even_without_recovery(d
     assert fetch_rows(dsn, "SELECT state FROM receipt_jobs") == [("running",)]
 
 
+@pytest.mark.slow
 async def test_batched_ack_reports_only_the_pairs_it_completed(dsn, queue: JobQueue):
     enqueue_many(dsn, [f"o{i}" for i in range(4)])
     jobs = await claim_jobs(queue, 4)
@@ -137,6 +142,7 @@ async def test_failures_end_in_failed_at_max_attempts_never_ready(dsn, settings)
         await pool.close()
 
 
+@pytest.mark.slow
 async def test_permanent_failure_fails_at_once(dsn, queue):
     enqueue_many(dsn, ["order-422"])
     (job,) = await claim_jobs(queue, 1)
@@ -188,6 +194,7 @@ async def test_lease_arithmetic_uses_the_database_clock_in_any_session_timezone(
         await pool.close()
 
 
+@pytest.mark.slow
 async def test_eight_concurrent_claimers_never_share_a_live_job(dsn, settings):
     enqueue_many(dsn, [f"order-{i:05d}" for i in range(2000)])
     pool = make_pool(settings, "test", max_size=8)
@@ -217,6 +224,7 @@ async def test_eight_concurrent_claimers_never_share_a_live_job(dsn, settings):
         ("done", 2000)]
 
 
+@pytest.mark.slow
 async def test_operations_before_migrations_raise_schema_missing(server):
     dsn = server.new_database(migrated=False)
     try:
@@ -232,13 +240,14 @@ async def test_operations_before_migrations_raise_schema_missing(server):
         server.drop_database(dsn)
 
 
-async def test_a_job_is_found_by_an_order_id_that_is_itself_a_uuid(dsn, queue):
+@pytest.mark.slow
+async def test_a_job_is_found_by_an_order_id_that_is_itself_a_uuid(dsn, queue, operations):
     order_id = str(uuid.uuid4())
     enqueue_many(dsn, [order_id])
-    row = await queue.show_job(order_id)
+    row = await operations.show_job(order_id)
     assert row is not None and row["order_id"] == order_id
-    assert (await queue.show_job(str(row["id"])))["order_id"] == order_id
-    assert await queue.show_job(str(uuid.uuid4())) is None
+    assert (await operations.show_job(str(row["id"])))["order_id"] == order_id
+    assert await operations.show_job(str(uuid.uuid4())) is None
 
 
 async def test_a_failed_job_keeps_its_run_at(dsn, queue):
@@ -249,6 +258,7 @@ async def test_a_failed_job_keeps_its_run_at(dsn, queue):
     assert run_at <= finished_at
 
 
+@pytest.mark.slow
 async def test_the_dsn_options_such_as_a_search_path_are_kept(server):
     import psycopg
     from psycopg.conninfo import make_conninfo

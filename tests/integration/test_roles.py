@@ -43,7 +43,7 @@ from receipts.embedded import free_port
 from receipts.enqueue import enqueue, enqueue_many
 from receipts.errors import QueueError
 from receipts.heartbeat import new_tag
-from receipts.jobqueue import JobQueue, ReviewFilter
+from receipts.jobqueue import JobQueue
 from receipts.migrate import schema_status_async
 from receipts.model import (
     Attempt,
@@ -56,7 +56,7 @@ from receipts.model import (
     Reschedule,
     Verdict,
 )
-from receipts.operations import Operations
+from receipts.operations import Operations, ReviewFilter
 from receipts.statements import query
 from receipts.supervisor import Supervisor, child_env, run_command
 from tests.conftest import RunningProvider, Server, fetch_rows
@@ -127,6 +127,7 @@ def install(server: Server) -> Iterator[Install]:
 # ------------------------------------------------------------------ the owner
 
 
+@pytest.mark.slow
 def test_the_owner_is_no_superuser_and_owns_every_object_it_migrated(install):
     owner = install.roles[grants.OWNER]
     rows = fetch_rows(install.admin, "SELECT rolsuper FROM pg_roles WHERE rolname = %s",
@@ -136,9 +137,15 @@ def test_the_owner_is_no_superuser_and_owns_every_object_it_migrated(install):
         install.admin, "SELECT c.relname, pg_get_userbyid(c.relowner) FROM pg_class AS c"
                        " WHERE c.relnamespace = 'shop'::regnamespace AND c.relkind = 'r'"))
     assert tables == dict.fromkeys(grants.TABLES, owner)
-    function = fetch_rows(install.admin, "SELECT pg_get_userbyid(proowner), prosecdef, proconfig"
-                                         " FROM pg_proc WHERE proname = 'receipts_enqueue'")
-    assert function == [(owner, True, ["search_path=shop, pg_temp"])]
+    functions = fetch_rows(install.admin, "SELECT proname, pg_get_userbyid(proowner), prosecdef,"
+                                          " proconfig FROM pg_proc WHERE proname LIKE 'receipts_%%'"
+                                          " ORDER BY 1")
+    pinned = ["search_path=shop, pg_temp"]
+    assert functions == [("receipts_enqueue", owner, False, None),  # the caller's rights
+                         ("receipts_pause_reason", owner, False, None),  # reads nothing
+                         ("receipts_prune", owner, True, pinned),
+                         ("receipts_record_attempts", owner, True, pinned),
+                         ("receipts_refuse_unguarded_done", owner, False, None)]
     check = cli(install.dsn(grants.OWNER), "migrate", "--check")
     assert check.returncode == 0 and "up to date" in check.stdout
 
@@ -146,23 +153,25 @@ def test_the_owner_is_no_superuser_and_owns_every_object_it_migrated(install):
 # ------------------------------------------------------------------ enqueue
 
 
-def test_an_enqueue_only_role_enqueues_through_the_function_and_cannot_touch_the_table(install):
+def test_an_enqueue_only_role_enqueues_through_the_function_and_the_table_refuses_the_rest(
+        install):
     with psycopg.connect(install.dsn("enqueue")) as conn:
         job_id = conn.execute("SELECT receipts_enqueue('fn-order-1')").fetchone()
         assert job_id is not None and isinstance(job_id[0], uuid.UUID)
         assert conn.execute("SELECT receipts_enqueue('fn-order-1')").fetchone() == (None,)
     forged = [
-        "INSERT INTO receipt_jobs (id, order_id, state, finished_at)"
-        " VALUES (gen_random_uuid(), 'forged-done', 'done', now())",
-        "INSERT INTO receipt_jobs (id, order_id) VALUES (gen_random_uuid(), e'bad\\nid')",
-        "INSERT INTO receipt_jobs (id, order_id, run_at)"
-        " VALUES (gen_random_uuid(), 'never', 'infinity')",
-        "SELECT count(*) FROM receipt_jobs",
-        "UPDATE receipt_jobs SET state = 'done'",
+        ("INSERT INTO receipt_jobs (id, order_id, state, finished_at)"
+         " VALUES (gen_random_uuid(), 'forged-done', 'done', now())",
+         psycopg.errors.InsufficientPrivilege),
+        ("INSERT INTO receipt_jobs (id, order_id) VALUES (gen_random_uuid(), e'bad\\nid')",
+         psycopg.errors.CheckViolation),
+        ("INSERT INTO receipt_jobs (id, order_id, run_at)"
+         " VALUES (gen_random_uuid(), 'never', 'infinity')", psycopg.errors.CheckViolation),
+        ("SELECT order_id FROM receipt_jobs", psycopg.errors.InsufficientPrivilege),
+        ("UPDATE receipt_jobs SET state = 'done'", psycopg.errors.InsufficientPrivilege),
     ]
-    for statement in forged:
-        with psycopg.connect(install.dsn("enqueue")) as conn, pytest.raises(
-                psycopg.errors.InsufficientPrivilege):
+    for statement, refusal in forged:
+        with psycopg.connect(install.dsn("enqueue")) as conn, pytest.raises(refusal):
             conn.execute(statement)
     for call, why in (("receipts_enqueue('fn-never', 'infinity')", "finite"),
                       ("receipts_enqueue(e'fn-bad\\nid')", "control characters")):
@@ -198,6 +207,7 @@ def test_a_temporary_table_named_receipt_jobs_cannot_capture_an_enqueue(install)
     assert rows == [("temp-shadow-1",), ("temp-shadow-2",)]
 
 
+@pytest.mark.slow
 def test_the_python_api_role_enqueues_and_cannot_write_a_state_or_read_other_columns(install):
     with psycopg.connect(install.dsn("enqueue-python")) as conn, conn.transaction():
         first = enqueue(conn, "py-order-1", schema=SCHEMA)
@@ -207,6 +217,7 @@ def test_the_python_api_role_enqueues_and_cannot_write_a_state_or_read_other_col
         "INSERT INTO receipt_jobs (id, order_id, state, finished_at)"
         " VALUES (gen_random_uuid(), 'py-forged', 'done', now())",
         "SELECT state, lease_token FROM receipt_jobs",
+        "SELECT order_id FROM receipt_jobs",
         "UPDATE receipt_jobs SET run_at = now()",
         "DELETE FROM receipt_jobs",
     ]
@@ -217,6 +228,137 @@ def test_the_python_api_role_enqueues_and_cannot_write_a_state_or_read_other_col
     result = cli(install.dsn("enqueue-python"), "enqueue", "py-order-2", "py-order-1")
     assert result.returncode == 0, result.stderr
     assert "enqueued 1 job(s); 1 order(s) already had one" in result.stdout
+
+
+# ------------------------------------------------- each forbidden write, each role
+
+#: The writes no role may make, and the few each kind's work needs, as (name, SQL).
+#: %(ready)s and %(running)s are a ready job with one attempt record and a running job
+#: under a live lease, made by the superuser; every attempt is rolled back.
+WRITES: dict[str, str] = {
+    "insert a job due at 'infinity'":
+        "INSERT INTO receipt_jobs (id, order_id, run_at)"
+        " VALUES (gen_random_uuid(), 'fw-never', 'infinity')",
+    "insert an order id with a control character":
+        "INSERT INTO receipt_jobs (id, order_id) VALUES (gen_random_uuid(), e'fw-bad\\nid')",
+    "insert an empty order id":
+        "INSERT INTO receipt_jobs (id, order_id) VALUES (gen_random_uuid(), '')",
+    "insert a 10,000-character order id":
+        "INSERT INTO receipt_jobs (id, order_id) VALUES (gen_random_uuid(), repeat('x', 10000))",
+    "insert a done row":
+        "INSERT INTO receipt_jobs (id, order_id, state, finished_at)"
+        " VALUES (gen_random_uuid(), 'fw-done', 'done', now())",
+    "read every order id": "SELECT order_id FROM receipt_jobs",
+    "change a job's order_id":
+        "UPDATE receipt_jobs SET order_id = 'fw-stolen' WHERE id = %(ready)s",
+    "mark a ready job done":
+        "UPDATE receipt_jobs SET state = 'done', finished_at = now() WHERE id = %(ready)s",
+    "mark a running job done without its token":
+        "UPDATE receipt_jobs SET state = 'done', finished_at = now(), lease_token = NULL,"
+        " lease_until = NULL WHERE id = %(running)s",
+    "edit an attempt record (error)":
+        "UPDATE receipt_attempts SET error = 'rewritten' WHERE job_id = %(ready)s",
+    "delete an attempt record": "DELETE FROM receipt_attempts WHERE job_id = %(ready)s",
+    "insert into the history directly":
+        "INSERT INTO receipt_attempts (job_id, slot, seq, attempt, reason)"
+        " VALUES (%(ready)s, 1, 2, 1, 'forged')",
+    "delete a ready job": "DELETE FROM receipt_jobs WHERE id = %(ready)s",
+    "delete a running job": "DELETE FROM receipt_jobs WHERE id = %(running)s",
+    # allowed to some: each checks that nothing pending went
+    "prune through receipts_prune() (retention 0)":
+        "SELECT count(*) FROM receipts_prune(0, 1000)",
+    "append a record through receipts_record_attempts()":
+        "SELECT receipts_record_attempts(ARRAY[%(ready)s]::uuid[], ARRAY[1], ARRAY['rejected'],"
+        " ARRAY[422], ARRAY['appended'], ARRAY[0.1]::float8[], ARRAY['role test'])",
+    "enqueue a valid order (INSERT)":
+        "INSERT INTO receipt_jobs (id, order_id) VALUES (gen_random_uuid(), 'fw-valid')"
+        " ON CONFLICT DO NOTHING RETURNING id",
+    "enqueue a valid order (receipts_enqueue())": "SELECT receipts_enqueue('fw-valid-fn')",
+}
+
+_P, _C, _A = "refused (no right)", "refused (check)", "allowed"
+#: What each kind gets, in the order of :data:`WRITES`.
+EXPECTED: dict[str, list[str]] = {
+    "enqueue":        [_C, _C, _C, _C, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _A, _A],
+    "enqueue-python": [_C, _C, _C, _C, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _P, _A, _P],
+    "worker":         [_P, _P, _P, _P, _P, _A, _P, _C, _C, _P, _P, _P, _P, _P, _P, _A, _P, _P],
+    "recover":        [_P, _P, _P, _P, _P, _A, _P, _C, _C, _P, _P, _P, _P, _P, _A, _A, _P, _P],
+    "review":         [_P, _P, _P, _P, _P, _A, _P, _C, _C, _P, _P, _P, _P, _P, _P, _A, _P, _P],
+}
+
+
+def _attempt_write(dsn: str, sql: str, params: dict[str, Any], *, reads_jobs: bool) -> str:
+    """Run *sql* as the role of *dsn* and roll back: refused (why) or allowed. An allowed
+    write by a role that may read the jobs must leave the two pending fixture jobs as they
+    were, seen inside its own transaction (the enqueue kinds' allowed writes are inserts)."""
+    with psycopg.connect(dsn) as conn:
+        try:
+            with conn.transaction(force_rollback=True):
+                conn.execute(sql, params)
+                if reads_jobs:
+                    after = conn.execute("SELECT order_id, state FROM receipt_jobs"
+                                         " WHERE id IN (%(ready)s, %(running)s) ORDER BY 1",
+                                         params).fetchall()
+                    assert after == [("fw-ready", "ready"), ("fw-running", "running")], sql
+        except psycopg.errors.InsufficientPrivilege:
+            return _P
+        except psycopg.errors.CheckViolation:
+            return _C
+    return _A
+
+
+def test_each_role_is_refused_each_forbidden_write(install):
+    """The roles table of docs/design.md ("Every rule in the database, for every role"):
+    every kind's printed grants, each write tried in a transaction rolled back."""
+    admin = install.admin
+    ((ready,),) = fetch_rows(admin, "INSERT INTO receipt_jobs (id, order_id)"
+                                    " VALUES (gen_random_uuid(), 'fw-ready') RETURNING id")
+    ((running,),) = fetch_rows(admin, "INSERT INTO receipt_jobs (id, order_id, state, attempts,"
+                                      " lease_token, lease_until) VALUES (gen_random_uuid(),"
+                                      " 'fw-running', 'running', 1, gen_random_uuid(),"
+                                      " now() + interval '1 hour') RETURNING id")
+    fetch_rows(admin, "SELECT receipts_record_attempts(ARRAY[%s]::uuid[], ARRAY[1],"
+                      " ARRAY['provider_5xx'], ARRAY[503], ARRAY['kept'], ARRAY[0.2]::float8[],"
+                      " ARRAY['t'])", (ready,))
+    params = {"ready": ready, "running": running}
+    try:
+        seen = {kind: [_attempt_write(install.dsn(kind), sql, params,
+                                      reads_jobs=not kind.startswith("enqueue"))
+                       for sql in WRITES.values()]
+                for kind in EXPECTED}
+        table = ["| attempted write | " + " | ".join(EXPECTED) + " |",
+                 "|---|" + "---|" * len(EXPECTED)]
+        table += [f"| {name} | " + " | ".join(seen[kind][i] for kind in EXPECTED) + " |"
+                  for i, name in enumerate(WRITES)]
+        print("\n".join(table))
+        assert seen == EXPECTED
+        history = fetch_rows(admin, "SELECT seq, error FROM receipt_attempts WHERE job_id = %s",
+                             (ready,))
+        assert history == [(1, "kept")]
+        rows = fetch_rows(admin, "SELECT order_id, state FROM receipt_jobs"
+                                 " WHERE id IN (%s, %s) ORDER BY 1", (ready, running))
+        assert rows == [("fw-ready", "ready"), ("fw-running", "running")]
+    finally:
+        fetch_rows(admin, "DELETE FROM receipt_attempts WHERE job_id IN (%s, %s) RETURNING 1",
+                   (ready, running))
+        fetch_rows(admin, "DELETE FROM receipt_jobs WHERE id IN (%s, %s) RETURNING 1",
+                   (ready, running))
+
+
+def test_the_ack_guard_lets_a_worker_mark_its_own_running_job_done(install):
+    """The trigger's WHEN clause is the ack's guard: the worker's own ack passes it."""
+    ((job, token),) = fetch_rows(
+        install.admin, "INSERT INTO receipt_jobs (id, order_id, state, attempts, lease_token,"
+                       " lease_until) VALUES (gen_random_uuid(), 'fw-own', 'running', 1,"
+                       " gen_random_uuid(), now() + interval '1 hour') RETURNING id, lease_token")
+    try:
+        with psycopg.connect(install.dsn("worker")) as conn:
+            done = conn.execute(query("ack", SCHEMA), {"ids": str(job), "tokens": str(token)})
+            assert done.fetchall() == [(job,)]
+        assert fetch_rows(install.admin, "SELECT state, last_token FROM receipt_jobs"
+                                         " WHERE id = %s", (job,)) == [("done", token)]
+    finally:
+        fetch_rows(install.admin, "DELETE FROM receipt_jobs WHERE id = %s RETURNING 1", (job,))
 
 
 # ------------------------------------------------------- every command, each role
@@ -239,6 +381,7 @@ def _states(install: Install, prefix: str) -> dict[str, int]:
 GONE_TAG = "0badc0de"
 
 
+@pytest.mark.slow
 async def test_every_command_runs_as_its_own_role(install, provider: RunningProvider, tmp_path):
     # Retries, a Retry-After pause and rejections: reschedule, attempt history and
     # flow control run too; a rate limit makes the claim charge the token bucket.
@@ -446,6 +589,7 @@ def _healthy(http: httpx.Client) -> bool:
     return False
 
 
+@pytest.mark.slow
 def test_a_worker_missing_a_grant_refuses_to_start_and_names_the_command(install):
     role = install.roles["worker"]
     install.apply(f'REVOKE SELECT ON receipts_schema_migrations FROM "{role}"')
@@ -575,8 +719,16 @@ def exercises(role: Role) -> dict[str, Callable[[], Awaitable[Any]]]:
             "key": 4242, "idle_timeout_ms": "5000"}),
         "waker_probe": lambda: _on_listen_session(role.dsn, "waker_probe", {
             "max_attempts": 5, "seen_run_at": None, "seen_id": None,
+            "from_run_at": None, "from_id": None, "margin_seconds": 1.0,
+            "stuck_seconds": 0.15, "channels": ["receipts_ready_role"], "free": [1],
             "channel": "receipts_ready", "heartbeat": True, "waker_channel": "receipts_waker",
-            "schema_name": SCHEMA}),
+            "schema_name": SCHEMA, "fleet_channel": "receipts_fleet",
+            "shares": '{"0000abcd": 1.0}'}),
+        "waker_sweep": lambda: _on_listen_session(role.dsn, "waker_sweep", {
+            "max_attempts": 5, "below_run_at": datetime.now(UTC), "below_id": uuid.uuid4()}),
+        "member_lock": lambda: _on_listen_session(role.dsn, "member_lock", {
+            "key": 4243, "tag": 0xabcd}),
+        "fleet_members": lambda: _on_listen_session(role.dsn, "fleet_members", {"key": 4243}),
         "waker_step_down": lambda: _on_listen_session(role.dsn, "waker_step_down", {
             "key": 4242, "waker_channel": "receipts_waker", "payload": f"{SCHEMA} left"}),
         "listen_check": lambda: _on_listen_session(role.dsn, "listen_check", {}),
@@ -584,30 +736,29 @@ def exercises(role: Role) -> dict[str, Callable[[], Awaitable[Any]]]:
         "recover_expired": lambda: q.recover_expired(batch=1, delay_seconds=1.0),
         "fail_exhausted": lambda: q.fail_exhausted(batch=1),
         "prune": lambda: q.prune(retention_seconds=1e9, batch=1),
-        "state_counts": lambda: q.state_counts(),
-        "oldest_failed": lambda: q.oldest_failed(),
-        "list_jobs": lambda: q.list_jobs(JobState.FAILED),
-        "show_job": lambda: q.show_job(str(uuid.uuid4())),
-        "show_job_by_order": lambda: q.show_job("no-such-order"),
-        "job_attempts": lambda: q.job_attempts(uuid.uuid4()),
-        "job_states": lambda: q.job_states([uuid.uuid4()]),
-        "review_jobs": lambda: q.review_jobs(ReviewFilter(reason="rejected")),
-        "review_count": lambda: q.review_count(ReviewFilter(reason="rejected")),
-        "retry_failed": lambda: q.retry_failed([uuid.uuid4()]),
-        "retry_jobs": lambda: q.retry_jobs([uuid.uuid4()], expected=1),
-        "discard_jobs": lambda: q.discard_jobs([uuid.uuid4()], expected=1),
-        "provider_pause": lambda: q.provider_pause(),
-        "flow_state": lambda: q.flow_state(),
+        "heartbeat": lambda: q.heartbeat(
+            tag=new_tag(), pod="role-test", pid=1, version="0", slots=0, inflight=0,
+            claimed_total=0, uptime_seconds=0.0, since_claim_seconds=None, stopped=True),
+        "forget_workers": lambda: q.forget_workers(seconds=1e9),
         # the operator's statements (sql/operations.sql)
+        "state_counts": lambda: ops.state_counts(),
+        "oldest_failed": lambda: ops.oldest_failed(),
+        "list_jobs": lambda: ops.list_jobs(JobState.FAILED),
+        "show_job": lambda: ops.show_job(str(uuid.uuid4())),
+        "show_job_by_order": lambda: ops.show_job("no-such-order"),
+        "job_attempts": lambda: ops.job_attempts(uuid.uuid4()),
+        "job_states": lambda: ops.job_states([uuid.uuid4()]),
+        "review_jobs": lambda: ops.review_jobs(ReviewFilter(reason="rejected")),
+        "review_count": lambda: ops.review_count(ReviewFilter(reason="rejected")),
+        "retry_jobs": lambda: ops.retry_jobs([uuid.uuid4()], expected=1),
+        "discard_jobs": lambda: ops.discard_jobs([uuid.uuid4()], expected=1),
+        "provider_pause": lambda: ops.provider_pause(),
+        "flow_state": lambda: ops.flow_state(),
         "fleet_flow": lambda: ops.fleet_flow(),
         # A manual pause of 0 s ends at once (and is refused beside a longer one) ...
         "pause_fleet": lambda: ops.pause_fleet(0.0, note="role test", paused_by="test"),
         # ... and a resume of a pause that ended in 2000 lifts nothing.
         "resume_fleet": lambda: ops.resume_fleet(expected_until=datetime(2000, 1, 1, tzinfo=UTC)),
-        "heartbeat": lambda: ops.heartbeat(
-            tag=new_tag(), pod="role-test", pid=1, version="0", slots=0, inflight=0,
-            claimed_total=0, uptime_seconds=0.0, since_claim_seconds=None, stopped=True),
-        "forget_workers": lambda: ops.forget_workers(seconds=1e9),
         "workers_seen": lambda: ops.workers_seen(seconds=60),
         "revoke_session": lambda: ops.revoke_session(secrets.token_hex(16), expires_at=soon),
         "revoked_sessions": lambda: ops.revoked_sessions(),
@@ -660,6 +811,7 @@ async def test_each_role_runs_all_its_statements_with_the_printed_grants(install
     assert {n: repr(e) for n, e in errors.items() if e is not None} == {}
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("kind", KINDS)
 async def test_without_any_one_of_its_rights_a_role_is_refused_a_statement(install, kind, server):
     if server.name != "pg18":
@@ -683,6 +835,7 @@ async def test_without_any_one_of_its_rights_a_role_is_refused_a_statement(insta
     assert unneeded == []
 
 
+@pytest.mark.slow
 async def test_pg_read_all_stats_lets_the_worker_see_another_roles_long_transaction(install):
     role = install.roles["worker"]
     holder = await psycopg.AsyncConnection.connect(install.admin)

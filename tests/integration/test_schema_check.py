@@ -72,6 +72,7 @@ def psql_file(dsn: str, sql: str) -> subprocess.CompletedProcess[str]:
 # ------------------------------------------------------------ check_schema
 
 
+@pytest.mark.slow
 def test_a_migrated_database_passes_and_reports_its_version(dsn):
     status = check(dsn)
     assert status.current and status.version == NEWEST == status.expected
@@ -99,6 +100,7 @@ def test_pending_migrations_are_refused_naming_them(empty_dsn):
     assert "\n" not in str(refused.value)
 
 
+@pytest.mark.slow
 def test_a_later_release_s_migrations_are_accepted_as_a_newer_schema(dsn):
     # The rollback contract: migrations only add within a major version, so this version
     # runs on the schema a later release left behind.
@@ -135,6 +137,7 @@ def test_an_applied_migration_that_differs_is_refused(dsn):
         check(dsn)
 
 
+@pytest.mark.slow
 async def test_the_async_check_gives_the_same_answers(dsn, empty_dsn):
     async with await psycopg.AsyncConnection.connect(dsn, autocommit=True) as conn:
         assert (await check_schema_async(conn)).version == NEWEST
@@ -143,6 +146,7 @@ async def test_the_async_check_gives_the_same_answers(dsn, empty_dsn):
             await check_schema_async(conn)
 
 
+@pytest.mark.slow
 def test_the_check_only_reads_and_leaves_a_transaction_usable(empty_dsn):
     with psycopg.connect(empty_dsn) as conn:
         assert not schema_status(conn).current  # no tracking table: no error raised
@@ -152,6 +156,7 @@ def test_the_check_only_reads_and_leaves_a_transaction_usable(empty_dsn):
 # ------------------------------------------------------------ --print-sql
 
 
+@pytest.mark.slow
 def test_print_sql_applied_by_psql_gives_the_same_schema_as_migrate(dsn, empty_dsn):
     result = psql_file(empty_dsn, migration_sql())
     assert result.returncode == 0, result.stderr
@@ -175,6 +180,7 @@ def test_print_sql_applied_by_psql_gives_the_same_schema_as_migrate(dsn, empty_d
     assert apply_migrations(empty_dsn) == []
 
 
+@pytest.mark.slow
 def test_print_sql_pending_prints_only_what_the_database_lacks(empty_dsn):
     apply_migrations(empty_dsn, migrations=SHIPPED[:2])
     result = receipts("migrate", "--print-sql", "--pending", dsn=empty_dsn)
@@ -187,6 +193,7 @@ def test_print_sql_pending_prints_only_what_the_database_lacks(empty_dsn):
     assert check(empty_dsn).current
 
 
+@pytest.mark.slow
 def test_print_sql_of_everything_needs_no_database():
     result = receipts("migrate", "--print-sql", dsn=None)
     assert result.returncode == 0, result.stderr
@@ -199,6 +206,7 @@ def test_print_sql_of_everything_needs_no_database():
 # ------------------------------------------------------------ --check
 
 
+@pytest.mark.slow
 def test_migrate_check_exit_codes(dsn, empty_dsn):
     up_to_date = receipts("migrate", "--check", dsn=dsn)
     assert (up_to_date.returncode, up_to_date.stdout.strip()) == (
@@ -221,6 +229,7 @@ def test_migrate_check_exit_codes(dsn, empty_dsn):
     assert unknown.returncode == 4 and "upgrade receipts" in unknown.stdout
 
 
+@pytest.mark.slow
 def test_pending_without_print_sql_is_bad_usage(dsn):
     result = receipts("migrate", "--pending", dsn=dsn)
     assert result.returncode == 2 and "--pending goes with --print-sql" in result.stderr
@@ -229,6 +238,7 @@ def test_pending_without_print_sql_is_bad_usage(dsn):
 # ------------------------------------------------------------ the configured schema
 
 
+@pytest.mark.slow
 def test_the_missing_table_hint_says_what_was_looked_up_and_where(empty_dsn):
     with psycopg.connect(empty_dsn, autocommit=True) as conn:
         conn.execute("CREATE SCHEMA shop")
@@ -248,6 +258,7 @@ def test_the_missing_table_hint_says_what_was_looked_up_and_where(empty_dsn):
     assert fetch_rows(empty_dsn, "SELECT order_id FROM shop.receipt_jobs") == [("in-shop",)]
 
 
+@pytest.mark.slow
 def test_a_bad_schema_name_is_refused_in_one_line(empty_dsn):
     result = receipts("jobs", "stats", dsn=empty_dsn, env={"RECEIPTS_DATABASE_SCHEMA": "Shop;"})
     assert result.returncode == 2
@@ -255,6 +266,7 @@ def test_a_bad_schema_name_is_refused_in_one_line(empty_dsn):
     assert len(result.stderr.strip().splitlines()) == 1
 
 
+@pytest.mark.slow
 def test_migrations_and_statements_ignore_the_sessions_search_path(empty_dsn):
     from psycopg.conninfo import make_conninfo
 
@@ -276,6 +288,7 @@ def test_migrations_and_statements_ignore_the_sessions_search_path(empty_dsn):
     assert fetch_rows(empty_dsn, "SELECT count(*) FROM public.receipt_jobs") == [(3,)]
 
 
+@pytest.mark.slow
 def test_print_sql_in_a_configured_schema_applies_there(empty_dsn):
     with psycopg.connect(empty_dsn, autocommit=True) as conn:
         conn.execute("CREATE SCHEMA shop")
@@ -290,6 +303,7 @@ def test_print_sql_in_a_configured_schema_applies_there(empty_dsn):
         assert conn.execute("SELECT to_regclass('public.receipt_jobs')").fetchone() == (None,)
 
 
+@pytest.mark.slow
 def test_migrate_refuses_to_split_the_queue_when_its_tables_are_in_another_schema(empty_dsn):
     # An existing installation whose tables were found through a role's
     # search_path: they live in "shop", the DSN names no schema.
@@ -311,6 +325,7 @@ def test_migrate_refuses_to_split_the_queue_when_its_tables_are_in_another_schem
     assert check(empty_dsn).current
 
 
+@pytest.mark.slow
 def test_print_sql_takes_the_schema_from_the_dsn_and_creates_it(empty_dsn):
     from psycopg.conninfo import make_conninfo
 
@@ -327,6 +342,7 @@ def test_print_sql_takes_the_schema_from_the_dsn_and_creates_it(empty_dsn):
     assert "CREATE SCHEMA" not in migration_sql(schema="public")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", ["pg_catalog", "pg_temp", "information_schema"])
 def test_schemas_reserved_by_postgresql_are_refused(empty_dsn, name):
     result = receipts("migrate", dsn=empty_dsn, env={"RECEIPTS_DATABASE_SCHEMA": name})

@@ -39,6 +39,7 @@ def test_psql_enqueues_returns_the_id_then_null_for_a_duplicate(dsn):
     assert rows == [(job_id, "ready", 0, True)]
 
 
+@pytest.mark.slow
 def test_psql_enqueue_is_part_of_the_callers_transaction(dsn):
     result = psql(dsn, "BEGIN; SELECT receipts_enqueue('psql-rolled-back'); ROLLBACK;")
     assert result.returncode == 0, result.stderr
@@ -47,6 +48,7 @@ def test_psql_enqueue_is_part_of_the_callers_transaction(dsn):
     assert fetch_rows(dsn, "SELECT order_id FROM receipt_jobs") == [("psql-kept",)]
 
 
+@pytest.mark.slow
 def test_psql_named_arguments_run_at_and_traceparent(dsn):
     traceparent = "00-4bf92f3577b34da6a3ce929d0e0e4736-00f067aa0ba902b7-01"
     result = psql(dsn, "SELECT receipts_enqueue(order_id => 'later',"
@@ -61,11 +63,13 @@ def test_psql_named_arguments_run_at_and_traceparent(dsn):
     assert rows["no-run-at"][1:] == (None, True)
 
 
+@pytest.mark.slow
 def test_psql_refuses_a_malformed_traceparent(dsn):
     result = psql(dsn, "SELECT receipts_enqueue('x', now(), 'not-a-traceparent')")
     assert result.returncode != 0 and "receipt_jobs_traceparent_format" in result.stderr
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize(("order_id", "message"), [
     ("", "must not be empty"),  # Python: "must be a non-empty string"
     ("x" * 201, "is longer than 200 characters"),
@@ -98,6 +102,7 @@ def _edge_cases() -> list[str]:
     return cases
 
 
+@pytest.mark.slow
 def test_sql_and_python_accept_exactly_the_same_order_ids(dsn):
     """Rule parity over every whitespace character, every control character and lengths."""
     disagreements = []
@@ -118,6 +123,7 @@ def test_sql_and_python_accept_exactly_the_same_order_ids(dsn):
     assert disagreements == []
 
 
+@pytest.mark.slow
 def test_psql_enqueue_sends_no_notification_from_the_callers_transaction(dsn):
     # A pending notification serialises the commits of every notifying
     # transaction in the instance: the checkout's commit must not carry one.
@@ -134,6 +140,7 @@ def test_psql_enqueue_sends_no_notification_from_the_callers_transaction(dsn):
     assert fetch_rows(dsn, "SELECT count(*) FROM receipt_jobs") == [(51,)]
 
 
+@pytest.mark.slow
 def test_the_function_finds_its_table_whatever_the_callers_search_path(dsn):
     result = psql(dsn, "SET search_path = pg_catalog; SELECT public.receipts_enqueue('sp-1');")
     assert result.returncode == 0, result.stderr

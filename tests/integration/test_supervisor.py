@@ -28,6 +28,7 @@ def _provider(sup: Supervisor, name: str = "provider", *extra: str):
                      health_path="/stats")
 
 
+@pytest.mark.slow
 def test_a_worker_becomes_healthy_delivers_and_its_scrape_and_exit_say_so(
         dsn, tmp_path, monkeypatch):
     # Settings exported in the parent's shell must not reach the child.
@@ -54,6 +55,7 @@ def test_a_worker_becomes_healthy_delivers_and_its_scrape_and_exit_say_so(
     assert '"event": "stopped"' in log
 
 
+@pytest.mark.slow
 def test_a_child_that_exits_before_it_is_healthy_is_named_with_its_output(tmp_path):
     with Supervisor(tmp_path) as sup:
         port = free_port()
@@ -79,6 +81,7 @@ def test_a_child_that_never_answers_times_out_with_a_clear_error():
         assert child.running
 
 
+@pytest.mark.slow
 def test_a_paused_child_does_not_answer_until_it_is_continued(tmp_path):
     with Supervisor(tmp_path) as sup:
         provider = _provider(sup).wait_healthy()
@@ -92,6 +95,7 @@ def test_a_paused_child_does_not_answer_until_it_is_continued(tmp_path):
         assert provider.stop() == 0
 
 
+@pytest.mark.slow
 def test_kill_reaps_the_child_and_a_paused_child_is_stopped_cleanly(tmp_path):
     with Supervisor(tmp_path) as sup:
         first = _provider(sup, "first").wait_healthy()
@@ -114,6 +118,7 @@ def test_stop_escalates_to_sigkill_and_only_named_settings_reach_the_child(
     assert child.stderr_text == ""
 
 
+@pytest.mark.slow
 def test_leaving_the_block_stops_every_child_even_on_an_error(tmp_path):
     (tmp_path / "stubborn.py").write_text(STUBBORN)
     with pytest.raises(RuntimeError, match="boom"), Supervisor(

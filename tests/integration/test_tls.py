@@ -80,6 +80,7 @@ async def _deliver(url: str, tls: ssl.SSLContext | None) -> tuple[Verdict, Reaso
     return outcome.verdict, outcome.reason
 
 
+@pytest.mark.slow
 async def test_a_private_ca_is_trusted_only_when_configured(https, pki):
     assert await _deliver(https, None) == (Verdict.RETRY, Reason.CONNECT_ERROR)
     assert await _deliver(https, tls_context(str(pki / "ca.pem"))) == (

@@ -89,6 +89,7 @@ async def recorder() -> AsyncIterator[tuple[Recorder, str]]:
 # ------------------------------------------------------------ enqueue side
 
 
+@pytest.mark.slow
 def test_enqueue_inside_a_span_stores_its_traceparent(dsn, tracer, spans):
     with psycopg.connect(dsn) as conn:
         with tracer.start_as_current_span("POST /orders") as span:
@@ -103,6 +104,7 @@ def test_enqueue_inside_a_span_stores_its_traceparent(dsn, tracer, spans):
     assert int(expected[-2:], 16) & 1  # the sampled flag travels with it
 
 
+@pytest.mark.slow
 def test_no_span_no_traceparent(dsn, tracer):
     assert current_traceparent() is None
     with psycopg.connect(dsn) as conn:
@@ -123,6 +125,7 @@ def test_stored_values_that_are_not_a_valid_traceparent_are_ignored(value):
 # ------------------------------------------------------------ delivery side
 
 
+@pytest.mark.slow
 async def test_the_delivery_span_links_to_the_enqueue_and_the_provider_gets_it(
     dsn, tracer, spans, recorder
 ):
@@ -234,6 +237,7 @@ ABSENT = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow
 def test_without_opentelemetry_nothing_changes(dsn):
     result = subprocess.run([sys.executable, "-c", ABSENT, dsn], capture_output=True,
                             text=True, timeout=60, cwd=str(REPO))

@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import asyncio
 
+import pytest
+
 from receipts.db import make_pool
 from receipts.errors import DatabaseUnavailable
 from receipts.jobqueue import JobQueue
@@ -15,6 +17,7 @@ from receipts.ui.monitor import Monitor
 from tests.conftest import enqueue_many, make_settings
 
 
+@pytest.mark.slow
 async def test_fifty_viewers_share_one_reading_per_interval(dsn: str) -> None:
     enqueue_many(dsn, ["m-1", "m-2"])
     pool = make_pool(make_settings(dsn), "ui", max_size=4)
@@ -68,6 +71,7 @@ async def test_a_page_of_the_list_is_read_once_for_everyone_asking_at_once() -> 
     assert loads == 2
 
 
+@pytest.mark.slow
 async def test_the_last_reading_stays_when_the_database_goes_away(dsn: str) -> None:
     pool = make_pool(make_settings(dsn), "ui", max_size=2)
     await pool.open(wait=True)

@@ -9,6 +9,7 @@ import sys
 import time
 
 import httpx
+import pytest
 
 from receipts.embedded import free_port
 from tests.conftest import enqueue_many
@@ -27,6 +28,7 @@ def _wait_healthy(url: str, process: subprocess.Popen[str]) -> None:
     raise AssertionError("receipts ui did not answer /healthz within 30 s")
 
 
+@pytest.mark.slow
 def test_receipts_ui_serves_read_only_on_localhost_and_stops_cleanly(dsn: str) -> None:
     enqueue_many(dsn, ["ui-process-1"])
     port = free_port()
@@ -56,6 +58,7 @@ def test_receipts_ui_serves_read_only_on_localhost_and_stops_cleanly(dsn: str) -
     assert '"event": "ui_started"' in output and '"mode": "read-only"' in output
 
 
+@pytest.mark.slow
 def test_receipts_ui_beyond_localhost_refuses_to_start_without_a_viewer_token(dsn: str) -> None:
     env = {k: v for k, v in os.environ.items() if not k.startswith("RECEIPTS_")}
     env |= {"RECEIPTS_DATABASE_URL": dsn, "RECEIPTS_UI_HOST": "0.0.0.0",

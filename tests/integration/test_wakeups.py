@@ -16,24 +16,51 @@ from datetime import UTC, datetime, timedelta
 import psycopg
 import pytest
 
+from receipts.db import make_pool
 from receipts.enqueue import NOTIFY_CHANNEL, enqueue
+from receipts.jobqueue import JobQueue
 from receipts.metrics import Metrics
-from receipts.waker import SILENT_SECONDS, WAKER_CHANNEL, Wakeups, lock_key
+from receipts.waker import (
+    FLEET_CHANNEL,
+    SILENT_SECONDS,
+    WAKER_CHANNEL,
+    Wakeups,
+    lock_key,
+)
 from tests.conftest import fetch_rows, make_settings
 from tests.integration.test_enqueue_api import Listener
 
 
 class Pod:
-    """One pod's wake-ups: counts the times its claim loop would have been woken."""
+    """One pod's wake-ups: counts the times its claim loop would have been woken.
 
-    def __init__(self, dsn: str, **settings: object) -> None:
+    With a *tag* it is a member (its own channel; woken only when the work
+    needs it) and, given a *queue*, claims on each wake-up from the watermark,
+    as its claim loop would.
+    """
+
+    def __init__(self, dsn: str, *, tag: str | None = None, queue: JobQueue | None = None,
+                 **settings: object) -> None:
         self.metrics = Metrics()
         self.woken = 0
-        self.wakeups = Wakeups(make_settings(dsn, **settings), self.metrics, self._wake)
+        self.claimed: list[str] = []
+        self.queue = queue
+        self.wakeups = Wakeups(make_settings(dsn, **settings), self.metrics, self._wake,
+                               tag=tag)
         self.task: asyncio.Task[None] | None = None
+        self._claims: set[asyncio.Task[None]] = set()
 
     def _wake(self) -> None:
         self.woken += 1
+        if self.queue is not None:
+            task = asyncio.create_task(self._claim())
+            self._claims.add(task)
+            task.add_done_callback(self._claims.discard)
+
+    async def _claim(self) -> None:
+        assert self.queue is not None
+        result = await self.queue.claim(32, after=self.wakeups.claim_bound())
+        self.claimed += [a.job.order_id for a in result.attempts]
 
     def start(self) -> Pod:
         self.task = asyncio.create_task(self.wakeups.run())
@@ -93,6 +120,7 @@ async def probes_pass(waker: Pod, n: int) -> None:
     await until(lambda: waker.probes() >= target, f"{n} more probes")
 
 
+@pytest.mark.slow
 async def test_exactly_one_of_several_pods_is_elected_and_the_others_hear_it(pods):
     waker = waker_of(pods)
     assert waker.metrics.registry.get_sample_value("receipts_waker_elected") == 1
@@ -104,6 +132,7 @@ async def test_exactly_one_of_several_pods_is_elected_and_the_others_hear_it(pod
     assert all(p.wakeups.waker_alive() for p in others)
 
 
+@pytest.mark.slow
 async def test_a_committed_job_wakes_every_pod_once_from_the_wakers_own_transaction(
         dsn, pods):
     waker = waker_of(pods)
@@ -121,6 +150,7 @@ async def test_a_committed_job_wakes_every_pod_once_from_the_wakers_own_transact
         listener.close()
 
 
+@pytest.mark.slow
 async def test_a_job_scheduled_later_wakes_the_fleet_when_it_becomes_due(dsn, pods):
     waker = waker_of(pods)
     await probes_pass(waker, 2)
@@ -132,6 +162,7 @@ async def test_a_job_scheduled_later_wakes_the_fleet_when_it_becomes_due(dsn, po
     assert datetime.now(UTC) >= due
 
 
+@pytest.mark.slow
 async def test_a_paused_fleet_and_a_standing_backlog_are_not_woken_again(dsn, pods):
     waker = waker_of(pods)
     with psycopg.connect(dsn) as conn:
@@ -151,6 +182,7 @@ async def test_a_paused_fleet_and_a_standing_backlog_are_not_woken_again(dsn, po
     await until(lambda: waker.wakes() == 2, "a wake for new work after the pause")
 
 
+@pytest.mark.slow
 async def test_a_stopping_waker_hands_over_at_once(pods):
     waker = waker_of(pods)
     await waker.stop()
@@ -160,6 +192,7 @@ async def test_a_stopping_waker_hands_over_at_once(pods):
     assert took < 1.0
 
 
+@pytest.mark.slow
 async def test_a_waker_whose_session_is_killed_is_replaced_within_seconds(dsn, pods, caplog):
     waker = waker_of(pods)
     (pid,) = fetch_rows(dsn, "SELECT l.pid FROM pg_locks AS l JOIN pg_database AS d"
@@ -178,6 +211,7 @@ async def test_a_waker_whose_session_is_killed_is_replaced_within_seconds(dsn, p
     await until(lambda: waker_of(pods).wakes() >= 1, "the waker wakes the fleet")
 
 
+@pytest.mark.slow
 async def test_each_queue_schema_has_its_own_waker(dsn):
     with psycopg.connect(dsn, autocommit=True) as conn:
         conn.execute("CREATE SCHEMA shop")
@@ -193,6 +227,7 @@ async def test_each_queue_schema_has_its_own_waker(dsn):
         await shop.stop()
 
 
+@pytest.mark.slow
 async def test_a_waker_heartbeat_names_its_queue(dsn, pods):
     listener = psycopg.connect(dsn, autocommit=True)
     try:
@@ -203,3 +238,66 @@ async def test_a_waker_heartbeat_names_its_queue(dsn, pods):
     finally:
         listener.close()
     assert NOTIFY_CHANNEL == "receipts_ready"  # the channel released workers listen on
+
+
+@pytest.fixture
+async def members(dsn) -> AsyncIterator[list[Pod]]:
+    """Three member pods (tags a…, b…, c…) that claim when woken, on one pool."""
+    settings = make_settings(dsn)
+    pool = make_pool(settings, "test", max_size=4)
+    await pool.open(wait=True, timeout=10)
+    queue = JobQueue(pool, lease_seconds=30.0, max_attempts=settings.max_attempts)
+    started = [Pod(dsn, tag=c * 8, queue=queue).start() for c in "abc"]
+    await until(lambda: sum(p.is_waker for p in started) == 1, "a waker elected")
+    # Every pod has heard the waker announce all three shares.
+    await until(lambda: all(p.wakeups.shares is not None and len(p.wakeups.shares) == 3
+                            for p in started), "three members announced")
+    yield started
+    for pod in started:
+        await pod.stop()
+    await pool.close()
+
+
+async def test_new_work_wakes_only_the_pod_it_needs_and_the_next_goes_to_the_next_pod(
+        dsn, members):
+    waker = waker_of(members)
+    for n, order in enumerate(("first", "second"), start=1):
+        before = [p.woken for p in members]
+        await enqueue_one(dsn, order)
+        await until(lambda o=order: any(o in p.claimed for p in members), f"{order} claimed")
+        await probes_pass(waker, 5)  # nothing due is left: nobody else is woken
+        woken = [p.woken - b for p, b in zip(members, before, strict=True)]
+        assert sorted(woken) == [0, 0, 1], (order, woken)
+        assert waker.wakes() == n
+    first = next(p for p in members if "first" in p.claimed)
+    second = next(p for p in members if "second" in p.claimed)
+    assert first is not second  # in turn, not always the same pod
+
+
+async def test_the_waker_announces_shares_and_a_killed_member_drops_out_at_once(dsn, members):
+    assert {p.wakeups.tag for p in members} == set(members[0].wakeups.shares or {})
+    assert sum((members[0].wakeups.shares or {}).values()) == pytest.approx(1.0, abs=1e-5)
+    victim = next(p for p in members if not p.is_waker)
+    assert victim.wakeups.tag is not None
+    with psycopg.connect(dsn, autocommit=True) as conn:  # its session dies, as with kill -9
+        (ended,), = conn.execute(
+            "SELECT count(pg_terminate_backend(pid)) FROM pg_locks WHERE locktype = 'advisory'"
+            " AND objsubid = 2 AND objid = %s::int8::oid", (int(victim.wakeups.tag, 16),)
+        ).fetchall()
+        assert ended == 1
+    await victim.stop()
+    others = [p for p in members if p is not victim]
+    took = await until(lambda: all(len(p.wakeups.shares or {}) == 2 for p in others),
+                       "two members announced", timeout=5)
+    assert took < 2.5  # within a heartbeat or two
+    assert all((p.wakeups.shares or {}).get(p.wakeups.tag) == pytest.approx(0.5)
+               for p in others)
+
+
+async def test_a_back_dated_job_below_the_watermark_is_swept_and_claimed(dsn, members):
+    waker = waker_of(members)
+    await until(lambda: waker.wakeups.watermark is not None, "a watermark")
+    await enqueue_one(dsn, "old", run_at=datetime.now(UTC) - timedelta(days=1))
+    took = await until(lambda: any("old" in p.claimed for p in members), "the old job claimed")
+    assert took < 1.0
+    assert FLEET_CHANNEL == "receipts_fleet"

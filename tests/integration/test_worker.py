@@ -6,6 +6,8 @@ import asyncio
 import time
 from collections.abc import Callable
 
+import pytest
+
 from receipts.delivery import Deliverer
 from receipts.runtime import worker_runtime
 from receipts.settings import Settings
@@ -48,6 +50,7 @@ def states(dsn: str) -> dict[str, int]:
     return dict(fetch_rows(dsn, "SELECT state, count(*) FROM receipt_jobs GROUP BY state"))
 
 
+@pytest.mark.slow
 async def test_a_worker_delivers_every_job_exactly_once_at_the_provider(dsn, provider):
     enqueue_many(dsn, [f"order-{i}" for i in range(300)])
     settings = make_settings(dsn, provider_url=provider.url, concurrency=16)
@@ -59,6 +62,7 @@ async def test_a_worker_delivers_every_job_exactly_once_at_the_provider(dsn, pro
     assert {v["requests"] for v in provider.provider.receipts.values()} == {1}
 
 
+@pytest.mark.slow
 async def test_claims_never_exceed_free_slots(dsn, provider):
     provider.set_faults(latency_seconds=0.2)
     enqueue_many(dsn, [f"order-{i}" for i in range(40)])
@@ -70,6 +74,7 @@ async def test_claims_never_exceed_free_slots(dsn, provider):
         assert run.value("receipts_jobs_claimed_total") == 40
 
 
+@pytest.mark.slow
 async def test_a_job_that_always_gets_5xx_fails_after_max_attempts(dsn, provider):
     provider.set_faults(error_rate=1.0)
     enqueue_many(dsn, ["order-doomed"])
@@ -87,6 +92,7 @@ async def test_a_job_that_always_gets_5xx_fails_after_max_attempts(dsn, provider
         (4, "503 provider error")]
 
 
+@pytest.mark.slow
 async def test_a_rejection_among_accepted_orders_fails_the_job_with_its_reason(dsn, provider):
     """The provider accepts the orders sent around it and rejects this one twice (the
     confirmation, in the same lease): a verdict about the order."""
@@ -114,6 +120,7 @@ async def test_a_lone_rejection_is_held_and_given_back_not_failed(dsn, provider)
     assert run.value("receipts_failures_total", reason="rejected") == 0
 
 
+@pytest.mark.slow
 async def test_rejected_credentials_pause_claiming_instead_of_burning_attempts(dsn, provider):
     provider.set_faults(status=401)
     enqueue_many(dsn, [f"order-{i}" for i in range(50)])
@@ -134,6 +141,7 @@ async def test_rejected_credentials_pause_claiming_instead_of_burning_attempts(d
         assert run.value("receipts_provider_probes_total", result="resumed") == 1
 
 
+@pytest.mark.slow
 async def test_the_worker_clock_and_timezone_do_not_matter(dsn, provider, monkeypatch):
     real_time = time.time
     monkeypatch.setattr(time, "time", lambda: real_time() + 3600)  # an hour ahead
@@ -146,6 +154,7 @@ async def test_the_worker_clock_and_timezone_do_not_matter(dsn, provider, monkey
         assert run.value("receipts_stale_acks_total") == 0
 
 
+@pytest.mark.slow
 async def test_stop_lets_inflight_deliveries_finish_and_ack(dsn, provider):
     provider.set_faults(latency_seconds=0.8)
     enqueue_many(dsn, [f"order-{i}" for i in range(10)])
@@ -157,6 +166,7 @@ async def test_stop_lets_inflight_deliveries_finish_and_ack(dsn, provider):
     assert run.value("receipts_jobs_claimed_total") == 3
 
 
+@pytest.mark.slow
 async def test_stop_abandons_deliveries_past_the_grace_period_to_recovery(dsn, provider):
     provider.set_faults(latency_seconds=10)
     enqueue_many(dsn, ["order-slow"])
@@ -170,6 +180,7 @@ async def test_stop_abandons_deliveries_past_the_grace_period_to_recovery(dsn, p
     assert states(dsn) == {"running": 1}  # its lease will expire; recovery returns it
 
 
+@pytest.mark.slow
 async def test_the_worker_survives_a_database_outage_and_resumes(provider):
     from receipts.embedded import EmbeddedPostgres
 
@@ -195,6 +206,7 @@ async def test_the_worker_survives_a_database_outage_and_resumes(provider):
         pg.cleanup()
 
 
+@pytest.mark.slow
 async def test_a_deliverer_that_raises_reschedules_the_job_instead_of_stranding_it(dsn):
     class Broken:
         calls = 0

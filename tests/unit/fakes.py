@@ -3,8 +3,9 @@
 :class:`FakeQueue` keeps the lease protocol's rules (claim only due, ready
 rows under the attempt limit and outside a pause; writes guarded by token) and
 the fleet-wide flow row, all in memory on the monotonic clock, so the claim
-loop's bookkeeping can be tested in milliseconds. The integration tests prove
-the same rules against PostgreSQL.
+loop's bookkeeping can be tested in milliseconds. ``tests/contract`` runs one
+suite against this fake and the real ``JobQueue`` on PostgreSQL, so the two
+keep the same rules.
 """
 
 from __future__ import annotations
@@ -108,7 +109,12 @@ class FakeQueue:
             due = self.probe_until
         return FlowState(self.pause_reason, due - now)
 
-    async def claim(self, limit: int, *, probe: bool = False) -> ClaimResult:
+    async def claim(self, limit: int, *, probe: bool = False,
+                    after: tuple[datetime, uuid.UUID] | None = None,
+                    shared_bucket: bool = True) -> ClaimResult:
+        # The fake has no index to walk: a watermark changes nothing here.
+        if limit < 1:  # as JobQueue.claim (tests/contract holds the two to one contract)
+            raise ValueError("claim limit must be at least 1")
         if self.fail_claims:
             self.fail_claims -= 1
             raise DatabaseUnavailable("database unavailable: fake outage")

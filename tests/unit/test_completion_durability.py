@@ -15,7 +15,7 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from receipts.completion import Completer
+from receipts.completion import UNDONE_CLAIM, Completer
 from receipts.metrics import Metrics
 from receipts.model import Attempt, Job, JobState, Outcome, Reason, Reschedule, Verdict
 from tests.unit.fakes import FakeQueue
@@ -86,6 +86,11 @@ async def test_an_ack_refused_because_the_crash_undid_its_claim_is_not_a_stale_a
     await until(lambda: value(metrics, "receipts_writes_undone_total", statement="claim") == 1)
     assert value(metrics, "receipts_acks_total") == 0
     assert value(metrics, "receipts_stale_acks_total") == 0
+    # The row forgot the sending (attempts is back to 0); the history keeps it.
+    await until(lambda: bool(queue.records))
+    (record,) = queue.records
+    assert (record.job_id, record.attempt, record.reason, record.error) == (
+        attempt.job.id, 1, Reason.DELIVERED, UNDONE_CLAIM)
 
 
 async def test_a_write_sent_after_the_crash_for_an_undone_claim_is_counted_undone(setup):
@@ -97,6 +102,9 @@ async def test_a_write_sent_after_the_crash_for_an_undone_claim_is_counted_undon
     await until(lambda: value(metrics, "receipts_writes_undone_total", statement="claim") == 1)
     assert value(metrics, "receipts_stale_acks_total") == 0
     assert value(metrics, "receipts_retries_total", reason="provider_5xx") == 0
+    await until(lambda: bool(queue.records))
+    assert [(r.reason, r.status, r.error) for r in queue.records] == [
+        (Reason.PROVIDER_5XX, None, UNDONE_CLAIM)]
 
 
 async def test_without_a_crash_a_write_refused_after_its_lease_is_a_stale_ack(setup):
@@ -108,6 +116,7 @@ async def test_without_a_crash_a_write_refused_after_its_lease_is_a_stale_ack(se
     completer.ack(late)
     await until(lambda: value(metrics, "receipts_stale_acks_total") == 1)
     assert value(metrics, "receipts_writes_undone_total", statement="claim") == 0
+    assert queue.records == []  # a stale ack is no resend: nothing for the history
 
 
 async def test_two_attempts_of_one_job_are_never_written_in_one_statement():

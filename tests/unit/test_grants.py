@@ -52,8 +52,12 @@ def test_every_statement_names_exactly_the_tables_its_line_gives_rights_on():
         if name in grants.ELSEWHERE:
             continue
         text = texts[name]
-        named = set(re.findall(r'"q"\.(\w+)', text))
+        called = set(re.findall(r'"q"\.(\w+)\(', text))
+        named = set(re.findall(r'"q"\.(\w+)', text)) - called
         assert named == _tables(need, "select", "insert", "update", "delete"), name
+        # every function its line lets it execute is one it calls (a function PUBLIC may
+        # execute needs no line)
+        assert {f.split("(")[0] for f in need.execute} <= called, name
         inserted = set(re.findall(r'INSERT INTO "q"\.(\w+)', text))
         updated = set(re.findall(r'UPDATE "q"\.(\w+)', text))
         if "DO UPDATE" in text:
@@ -84,26 +88,47 @@ def test_every_statement_is_run_by_a_known_kind_and_names_known_objects():
         assert named <= objects, name
 
 
-def test_an_enqueue_only_role_gets_execute_on_the_function_and_nothing_on_any_table():
-    assert rights("enqueue") == {Right("schema", "USAGE"), Right(ENQUEUE_FUNCTION, "EXECUTE")}
+def test_the_function_role_gets_execute_and_the_column_rights_of_the_insert_it_runs():
+    """receipts_enqueue() runs with its caller's rights (migration 0009): the table's
+    constraints, not the function, stand between the role and a bad row."""
+    assert rights("enqueue") == rights("enqueue-python") | {Right(ENQUEUE_FUNCTION, "EXECUTE")}
 
 
-def test_the_python_enqueue_role_gets_column_rights_that_leave_state_and_lease_alone():
-    python = rights("enqueue-python")
-    assert {r for r in python if r.obj == JOBS} == {
-        Right(JOBS, "INSERT", c) for c in ("id", "order_id", "run_at", "traceparent")
-    } | {Right(JOBS, "SELECT", c) for c in ("id", "order_id")}
-    assert not any(r.column in ("state", "attempts", "lease_token") for r in python)
+def test_the_enqueue_roles_get_column_rights_that_leave_state_and_lease_alone():
+    for kind in ("enqueue", "enqueue-python"):
+        mine = rights(kind)
+        assert {r for r in mine if r.obj == JOBS} == {
+            Right(JOBS, "INSERT", c) for c in ("id", "order_id", "run_at", "traceparent")
+        } | {Right(JOBS, "SELECT", "id")}  # RETURNING id; never order_id: no reading orders
+        assert not any(r.column in ("state", "attempts", "lease_token") for r in mine)
 
 
-def test_no_kind_but_recovery_may_delete_jobs_and_no_service_may_insert_jobs():
-    own = {"worker": {WORKERS}, "recover": {JOBS, ATTEMPTS},
-           "review": {BULK_ACTIONS, UI_REVOKED}}
+def test_no_kind_may_delete_jobs_or_history_and_no_service_may_insert_jobs():
+    """Pruning goes through receipts_prune() (finished rows past retention only)."""
+    own = {"worker": {WORKERS}, "review": {BULK_ACTIONS, UI_REVOKED}}
     for kind in set(KINDS) - {"owner"}:
         deletes = {r.obj for r in rights(kind) if r.privilege == "DELETE"}
         assert deletes == own.get(kind, set()), kind
         whole_inserts = {r.obj for r in rights(kind) if r.privilege == "INSERT" and not r.column}
         assert JOBS not in whole_inserts, kind
+    assert Right(grants.PRUNE_FUNCTION, "EXECUTE") in rights("recover")
+
+
+def test_the_attempt_history_is_append_only_for_every_service_kind():
+    for kind in set(KINDS) - {"owner"}:
+        writes = {r.privilege for r in rights(kind)
+                  if r.obj == ATTEMPTS and r.privilege != "SELECT"}
+        assert writes == set(), kind
+    for kind in ("worker", "recover", "review"):
+        assert Right(grants.RECORD_FUNCTION, "EXECUTE") in rights(kind), kind
+
+
+def test_the_worker_updates_named_columns_of_a_job_never_its_order_or_identity():
+    worker = rights("worker")
+    assert Right(JOBS, "UPDATE") not in worker
+    jobs = {r.column for r in worker if r.obj == JOBS and r.privilege == "UPDATE"}
+    assert jobs == {"state", "attempts", "in_progress_count", "run_at", "finished_at",
+                    "lease_token", "lease_until", "last_token", "last_error"}
 
 
 def test_the_review_role_updates_only_the_columns_its_actions_write():
@@ -115,8 +140,8 @@ def test_the_review_role_updates_only_the_columns_its_actions_write():
     assert flow == {"pause_reason", "paused_until", "pause_seconds", "probe_until",
                     "pause_cause", "pause_cause_until", "pause_note", "paused_by", "paused_at"}
     assert not flow & {"tokens", "tokens_at", "last_probe_at", "last_probe_outcome"}
-    # Recover now: the history record of an expired lease, as receipts recover writes it.
-    assert {Right(ATTEMPTS, "INSERT"), Right(ATTEMPTS, "UPDATE")} <= review
+    # Recover now: the history record of an expired lease, through the function.
+    assert Right(grants.RECORD_FUNCTION, "EXECUTE") in review
     assert {r.obj for r in review if r.privilege == "SELECT"} == {
         JOBS, FLOW, ATTEMPTS, WORKERS, BULK_ACTIONS, UI_REVOKED}
 
@@ -139,7 +164,9 @@ def test_the_printed_text_revokes_first_then_grants_each_table_once():
                         '"shop".receipt_jobs, "shop".receipt_flow, "shop".receipt_attempts, '
                         '"shop".receipt_workers, "shop".receipt_bulk_actions, '
                         '"shop".receipt_ui_revoked FROM "receipts_worker";')
-    assert 'GRANT SELECT, UPDATE ON TABLE "shop".receipt_jobs TO "receipts_worker";' in lines
+    assert ('GRANT SELECT, UPDATE (attempts, finished_at, in_progress_count, last_error, '
+            'last_token, lease_token, lease_until, run_at, state) ON TABLE "shop".receipt_jobs '
+            'TO "receipts_worker";') in lines
     assert 'GRANT pg_read_all_stats TO "receipts_worker";' in lines
     assert sum("receipt_jobs TO" in ln for ln in lines) == 1
 
@@ -173,14 +200,19 @@ def test_one_role_may_hold_several_kinds_and_gets_one_block():
     assert roles == {"svc": ["worker", "recover"]}
     text = grants_sql(roles, schema="public")
     assert text.count('REVOKE ALL ON TABLE') == 1
-    assert 'GRANT SELECT, UPDATE, DELETE ON TABLE "public".receipt_jobs TO "svc";' in text
+    assert ('GRANT SELECT, UPDATE (attempts, finished_at, in_progress_count, last_error, '
+            'last_token, lease_token, lease_until, run_at, state) ON TABLE '
+            '"public".receipt_jobs TO "svc";') in text
+    assert "DELETE ON TABLE \"public\".receipt_jobs" not in text
 
 
 def test_a_role_of_two_kinds_gets_the_whole_table_right_instead_of_the_columns():
     text = grants_sql(parse_assignments(["worker=ops", "review=ops"]), schema="public")
-    assert 'GRANT SELECT, UPDATE ON TABLE "public".receipt_jobs TO "ops";' in text
     assert 'GRANT SELECT, UPDATE ON TABLE "public".receipt_flow TO "ops";' in text
-    assert "UPDATE (" not in text
+    assert 'UPDATE (pause' not in text
+    # the worker's job columns cover the review kind's: still no order_id
+    assert ('UPDATE (attempts, finished_at, in_progress_count, last_error, last_token, '
+            'lease_token, lease_until, run_at, state) ON TABLE "public".receipt_jobs') in text
 
 
 def test_the_review_role_gets_column_updates_in_one_readable_line_per_table():
@@ -212,7 +244,8 @@ def test_the_design_tables_rows_name_the_tables_each_kind_gets_rights_on():
     rows = dict(re.findall(r"^\| `([a-z-]+)` \| [^|]* \| (.*) \|$", section, re.M))
     assert set(rows) == set(KINDS)
     for kind in set(KINDS) - {"owner"}:
-        named = set(re.findall(r"`(receipts?_\w+)`", rows[kind])) - {"receipts_enqueue"}
+        named = set(re.findall(r"`(receipts?_\w+)`", rows[kind])) - {
+            f.split("(")[0] for f in grants.FUNCTIONS}
         tables = {r.obj for r in rights(kind) if r.obj in grants.TABLES}
         assert named == tables, kind
         member = any(r.privilege == "MEMBER" for r in rights(kind))

@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from receipts.delivery import classify
+from receipts.dsn import redact_dsn
 from receipts.model import Verdict
-from receipts.settings import SettingsError, load_settings, redact_dsn
+from receipts.settings import SettingsError, load_settings
 
 
 @pytest.mark.parametrize(

@@ -1,22 +1,202 @@
--- The operator's statements (migration 0007): the fleet-wide pause an operator
--- sets and lifts, worker heartbeats, bulk actions in bounded batches, and
--- signed-out review-page sessions. operations.py loads this file with
--- queries.sql (receipts.statements); a method there carries the name of the
--- block it runs. None of these runs on a claim's or an ack's path.
+-- The operator's statements, for `receipts jobs ...` and the review page: the
+-- review lists and counts, one job and its history, retry and discard (named
+-- jobs or a filter), bulk actions in bounded batches, the fleet-wide pause an
+-- operator sets and lifts, the workers seen, and signed-out review-page
+-- sessions. operations.py runs them (receipts.statements loads this file with
+-- queries.sql); a method there carries the name of the block it runs. None of
+-- these runs on a claim's or an ack's path.
+
+-- name: flow_state
+-- The fleet-wide provider state, for gauges and review: the effective reason,
+-- seconds to the pause's end, its length, and the bucket's tokens.
+SELECT {schema}.receipts_pause_reason(pause_reason, paused_until, pause_cause,
+                                      pause_cause_until, statement_timestamp()),
+       greatest(extract(epoch FROM paused_until - statement_timestamp())::float8, 0),
+       pause_seconds,
+       least(%(burst)s::float8, tokens + %(rate)s::float8
+             * extract(epoch FROM statement_timestamp() - tokens_at)::float8)
+FROM {schema}.receipt_flow WHERE id = 1;
+
+-- name: state_counts
+-- Exact rows by state, for `receipts jobs stats` (an operator command; it
+-- counts every done row).
+SELECT state, count(*) FROM {schema}.receipt_jobs GROUP BY state;
+
+-- name: oldest_failed
+SELECT min(finished_at) FROM {schema}.receipt_jobs WHERE state = 'failed';
+
+-- name: list_jobs
+SELECT id, order_id, state, attempts, run_at, lease_until, last_error, created_at, finished_at
+FROM {schema}.receipt_jobs
+WHERE state = %(state)s
+  AND (%(since)s::timestamptz IS NULL OR coalesce(finished_at, created_at) >= %(since)s)
+ORDER BY coalesce(finished_at, run_at) DESC, id
+LIMIT %(limit)s;
+
+-- name: show_job
+SELECT id, order_id, state, attempts, run_at, lease_token, lease_until, last_error,
+       created_at, finished_at
+FROM {schema}.receipt_jobs
+WHERE id = %(id)s;
+
+-- name: show_job_by_order
+SELECT id, order_id, state, attempts, run_at, lease_token, lease_until, last_error,
+       created_at, finished_at
+FROM {schema}.receipt_jobs
+WHERE order_id = %(order_id)s;
+
+-- name: job_attempts
+-- One job's kept attempt records, newest first (at most 20).
+SELECT seq, attempt, at, reason, status, error, duration_seconds, worker
+FROM {schema}.receipt_attempts
+WHERE job_id = %(id)s
+ORDER BY seq DESC;
+
+-- name: review_matching
+-- A fragment, not a statement: the review filter shared by review_jobs,
+-- review_count, retry_jobs, discard_jobs and the bulk actions' bulk_step,
+-- over receipt_jobs AS j and the job's latest attempt record AS la (reason,
+-- status). {state} is a literal state (so the planner can use that state's
+-- partial index), {key} the time column of the list (finished_at; run_at for
+-- ready jobs, lease_until for running ones) and {cutoff_key} the column a
+-- bulk action's confirmation time bounds (finished_at; created_at for ready
+-- and running jobs: a job that reaches the state after the confirmation is
+-- never part of it). A NULL parameter means "any"; order_contains is a plain
+-- substring (no patterns); expired picks running jobs whose lease has (true)
+-- or has not (false) run out.
+j.state = {state}
+AND (%(reason)s::text IS NULL OR la.reason = %(reason)s::text)
+AND (%(status)s::int IS NULL OR la.status = %(status)s::int)
+AND (%(since)s::timestamptz IS NULL OR j.{key} >= %(since)s::timestamptz)
+AND (%(until)s::timestamptz IS NULL OR j.{key} < %(until)s::timestamptz)
+AND (%(order_contains)s::text IS NULL OR strpos(j.order_id, %(order_contains)s::text) > 0)
+AND (%(cutoff)s::timestamptz IS NULL OR j.{cutoff_key} <= %(cutoff)s::timestamptz)
+AND (%(expired)s::bool IS NULL
+     OR (j.lease_until <= statement_timestamp()) = %(expired)s::bool)
+
+-- name: review_jobs
+-- One page of the review list, newest first by {key}, after the keyset
+-- cursor (after_at, after_id) when given. {matching} is review_matching.
+-- holder is the pod of the worker whose lease a running job is under: the
+-- last 8 hex digits of a lease token are the claiming process's tag in
+-- receipt_workers (claim), one primary-key probe per listed row; NULL for
+-- a token written by a worker that sends no heartbeat.
+SELECT j.id, j.order_id, j.state, j.attempts, j.run_at, j.last_error, j.created_at,
+       j.finished_at, j.lease_until, j.lease_until <= statement_timestamp() AS expired,
+       j.{key} AS sort_at, la.reason, la.status, w.pod AS holder
+FROM {schema}.receipt_jobs AS j
+LEFT JOIN LATERAL (
+  SELECT h.reason, h.status FROM {schema}.receipt_attempts AS h
+  WHERE h.job_id = j.id ORDER BY h.seq DESC LIMIT 1
+) AS la ON true
+LEFT JOIN {schema}.receipt_workers AS w ON w.tag = right(j.lease_token::text, 8)
+WHERE {matching}
+  AND (%(after_at)s::timestamptz IS NULL
+       OR (j.{key}, j.id) < (%(after_at)s::timestamptz, %(after_id)s::uuid))
+ORDER BY j.{key} DESC, j.id DESC
+LIMIT %(limit)s;
+
+-- name: review_count
+-- The latest attempt is only read when the filter asks for its reason or status.
+-- Counts at most %(cap)s rows (NULL: every one), so a page's count costs at
+-- most that many index entries however many jobs match.
+SELECT count(*)
+FROM (
+  SELECT 1
+  FROM {schema}.receipt_jobs AS j
+  LEFT JOIN LATERAL (
+    SELECT h.reason, h.status FROM {schema}.receipt_attempts AS h
+    WHERE h.job_id = j.id AND (%(reason)s::text IS NOT NULL OR %(status)s::int IS NOT NULL)
+    ORDER BY h.seq DESC LIMIT 1
+  ) AS la ON true
+  WHERE {matching}
+  LIMIT %(cap)s
+) AS matched;
+
+-- name: retry_jobs
+-- Operator retry of named jobs or of a filter, all or nothing: {target} is
+-- `j.id = ANY(%(ids)s::uuid[])` or review_matching; only failed rows qualify,
+-- and nothing changes unless exactly %(expected)s rows qualify (the count the
+-- operator confirmed). Rows are locked first, so a row that changed meanwhile
+-- is re-checked. Effect: failed -> ready, attempts reset, due now; last_error
+-- is kept (prefixed) so why it failed survives until the next attempt writes
+-- its own. The one door for a retry of named jobs, for the command line and
+-- the page alike (receipts.review.retry): a check followed by a separate
+-- update could retry some of the named jobs and not others.
+WITH target AS MATERIALIZED (
+  SELECT j.id
+  FROM {schema}.receipt_jobs AS j
+  LEFT JOIN LATERAL (
+    SELECT h.reason, h.status FROM {schema}.receipt_attempts AS h
+    WHERE h.job_id = j.id AND (%(reason)s::text IS NOT NULL OR %(status)s::int IS NOT NULL)
+    ORDER BY h.seq DESC LIMIT 1
+  ) AS la ON true
+  WHERE j.state = 'failed' AND {target}
+  FOR UPDATE OF j
+)
+UPDATE {schema}.receipt_jobs AS j
+SET state = 'ready',
+    attempts = 0,
+    run_at = statement_timestamp(),
+    finished_at = NULL,
+    last_error = 'manual retry after: ' || coalesce(j.last_error, 'unknown')
+FROM target AS t
+WHERE j.id = t.id
+  AND j.state = 'failed'
+  AND (SELECT count(*) FROM target) = %(expected)s
+RETURNING j.id;
+
+-- name: discard_jobs
+-- Operator discard, all or nothing like retry_jobs: ready or failed rows only
+-- (never running: a running row belongs to its lease) → discarded, a terminal
+-- state with finished_at set that keeps the row, so the order id stays taken.
+WITH target AS MATERIALIZED (
+  SELECT j.id
+  FROM {schema}.receipt_jobs AS j
+  LEFT JOIN LATERAL (
+    SELECT h.reason, h.status FROM {schema}.receipt_attempts AS h
+    WHERE h.job_id = j.id AND (%(reason)s::text IS NOT NULL OR %(status)s::int IS NOT NULL)
+    ORDER BY h.seq DESC LIMIT 1
+  ) AS la ON true
+  WHERE j.state IN ('ready', 'failed') AND {target}
+  FOR UPDATE OF j
+)
+UPDATE {schema}.receipt_jobs AS j
+SET state = 'discarded',
+    finished_at = statement_timestamp()
+FROM target AS t
+WHERE j.id = t.id
+  AND j.state IN ('ready', 'failed')
+  AND (SELECT count(*) FROM target) = %(expected)s
+RETURNING j.id;
+
+-- name: job_states
+-- The current state of each given id (absent ids are missing from the result).
+SELECT id, state FROM {schema}.receipt_jobs WHERE id = ANY(%(ids)s::uuid[]);
+
+-- name: provider_pause
+-- The provider pause as the workers' flow control recorded it, with its
+-- effective reason (as the claims read it) and the last probe's answer.
+SELECT {schema}.receipts_pause_reason(pause_reason, paused_until, pause_cause,
+                                      pause_cause_until, statement_timestamp()) AS pause_reason,
+       paused_until, pause_seconds,
+       greatest(extract(epoch FROM paused_until - statement_timestamp())::float8, 0)
+         AS remaining_seconds,
+       last_probe_at, last_probe_outcome
+FROM {schema}.receipt_flow
+WHERE id = 1;
+
 
 -- name: fleet_flow
 -- The fleet-wide provider state as an operator reads it. effective_reason is
--- the pause's cause while the cause applies (pause_cause_until =
--- paused_until: a released worker that extended or ended the pause wrote only
--- pause_reason and paused_until), else pause_reason. A retry_after pause whose
--- time is up claims nothing any more (the claim ignores it), so it counts as
--- no pause. tokens is the bucket as the next claim would find it.
+-- the reason in force now, as the claims read it (receipts_pause_reason,
+-- migration 0008): a retry_after pause whose time is up counts as no pause.
+-- The note, author and start belong to the cause, so they show only while the
+-- cause applies. tokens is the bucket as the next claim would find it.
 SELECT statement_timestamp() AS now,
-       CASE WHEN f.pause_reason IS NULL
-              OR (f.pause_reason = 'retry_after' AND f.paused_until <= statement_timestamp())
-            THEN NULL
-            WHEN f.pause_cause_until = f.paused_until AND f.pause_cause IS NOT NULL
-            THEN f.pause_cause ELSE f.pause_reason END AS effective_reason,
+       {schema}.receipts_pause_reason(f.pause_reason, f.paused_until, f.pause_cause,
+                                      f.pause_cause_until, statement_timestamp())
+         AS effective_reason,
        f.pause_reason, f.paused_until,
        greatest(extract(epoch FROM f.paused_until - statement_timestamp())::float8, 0)
          AS remaining_seconds,
@@ -43,9 +223,8 @@ WHERE f.id = 1;
 -- its right to resume the fleet.
 WITH old AS MATERIALIZED (
   SELECT f.pause_reason, f.paused_until,
-         CASE WHEN f.pause_reason IS NULL THEN NULL
-              WHEN f.pause_cause_until = f.paused_until AND f.pause_cause IS NOT NULL
-              THEN f.pause_cause ELSE f.pause_reason END AS effective_reason
+         {schema}.receipts_pause_reason(f.pause_reason, f.paused_until, f.pause_cause,
+                                        f.pause_cause_until, NULL) AS effective_reason
   FROM {schema}.receipt_flow AS f
   WHERE f.id = 1
   FOR UPDATE
@@ -77,12 +256,12 @@ FROM old;
 -- cleared and the next claim of every worker claims again (no probe). With
 -- %(expected_until)s, only the pause the operator saw (the same paused_until)
 -- is lifted: one that another pod extended or that started since is left
--- alone. Returns the pause that was there, and whether it was lifted.
+-- alone. Returns the pause that was there (its reason whether or not its time
+-- was up: receipts_pause_reason with no moment), and whether it was lifted.
 WITH old AS MATERIALIZED (
   SELECT f.pause_reason, f.paused_until,
-         CASE WHEN f.pause_reason IS NULL THEN NULL
-              WHEN f.pause_cause_until = f.paused_until AND f.pause_cause IS NOT NULL
-              THEN f.pause_cause ELSE f.pause_reason END AS effective_reason,
+         {schema}.receipts_pause_reason(f.pause_reason, f.paused_until, f.pause_cause,
+                                        f.pause_cause_until, NULL) AS effective_reason,
          CASE WHEN f.pause_cause_until = f.paused_until THEN f.pause_note END AS pause_note
   FROM {schema}.receipt_flow AS f
   WHERE f.id = 1
@@ -102,32 +281,6 @@ WITH old AS MATERIALIZED (
 SELECT old.effective_reason, old.paused_until, old.pause_note,
        EXISTS (SELECT FROM lifted) AS lifted
 FROM old;
-
--- name: heartbeat
--- One worker process says it is alive: an upsert of its own row, about every
--- 20 s (never per claim). Times are the database's: the worker sends how long
--- ago it started and last claimed (seconds; NULL: never). started_at is kept
--- from the first heartbeat; stopped is sent once, by a draining worker.
-INSERT INTO {schema}.receipt_workers AS w
-  (tag, pod, pid, version, slots, inflight, claimed_total, started_at, seen_at,
-   last_claim_at, stopped_at)
-VALUES (%(tag)s, left(%(pod)s, 100), %(pid)s, left(%(version)s, 40), %(slots)s, %(inflight)s,
-        %(claimed_total)s,
-        statement_timestamp() - make_interval(secs => %(uptime_seconds)s),
-        statement_timestamp(),
-        statement_timestamp() - make_interval(secs => %(since_claim_seconds)s),
-        CASE WHEN %(stopped)s THEN statement_timestamp() END)
-ON CONFLICT (tag) DO UPDATE
-SET pod = excluded.pod, pid = excluded.pid, version = excluded.version,
-    slots = excluded.slots, inflight = excluded.inflight,
-    claimed_total = excluded.claimed_total, seen_at = excluded.seen_at,
-    last_claim_at = coalesce(excluded.last_claim_at, w.last_claim_at),
-    stopped_at = excluded.stopped_at;
-
--- name: forget_workers
--- Heartbeat rows not seen for %(seconds)s (a starting worker runs this once).
-DELETE FROM {schema}.receipt_workers
-WHERE seen_at < statement_timestamp() - make_interval(secs => %(seconds)s);
 
 -- name: workers_seen
 -- The workers that sent a heartbeat within the last %(seconds)s, busiest pod

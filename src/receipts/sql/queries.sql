@@ -1,105 +1,10 @@
--- Every runtime statement of the queue, one named block each. jobqueue.py loads
--- this file once; a method there carries the name of the block it runs.
+-- The worker's and recovery's statements, one named block each: claim, ack,
+-- reschedule, flow control, wake-ups, the queue gauges, attempt history, the
+-- heartbeat, recovery. jobqueue.py runs them (waker.py the wake-up blocks); a
+-- method there carries the name of the block it runs. The operator's
+-- statements are in operations.sql, the orders service's in enqueue.sql.
 -- Each state transition names the state it expects, so a late writer changes
 -- nothing. Time is always the database's statement_timestamp().
-
--- name: enqueue_one
--- One order's job, inside the caller's (order) transaction: the statement
--- `receipts.enqueue()` sends. A plain single-row insert, so the checkout pays
--- for the row and its three index entries (primary key, order_id, ready) and
--- little else: the id is a UUIDv7 made by the client (its clock's
--- milliseconds, then random bits: time-ordered ids go to the right edge of
--- the primary key), and an order that already has a job is a no-op (ON
--- CONFLICT: the unique order_id index is the arbiter; a concurrent enqueue of
--- the same order waits for the first transaction and then does nothing).
--- Returns the new id, or no row. No notification (see enqueue below). Cost:
--- bench/README.md, "Checkout".
-INSERT INTO {schema}.receipt_jobs (id, order_id, run_at)
-VALUES (%(id)s, %(order_id)s, coalesce(%(run_at)s::timestamptz, now()))
-ON CONFLICT (order_id) DO NOTHING
-RETURNING id;
-
--- name: enqueue_one_traced
--- enqueue_one, also storing the enqueuing span's W3C traceparent (migration
--- 0004); used only while a trace is active. Identical otherwise (tests/unit checks).
-INSERT INTO {schema}.receipt_jobs (id, order_id, run_at, traceparent)
-VALUES (%(id)s, %(order_id)s, coalesce(%(run_at)s::timestamptz, now()), %(traceparent)s)
-ON CONFLICT (order_id) DO NOTHING
-RETURNING id;
-
--- name: enqueue
--- Runs inside the caller's (order) transaction, for many orders in one
--- statement (`enqueue_many`). The order ids arrive as ONE text, joined by
--- U+001F (chr(31): a control character, which no valid order id contains) and
--- split here; n is
--- each id's 1-based position (the two set-returning functions of the subquery
--- run in lockstep, and stream: unnest(...) WITH ORDINALITY in FROM would copy
--- all rows into a tuplestore first). The LIMIT changes no result (count is the
--- number of ids); it keeps the generic plan's estimate at 100 rows so that a
--- prepared `enqueue` called in a loop reuses its plan instead of replanning
--- each call. An order that already has a job, or that is repeated in the call,
--- is a no-op (ON CONFLICT DO NOTHING). Returns one row: the new jobs' ids in
--- ascending order (NULL when none is new) and the statement's random start.
--- Job ids are UUIDv7 (RFC 9562 §6.2, method 2: one random start per statement,
--- incremented per row; its top bit is 0, the RFC's guard against rollover, so
--- start + n never carries into the variant bits): time-ordered ids go to the
--- right edge of the primary key instead of scattering over it, and one strong
--- random number is drawn per statement, not per row (gen_random_uuid() and
--- PostgreSQL 18's uuidv7() draw one per row, which costs far more, and random
--- v4 ids also slowed enqueue_many: bench/README.md). The low 62
--- bits of an id are start + n, so the client places every new id at its
--- position without the order id coming back (receipts.enqueue._aligned).
--- No notification: a transaction that has called pg_notify takes one lock for
--- the whole instance at commit and holds it through its WAL flush, which would
--- serialise every enqueuing checkout (docs/design.md, "The checkout's commit
--- path"). The fleet's waker wakes the workers (waker_probe).
--- Cost: python -m bench.enqueue (bench/README.md). Nearly all of it is the
--- insert itself: heap and WAL, the primary key, order_id and ready indexes,
--- and ON CONFLICT's speculative insertion (an arbiter probe, a lock and a
--- confirm record per row); the client's part is small.
-WITH seed AS MATERIALIZED (
-  SELECT lpad(to_hex((extract(epoch FROM clock_timestamp()) * 1000)::int8), 12, '0')
-         || '7' || substr(r, 1, 3) AS head,
-         ('x' || substr(r, 4, 9) || substr(r, 18, 7))::bit(64)::int8
-           & 2305843009213693951 AS start
-  FROM (SELECT replace(gen_random_uuid()::text, '-', '') AS r) AS g
-), new AS (
-  INSERT INTO {schema}.receipt_jobs (id, order_id, run_at)
-  SELECT (s.head || to_hex((s.start + o.n) | -9223372036854775808))::uuid,
-         o.order_id, coalesce(%(run_at)s::timestamptz, now())
-  FROM seed AS s,
-       (SELECT unnest(string_to_array(%(order_ids)s::text, chr(31))) AS order_id,
-               generate_series(1, %(count)s::int8) AS n
-        LIMIT %(count)s) AS o
-  ON CONFLICT (order_id) DO NOTHING
-  RETURNING id
-)
-SELECT array_agg(new.id ORDER BY new.id), (SELECT start FROM seed)
-FROM new;
-
--- name: enqueue_traced
--- enqueue, also storing the enqueuing span's W3C traceparent (migration 0004).
--- Used only while a trace is active, so enqueue works on a schema without the
--- column. Identical to enqueue otherwise (tests/unit checks).
-WITH seed AS MATERIALIZED (
-  SELECT lpad(to_hex((extract(epoch FROM clock_timestamp()) * 1000)::int8), 12, '0')
-         || '7' || substr(r, 1, 3) AS head,
-         ('x' || substr(r, 4, 9) || substr(r, 18, 7))::bit(64)::int8
-           & 2305843009213693951 AS start
-  FROM (SELECT replace(gen_random_uuid()::text, '-', '') AS r) AS g
-), new AS (
-  INSERT INTO {schema}.receipt_jobs (id, order_id, run_at, traceparent)
-  SELECT (s.head || to_hex((s.start + o.n) | -9223372036854775808))::uuid,
-         o.order_id, coalesce(%(run_at)s::timestamptz, now()), %(traceparent)s
-  FROM seed AS s,
-       (SELECT unnest(string_to_array(%(order_ids)s::text, chr(31))) AS order_id,
-               generate_series(1, %(count)s::int8) AS n
-        LIMIT %(count)s) AS o
-  ON CONFLICT (order_id) DO NOTHING
-  RETURNING id
-)
-SELECT array_agg(new.id ORDER BY new.id), (SELECT start FROM seed)
-FROM new;
 
 -- name: waker_lock
 -- Wake-ups (receipts/waker.py): try to become the fleet's waker. A session
@@ -115,19 +20,37 @@ SELECT won,
 FROM (SELECT pg_try_advisory_lock(%(key)s) AS won) AS attempt;
 
 -- name: waker_probe
--- The elected waker's look at the queue, every few tens of milliseconds: the
--- newest due, claimable ready job (the tail of the due part of the ready
--- index, read backwards from now: one index probe however long the queue).
--- When it differs from the tail the previous probe saw (%(seen_run_at)s,
--- %(seen_id)s), new due work has appeared (a job committed, or a scheduled or
--- retried one became due) and this statement notifies %(channel)s
--- (receipts_ready) from its own short transaction, never an order's: every
--- listening pod wakes, released 0.2.0 workers included. A tail that stays (a
--- backlog being worked, a paused fleet) wakes nobody again; a paused fleet
--- (the claim's pause rule) is not woken at all, its pods sleep until the
--- pause ends. %(heartbeat)s also notifies the waker channel with the schema
--- as payload, so the other pods know a waker is alive. Returns the tail
--- (NULLs when nothing is due) and whether it woke the fleet.
+-- The elected waker's look at the queue, every few tens of milliseconds
+-- (receipts/waker.py). Four index probes, each a few pages however long the
+-- queue:
+-- * tail: the newest due, claimable ready job (the due part of the ready
+--   index read backwards from now). When it differs from the tail the
+--   previous probe saw (%(seen_run_at)s, %(seen_id)s), new due work appeared
+--   (a job committed, or a scheduled or retried one became due).
+-- * head: the oldest ready job at or after the previous watermark
+--   (%(from_run_at)s, %(from_id)s; NULLs: the index's start). The new
+--   watermark is the head, or now - %(margin_seconds)s when that is lower
+--   (with the nil id): a job that becomes ready from a statement that began
+--   less than the margin ago is never below it. Claims start their scan
+--   there (claim); the caller sweeps below it now and then (waker_sweep).
+-- * due: how many due jobs wait from the watermark on, counted up to 256 (a
+--   literal: a bind LIMIT lets the generic plan fall to a bitmap scan of the
+--   whole due part, docs/design.md §10; 256 jobs fill 8 pods of 32 slots, and
+--   a longer backlog keeps the head stuck, which wakes the next pods).
+-- * stuck: the head is due and has waited %(stuck_seconds)s or more.
+-- Wake-ups come from this statement's own short transaction, never an
+-- order's, and only when not paused (the claim's pause rule). With pods
+-- named (%(channels)s, their own channels in the order to wake them, and
+-- %(free)s, each one's free slots), new work or a stuck head wakes the first
+-- pods whose free slots add up to the due jobs, each with the watermark as
+-- payload ('<microseconds since 1970> <id>'), and returns how many it woke.
+-- New work also notifies %(channel)s (receipts_ready), as before, for every
+-- listener that is no member (released workers, pods without a tag): with
+-- no pod named the payload is empty and every pod wakes; with pods named it
+-- is 'members', which members ignore (they were woken on their own channels). %(heartbeat)s
+-- also notifies the waker channel (payload: the schema, what released pods
+-- listen for) and, with %(shares)s, the fleet channel: a JSON object with the
+-- schema, each pod's share of the rate limit and the watermark.
 WITH tail AS (
   SELECT run_at, id
   FROM {schema}.receipt_jobs
@@ -136,21 +59,111 @@ WITH tail AS (
     AND attempts < %(max_attempts)s
   ORDER BY run_at DESC, id DESC
   LIMIT 1
+), head AS (
+  SELECT run_at, id
+  FROM {schema}.receipt_jobs
+  WHERE state = 'ready'
+    AND attempts < %(max_attempts)s
+    AND (run_at, id) >= (coalesce(%(from_run_at)s::timestamptz, '-infinity'),
+                         coalesce(%(from_id)s::uuid, '00000000-0000-0000-0000-000000000000'))
+  ORDER BY run_at, id
+  LIMIT 1
+), mark AS (
+  SELECT CASE WHEN h.run_at < c.at THEN h.run_at ELSE c.at END AS run_at,
+         CASE WHEN h.run_at < c.at THEN h.id
+              ELSE '00000000-0000-0000-0000-000000000000'::uuid END AS id,
+         coalesce(h.run_at <= statement_timestamp()
+                  - make_interval(secs => %(stuck_seconds)s), false) AS stuck
+  FROM (SELECT statement_timestamp() - make_interval(secs => %(margin_seconds)s) AS at) AS c
+  LEFT JOIN head AS h ON true
+), due AS (
+  SELECT count(*) AS n
+  FROM (
+    SELECT 1
+    FROM {schema}.receipt_jobs
+    WHERE state = 'ready'
+      AND run_at <= statement_timestamp()
+      AND attempts < %(max_attempts)s
+      AND (run_at, id) >= (coalesce(%(from_run_at)s::timestamptz, '-infinity'),
+                           coalesce(%(from_id)s::uuid, '00000000-0000-0000-0000-000000000000'))
+    ORDER BY run_at, id
+    LIMIT 256
+  ) AS d
 ), decided AS (
-  SELECT t.run_at, t.id,
+  SELECT t.run_at, t.id, m.run_at AS mark_run_at, m.id AS mark_id, d.n AS due,
+         m.stuck,
          t.id IS NOT NULL
          AND (t.run_at, t.id) IS DISTINCT FROM (%(seen_run_at)s::timestamptz, %(seen_id)s::uuid)
-         AND NOT EXISTS (
+           AS fresh,
+         NOT EXISTS (
            SELECT 1 FROM {schema}.receipt_flow
-           WHERE id = 1 AND pause_reason IS NOT NULL
-             AND NOT (pause_reason = 'retry_after' AND paused_until <= statement_timestamp())
-         ) AS wake
-  FROM (SELECT 1) AS one LEFT JOIN tail AS t ON true
+           WHERE id = 1
+             AND {schema}.receipts_pause_reason(pause_reason, paused_until, pause_cause,
+                                                pause_cause_until, statement_timestamp())
+                 IS NOT NULL
+         ) AS open,
+         (extract(epoch FROM m.run_at) * 1000000)::int8 || ' ' || m.id AS payload
+  FROM (SELECT 1) AS one LEFT JOIN tail AS t ON true CROSS JOIN mark AS m CROSS JOIN due AS d
+), targets AS (
+  SELECT g.channel, sum(g.free) OVER (ORDER BY g.ord) - g.free AS before
+  FROM unnest(%(channels)s::text[], %(free)s::int[]) WITH ORDINALITY AS g(channel, free, ord)
+), woken AS (
+  SELECT count(pg_notify(g.channel, d.payload)) AS n
+  FROM targets AS g, decided AS d
+  WHERE d.open AND (d.fresh OR d.stuck) AND d.due > 0 AND g.before < d.due
 )
-SELECT run_at, id, wake,
-       CASE WHEN wake THEN pg_notify(%(channel)s, '') END,
-       CASE WHEN %(heartbeat)s THEN pg_notify(%(waker_channel)s, %(schema_name)s) END
-FROM decided;
+SELECT d.run_at, d.id, d.open AND d.fresh AND coalesce(cardinality(%(channels)s::text[]), 0) = 0
+         OR w.n > 0 AS wake,
+       d.mark_run_at, d.mark_id, d.due, w.n,
+       CASE WHEN d.open AND d.fresh
+            THEN pg_notify(%(channel)s, CASE WHEN coalesce(cardinality(%(channels)s::text[]), 0) = 0
+                                             THEN '' ELSE 'members' END) END,
+       CASE WHEN %(heartbeat)s THEN pg_notify(%(waker_channel)s, %(schema_name)s) END,
+       CASE WHEN %(heartbeat)s AND %(shares)s::jsonb IS NOT NULL
+            THEN pg_notify(%(fleet_channel)s, jsonb_build_object(
+                   'schema', %(schema_name)s::text, 'shares', %(shares)s::jsonb,
+                   'after', d.payload)::text) END
+FROM decided AS d, woken AS w;
+
+-- name: waker_sweep
+-- The backstop below the watermark, run by the waker now and then: the oldest
+-- claimable ready job before (%(below_run_at)s, %(below_id)s), if any. A row
+-- gets there when it becomes visible after the watermark passed it: a
+-- back-dated run_at, a transaction that commits long after it began (its
+-- now() is its start). The waker then lowers the watermark to it and wakes a
+-- pod. It walks what the claims skip (entries of claimed jobs a long reader
+-- keeps alive), so it runs every SWEEP_SECONDS at most, and less
+-- often while it is slow (receipts/waker.py).
+SELECT run_at, id
+FROM {schema}.receipt_jobs
+WHERE state = 'ready'
+  AND attempts < %(max_attempts)s
+  AND (run_at, id) < (%(below_run_at)s::timestamptz, %(below_id)s::uuid)
+ORDER BY run_at, id
+LIMIT 1;
+
+-- name: member_lock
+-- A pod says it is alive on its LISTEN session: a session advisory lock on
+-- (%(key)s, the pod's tag as a 32-bit number), held until the session ends,
+-- so a pod killed with kill -9 drops out of the fleet at once. Read by
+-- fleet_members; written nowhere.
+SELECT pg_try_advisory_lock(%(key)s::int4, %(tag)s::int4);
+
+-- name: fleet_members
+-- The live pods, for the waker (once per heartbeat): every member_lock held
+-- in this database for this queue (%(key)s), with what the pod's last
+-- heartbeat row says of its slots and deliveries in flight (NULLs: no row
+-- yet). No table is written; pg_locks is readable by every role.
+SELECT m.tag, w.slots, w.inflight
+FROM (
+  SELECT lpad(to_hex(l.objid::int8), 8, '0') AS tag
+  FROM pg_locks AS l
+  WHERE l.locktype = 'advisory' AND l.objsubid = 2 AND l.granted
+    AND l.classid = %(key)s::int8::oid
+    AND l.database = (SELECT oid FROM pg_database WHERE datname = current_database())
+) AS m
+LEFT JOIN {schema}.receipt_workers AS w ON w.tag = m.tag
+ORDER BY m.tag;
 
 -- name: waker_step_down
 -- A waker that stops cleanly: release the lock (at once) and say so (the
@@ -173,18 +186,22 @@ SELECT 1;
 -- Every row returned carries the flow state; with no job claimed one row
 -- comes back whose job columns are NULL. A worker's claims end each token in
 -- its tag (receipts.statements.claim_query), naming the lease's holder.
+-- The scan starts at the watermark (%(after_run_at)s, %(after_id)s): the
+-- oldest ready (run_at, id) as the fleet's waker last saw it (receipts.waker;
+-- NULLs: from the index's start). Below it lie only the entries of jobs
+-- claimed since, which vacuum has not removed yet and which a long reader's
+-- snapshot keeps alive; the claim no longer steps over them one by one
+-- (docs/design.md, "Calm-day wake-ups"). A row that becomes ready below the
+-- watermark is found by the waker's sweep, which lowers it.
 WITH flow AS (
-  -- The effective reason (docs/design.md §11): a Retry-After (or operator's)
-  -- pause ends by itself when its time is up; an outage, auth or rejecting
-  -- pause ends only when a probe is answered. The cause columns apply while
-  -- pause_cause_until = paused_until (a released worker that extended the
-  -- pause wrote only pause_reason). pause_left counts down to the next probe
-  -- of a probed pause (probe_until), or to the end of any other.
-  SELECT CASE WHEN pause_reason IS NULL
-                OR (pause_reason = 'retry_after' AND paused_until <= statement_timestamp())
-              THEN NULL
-              WHEN pause_cause_until = paused_until THEN coalesce(pause_cause, pause_reason)
-              ELSE pause_reason END AS pause_reason,
+  -- The effective reason (receipts_pause_reason, migration 0008; inlined by
+  -- the planner): a Retry-After (or operator's) pause ends by itself when its
+  -- time is up; an outage, auth or rejecting pause ends only when a probe is
+  -- answered. pause_left counts down to the next probe of a probed pause
+  -- (probe_until), or to the end of any other.
+  SELECT {schema}.receipts_pause_reason(pause_reason, paused_until, pause_cause,
+                                        pause_cause_until, statement_timestamp())
+           AS pause_reason,
          extract(epoch FROM CASE WHEN pause_reason IN ('outage', 'auth')
                                  THEN coalesce(probe_until, paused_until)
                                  ELSE paused_until END
@@ -196,6 +213,8 @@ WITH flow AS (
   WHERE state = 'ready'
     AND run_at <= statement_timestamp()
     AND attempts < %(max_attempts)s
+    AND (run_at, id) >= (coalesce(%(after_run_at)s::timestamptz, '-infinity'),
+                         coalesce(%(after_id)s::uuid, '00000000-0000-0000-0000-000000000000'))
     AND (%(probe)s OR NOT EXISTS (SELECT 1 FROM flow WHERE pause_reason IS NOT NULL))
   ORDER BY run_at, id
   FOR UPDATE SKIP LOCKED
@@ -215,17 +234,19 @@ SELECT c.id, c.order_id, c.lease_token, c.attempts, c.created_at,
 FROM flow AS f LEFT JOIN claimed AS c ON true;
 
 -- name: claim_limited
--- The claim under the fleet-wide rate limit: the token bucket row is locked,
+-- The claim under the fleet-wide rate limit when the pod has no share of its
+-- own (no waker heard: behind PgBouncer, RECEIPTS_LISTEN_NOTIFY off, or while
+-- a new waker is elected; receipts.ratelimit): the token bucket row is locked,
 -- refilled by rate x elapsed (capped at the burst), and charged exactly one
 -- token per job this statement returns, in the same transaction: never a
 -- token for an unclaimed job, never a job without a token. At most
 -- floor(tokens) of the locked candidates are claimed; the others stay ready.
+-- It writes the one shared row on every call, so a fleet that hears its
+-- waker claims with `claim` and a local bucket instead.
 WITH flow AS MATERIALIZED (
-  SELECT CASE WHEN pause_reason IS NULL
-                OR (pause_reason = 'retry_after' AND paused_until <= statement_timestamp())
-              THEN NULL
-              WHEN pause_cause_until = paused_until THEN coalesce(pause_cause, pause_reason)
-              ELSE pause_reason END AS pause_reason,
+  SELECT {schema}.receipts_pause_reason(pause_reason, paused_until, pause_cause,
+                                        pause_cause_until, statement_timestamp())
+           AS pause_reason,
          extract(epoch FROM CASE WHEN pause_reason IN ('outage', 'auth')
                                  THEN coalesce(probe_until, paused_until)
                                  ELSE paused_until END
@@ -240,6 +261,8 @@ WITH flow AS MATERIALIZED (
   WHERE state = 'ready'
     AND run_at <= statement_timestamp()
     AND attempts < %(max_attempts)s
+    AND (run_at, id) >= (coalesce(%(after_run_at)s::timestamptz, '-infinity'),
+                         coalesce(%(after_id)s::uuid, '00000000-0000-0000-0000-000000000000'))
     AND (%(probe)s OR NOT EXISTS (SELECT 1 FROM flow WHERE pause_reason IS NOT NULL))
   ORDER BY run_at, id
   FOR UPDATE SKIP LOCKED
@@ -362,11 +385,9 @@ WHERE j.last_token = a.token;
 -- concurrent extensions judge against each other's result.
 WITH cur AS (
   SELECT paused_until,
-         CASE WHEN pause_reason IS NULL
-                OR (pause_reason = 'retry_after' AND paused_until <= statement_timestamp())
-              THEN NULL
-              WHEN pause_cause_until = paused_until THEN coalesce(pause_cause, pause_reason)
-              ELSE pause_reason END AS pause_reason,
+         {schema}.receipts_pause_reason(pause_reason, paused_until, pause_cause,
+                                        pause_cause_until, statement_timestamp())
+           AS pause_reason,
          pause_cause_until = paused_until AS cause_valid
   FROM {schema}.receipt_flow WHERE id = 1
   FOR UPDATE
@@ -400,11 +421,8 @@ SET pause_reason = CASE WHEN NOT n.wins THEN f.pause_reason
     last_probe_outcome = coalesce(left(%(probe_outcome)s::text, 64), f.last_probe_outcome)
 FROM n
 WHERE f.id = 1
-RETURNING CASE WHEN pause_reason IS NULL
-                OR (pause_reason = 'retry_after' AND paused_until <= statement_timestamp())
-              THEN NULL
-              WHEN pause_cause_until = paused_until THEN coalesce(pause_cause, pause_reason)
-              ELSE pause_reason END,
+RETURNING {schema}.receipts_pause_reason(pause_reason, paused_until, pause_cause,
+                                          pause_cause_until, statement_timestamp()),
           extract(epoch FROM CASE WHEN pause_reason IN ('outage', 'auth')
                                   THEN coalesce(probe_until, paused_until)
                                   ELSE paused_until END
@@ -424,11 +442,8 @@ SET probe_until = statement_timestamp() + make_interval(secs => %(guard_seconds)
 WHERE id = 1
   AND pause_reason IN ('outage', 'auth')
   AND coalesce(probe_until, paused_until) <= statement_timestamp()
-RETURNING CASE WHEN pause_reason IS NULL
-                OR (pause_reason = 'retry_after' AND paused_until <= statement_timestamp())
-              THEN NULL
-              WHEN pause_cause_until = paused_until THEN coalesce(pause_cause, pause_reason)
-              ELSE pause_reason END,
+RETURNING {schema}.receipts_pause_reason(pause_reason, paused_until, pause_cause,
+                                          pause_cause_until, statement_timestamp()),
           probe_until, pause_seconds;
 
 -- name: resume
@@ -447,25 +462,14 @@ WHERE id = 1
   AND probe_until = %(probe_until)s
 RETURNING 1;
 
--- name: flow_state
--- The fleet-wide provider state, for gauges and review: the effective reason,
--- seconds to the pause's end, its length, and the bucket's tokens.
-SELECT CASE WHEN pause_reason IS NULL
-                OR (pause_reason = 'retry_after' AND paused_until <= statement_timestamp())
-              THEN NULL
-              WHEN pause_cause_until = paused_until THEN coalesce(pause_cause, pause_reason)
-              ELSE pause_reason END,
-       greatest(extract(epoch FROM paused_until - statement_timestamp())::float8, 0),
-       pause_seconds,
-       least(%(burst)s::float8, tokens + %(rate)s::float8
-             * extract(epoch FROM statement_timestamp() - tokens_at)::float8)
-FROM {schema}.receipt_flow WHERE id = 1;
-
 -- name: recover_expired
 -- One bounded batch of abandoned attempts; the caller commits each batch.
 -- Each returned row also gets a `lease_expired` record in its attempt history
--- (the ring of record_attempts; worker = this session's application_name;
--- no status or duration: nobody saw the attempt end).
+-- (through receipts_record_attempts, as record_attempts; worker = this session's
+-- application_name; no status or duration: nobody saw the attempt end). The
+-- function runs once per batch (recorded is one row, referenced by the final
+-- SELECT so that it runs); when nothing moved its arrays are NULL and it writes
+-- nothing.
 WITH expired AS (
   SELECT id
   FROM {schema}.receipt_jobs
@@ -487,21 +491,13 @@ WITH expired AS (
   WHERE j.id = e.id
   RETURNING j.id, j.state, j.attempts
 ), recorded AS (
-  INSERT INTO {schema}.receipt_attempts AS h (job_id, slot, seq, attempt, reason, error, worker)
-  SELECT m.id, mod(s.seq - 1, 20), s.seq, m.attempts, 'lease_expired', 'lease expired',
-         left(current_setting('application_name'), 100)
+  SELECT {schema}.receipts_record_attempts(
+    array_agg(m.id), array_agg(m.attempts), array_agg('lease_expired'::text),
+    array_agg(NULL::int), array_agg('lease expired'::text), array_agg(NULL::float8),
+    array_agg(left(current_setting('application_name'), 100))) AS written
   FROM moved AS m
-  CROSS JOIN LATERAL (
-    SELECT coalesce(max(p.seq), 0) + 1 AS seq
-    FROM {schema}.receipt_attempts AS p WHERE p.job_id = m.id
-  ) AS s
-  ON CONFLICT (job_id, slot) DO UPDATE
-  SET seq = excluded.seq, attempt = excluded.attempt, at = excluded.at,
-      reason = excluded.reason, status = NULL, error = excluded.error,
-      duration_seconds = NULL, worker = excluded.worker
-  WHERE h.seq < excluded.seq
 )
-SELECT state FROM moved;
+SELECT m.state FROM moved AS m CROSS JOIN recorded AS r;
 
 -- name: fail_exhausted
 -- Ready rows that can never be claimed (max attempts was lowered): fail them
@@ -525,55 +521,17 @@ RETURNING j.id;
 -- name: prune
 -- One bounded batch of finished rows older than the retention window: up to
 -- %(batch)s done/failed rows and up to %(batch)s discarded rows (each kind
--- through its own partial index), with their attempt histories.
--- No FOR UPDATE SKIP LOCKED: locking a row before deleting it wrote one more
--- WAL record per job, as large as the delete's own (bench/README.md, "The
--- database's bill"), and the delete locks the row anyway. The DELETE itself
--- repeats the retention condition, so a row that changed after the CTEs read
--- it (an operator's retry: ready again, finished_at NULL) is re-checked under
--- its lock and left alone. Two sweeps at once (the chart forbids it) wait on
--- each other's rows for a batch instead of skipping them.
-WITH old AS (
-  SELECT id
-  FROM {schema}.receipt_jobs
-  WHERE state IN ('done', 'failed')
-    AND finished_at < statement_timestamp() - make_interval(secs => %(retention_seconds)s)
-  ORDER BY finished_at, id
-  LIMIT %(batch)s
-), old_discarded AS (
-  SELECT id
-  FROM {schema}.receipt_jobs
-  WHERE state = 'discarded'
-    AND finished_at < statement_timestamp() - make_interval(secs => %(retention_seconds)s)
-  ORDER BY finished_at, id
-  LIMIT %(batch)s
-), deleted AS (
-  DELETE FROM {schema}.receipt_jobs AS j
-  USING (SELECT id FROM old UNION ALL SELECT id FROM old_discarded) AS o
-  WHERE j.id = o.id
-    AND j.state IN ('done', 'failed', 'discarded')
-    AND j.finished_at < statement_timestamp() - make_interval(secs => %(retention_seconds)s)
-  RETURNING j.id
-), history AS (
-  DELETE FROM {schema}.receipt_attempts AS h
-  USING deleted AS d
-  WHERE h.job_id = d.id
-)
-SELECT id FROM deleted;
-
--- name: retry_failed
--- Operator retry: failed -> ready, attempts reset, due now; %(ids)s NULL means
--- every failed job. last_error is kept (prefixed) so why it failed survives
--- until the next attempt writes its own.
-UPDATE {schema}.receipt_jobs
-SET state = 'ready',
-    attempts = 0,
-    run_at = statement_timestamp(),
-    finished_at = NULL,
-    last_error = 'manual retry after: ' || coalesce(last_error, 'unknown')
-WHERE state = 'failed'
-  AND (%(ids)s::uuid[] IS NULL OR id = ANY(%(ids)s::uuid[]))
-RETURNING id;
+-- through its own partial index), with their attempt histories, deleted by
+-- receipts_prune() (migration 0009, its text there): a SECURITY DEFINER
+-- function, so the recover role holds no DELETE and cannot remove a ready or
+-- running job. No FOR UPDATE SKIP LOCKED: locking a row before deleting it
+-- wrote one more WAL record per job, as large as the delete's own
+-- (bench/README.md, "The database's bill"), and the delete locks the row
+-- anyway. The DELETE repeats the retention condition, so a row that changed
+-- after it was read (an operator's retry: ready again, finished_at NULL) is
+-- re-checked under its lock and left alone. Two sweeps at once (the chart
+-- forbids it) wait on each other's rows for a batch instead of skipping them.
+SELECT id FROM {schema}.receipts_prune(%(retention_seconds)s::float8, %(batch)s::int) AS id;
 
 -- name: queue_stats
 -- The gauges, in one statement that walks each small partial index once
@@ -636,211 +594,52 @@ SELECT
     AS oldest_finished_seconds
 FROM ready AS r, running AS n, failed AS f, discarded AS d;
 
--- name: state_counts
--- Exact rows by state, for `receipts jobs stats` (an operator command; it
--- counts every done row).
-SELECT state, count(*) FROM {schema}.receipt_jobs GROUP BY state;
+-- ------------------------------------------------------------------------
+-- Worker heartbeats (migration 0007).
 
--- name: oldest_failed
-SELECT min(finished_at) FROM {schema}.receipt_jobs WHERE state = 'failed';
+-- name: heartbeat
+-- One worker process says it is alive: an upsert of its own row, about every
+-- 20 s (never per claim). Times are the database's: the worker sends how long
+-- ago it started and last claimed (seconds; NULL: never). started_at is kept
+-- from the first heartbeat; stopped is sent once, by a draining worker.
+INSERT INTO {schema}.receipt_workers AS w
+  (tag, pod, pid, version, slots, inflight, claimed_total, started_at, seen_at,
+   last_claim_at, stopped_at)
+VALUES (%(tag)s, left(%(pod)s, 100), %(pid)s, left(%(version)s, 40), %(slots)s, %(inflight)s,
+        %(claimed_total)s,
+        statement_timestamp() - make_interval(secs => %(uptime_seconds)s),
+        statement_timestamp(),
+        statement_timestamp() - make_interval(secs => %(since_claim_seconds)s),
+        CASE WHEN %(stopped)s THEN statement_timestamp() END)
+ON CONFLICT (tag) DO UPDATE
+SET pod = excluded.pod, pid = excluded.pid, version = excluded.version,
+    slots = excluded.slots, inflight = excluded.inflight,
+    claimed_total = excluded.claimed_total, seen_at = excluded.seen_at,
+    last_claim_at = coalesce(excluded.last_claim_at, w.last_claim_at),
+    stopped_at = excluded.stopped_at;
 
--- name: list_jobs
-SELECT id, order_id, state, attempts, run_at, lease_until, last_error, created_at, finished_at
-FROM {schema}.receipt_jobs
-WHERE state = %(state)s
-  AND (%(since)s::timestamptz IS NULL OR coalesce(finished_at, created_at) >= %(since)s)
-ORDER BY coalesce(finished_at, run_at) DESC, id
-LIMIT %(limit)s;
-
--- name: show_job
-SELECT id, order_id, state, attempts, run_at, lease_token, lease_until, last_error,
-       created_at, finished_at
-FROM {schema}.receipt_jobs
-WHERE id = %(id)s;
-
--- name: show_job_by_order
-SELECT id, order_id, state, attempts, run_at, lease_token, lease_until, last_error,
-       created_at, finished_at
-FROM {schema}.receipt_jobs
-WHERE order_id = %(order_id)s;
+-- name: forget_workers
+-- Heartbeat rows not seen for %(seconds)s (a starting worker runs this once).
+DELETE FROM {schema}.receipt_workers
+WHERE seen_at < statement_timestamp() - make_interval(secs => %(seconds)s);
 
 -- ------------------------------------------------------------------------
--- Attempt history, discard and the review page (migration 0005).
+-- Attempt history (migration 0005).
 
 -- name: record_attempts
 -- Many attempt records (parallel arrays, one element per attempt) in one
--- statement, after the attempts' acks or reschedules. Each job keeps its last
--- 20 records in a ring: seq = the job's previous highest seq + 1 (several
--- records of one job in a batch get consecutive numbers, in array order),
--- slot = (seq - 1) % 20, and a newer record overwrites the slot's older one.
--- Records of jobs that no longer exist (pruned) are dropped. Two writers that
--- race on the same job and slot keep the first record.
-WITH given AS (
-  SELECT a.*,
-         row_number() OVER (PARTITION BY a.job_id ORDER BY a.ord) AS k,
-         count(*) OVER (PARTITION BY a.job_id) AS n
-  FROM unnest(%(job_ids)s::uuid[], %(attempts)s::int[], %(reasons)s::text[],
-              %(statuses)s::int[], %(errors)s::text[], %(durations)s::float8[],
-              %(workers)s::text[])
-       WITH ORDINALITY AS a(job_id, attempt, reason, status, error, duration_seconds,
-                            worker, ord)
-  WHERE EXISTS (SELECT 1 FROM {schema}.receipt_jobs AS j WHERE j.id = a.job_id)
-)
-INSERT INTO {schema}.receipt_attempts AS h
-  (job_id, slot, seq, attempt, reason, status, error, duration_seconds, worker)
-SELECT g.job_id, mod(s.seq - 1, 20), s.seq, greatest(g.attempt, 0), left(g.reason, 64),
-       g.status, left(g.error, 500), greatest(g.duration_seconds, 0), left(g.worker, 100)
-FROM given AS g
-CROSS JOIN LATERAL (
-  SELECT g.k + coalesce(max(p.seq), 0) AS seq
-  FROM {schema}.receipt_attempts AS p WHERE p.job_id = g.job_id
-) AS s
-WHERE g.k > g.n - 20
-ON CONFLICT (job_id, slot) DO UPDATE
-SET seq = excluded.seq, attempt = excluded.attempt, at = excluded.at,
-    reason = excluded.reason, status = excluded.status, error = excluded.error,
-    duration_seconds = excluded.duration_seconds, worker = excluded.worker
-WHERE h.seq < excluded.seq;
-
--- name: job_attempts
--- One job's kept attempt records, newest first (at most 20).
-SELECT seq, attempt, at, reason, status, error, duration_seconds, worker
-FROM {schema}.receipt_attempts
-WHERE job_id = %(id)s
-ORDER BY seq DESC;
-
--- name: review_matching
--- A fragment, not a statement: the review filter shared by review_jobs,
--- review_count, retry_jobs, discard_jobs and the bulk actions' bulk_step,
--- over receipt_jobs AS j and the job's latest attempt record AS la (reason,
--- status). {state} is a literal state (so the planner can use that state's
--- partial index), {key} the time column of the list (finished_at; run_at for
--- ready jobs, lease_until for running ones) and {cutoff_key} the column a
--- bulk action's confirmation time bounds (finished_at; created_at for ready
--- and running jobs: a job that reaches the state after the confirmation is
--- never part of it). A NULL parameter means "any"; order_contains is a plain
--- substring (no patterns); expired picks running jobs whose lease has (true)
--- or has not (false) run out.
-j.state = {state}
-AND (%(reason)s::text IS NULL OR la.reason = %(reason)s::text)
-AND (%(status)s::int IS NULL OR la.status = %(status)s::int)
-AND (%(since)s::timestamptz IS NULL OR j.{key} >= %(since)s::timestamptz)
-AND (%(until)s::timestamptz IS NULL OR j.{key} < %(until)s::timestamptz)
-AND (%(order_contains)s::text IS NULL OR strpos(j.order_id, %(order_contains)s::text) > 0)
-AND (%(cutoff)s::timestamptz IS NULL OR j.{cutoff_key} <= %(cutoff)s::timestamptz)
-AND (%(expired)s::bool IS NULL
-     OR (j.lease_until <= statement_timestamp()) = %(expired)s::bool)
-
--- name: review_jobs
--- One page of the review list, newest first by {key}, after the keyset
--- cursor (after_at, after_id) when given. {matching} is review_matching.
--- holder is the pod of the worker whose lease a running job is under: the
--- last 8 hex digits of a lease token are the claiming process's tag in
--- receipt_workers (claim), one primary-key probe per listed row; NULL for
--- a token written by a worker that sends no heartbeat.
-SELECT j.id, j.order_id, j.state, j.attempts, j.run_at, j.last_error, j.created_at,
-       j.finished_at, j.lease_until, j.lease_until <= statement_timestamp() AS expired,
-       j.{key} AS sort_at, la.reason, la.status, w.pod AS holder
-FROM {schema}.receipt_jobs AS j
-LEFT JOIN LATERAL (
-  SELECT h.reason, h.status FROM {schema}.receipt_attempts AS h
-  WHERE h.job_id = j.id ORDER BY h.seq DESC LIMIT 1
-) AS la ON true
-LEFT JOIN {schema}.receipt_workers AS w ON w.tag = right(j.lease_token::text, 8)
-WHERE {matching}
-  AND (%(after_at)s::timestamptz IS NULL
-       OR (j.{key}, j.id) < (%(after_at)s::timestamptz, %(after_id)s::uuid))
-ORDER BY j.{key} DESC, j.id DESC
-LIMIT %(limit)s;
-
--- name: review_count
--- The latest attempt is only read when the filter asks for its reason or status.
--- Counts at most %(cap)s rows (NULL: every one), so a page's count costs at
--- most that many index entries however many jobs match.
-SELECT count(*)
-FROM (
-  SELECT 1
-  FROM {schema}.receipt_jobs AS j
-  LEFT JOIN LATERAL (
-    SELECT h.reason, h.status FROM {schema}.receipt_attempts AS h
-    WHERE h.job_id = j.id AND (%(reason)s::text IS NOT NULL OR %(status)s::int IS NOT NULL)
-    ORDER BY h.seq DESC LIMIT 1
-  ) AS la ON true
-  WHERE {matching}
-  LIMIT %(cap)s
-) AS matched;
-
--- name: retry_jobs
--- Operator retry of named jobs or of a filter, all or nothing: {target} is
--- `j.id = ANY(%(ids)s::uuid[])` or review_matching; only failed rows qualify,
--- and nothing changes unless exactly %(expected)s rows qualify (the count the
--- operator confirmed). Rows are locked first, so a row that changed meanwhile
--- is re-checked. Effect as retry_failed.
-WITH target AS MATERIALIZED (
-  SELECT j.id
-  FROM {schema}.receipt_jobs AS j
-  LEFT JOIN LATERAL (
-    SELECT h.reason, h.status FROM {schema}.receipt_attempts AS h
-    WHERE h.job_id = j.id AND (%(reason)s::text IS NOT NULL OR %(status)s::int IS NOT NULL)
-    ORDER BY h.seq DESC LIMIT 1
-  ) AS la ON true
-  WHERE j.state = 'failed' AND {target}
-  FOR UPDATE OF j
-)
-UPDATE {schema}.receipt_jobs AS j
-SET state = 'ready',
-    attempts = 0,
-    run_at = statement_timestamp(),
-    finished_at = NULL,
-    last_error = 'manual retry after: ' || coalesce(j.last_error, 'unknown')
-FROM target AS t
-WHERE j.id = t.id
-  AND j.state = 'failed'
-  AND (SELECT count(*) FROM target) = %(expected)s
-RETURNING j.id;
-
--- name: discard_jobs
--- Operator discard, all or nothing like retry_jobs: ready or failed rows only
--- (never running: a running row belongs to its lease) → discarded, a terminal
--- state with finished_at set that keeps the row, so the order id stays taken.
-WITH target AS MATERIALIZED (
-  SELECT j.id
-  FROM {schema}.receipt_jobs AS j
-  LEFT JOIN LATERAL (
-    SELECT h.reason, h.status FROM {schema}.receipt_attempts AS h
-    WHERE h.job_id = j.id AND (%(reason)s::text IS NOT NULL OR %(status)s::int IS NOT NULL)
-    ORDER BY h.seq DESC LIMIT 1
-  ) AS la ON true
-  WHERE j.state IN ('ready', 'failed') AND {target}
-  FOR UPDATE OF j
-)
-UPDATE {schema}.receipt_jobs AS j
-SET state = 'discarded',
-    finished_at = statement_timestamp()
-FROM target AS t
-WHERE j.id = t.id
-  AND j.state IN ('ready', 'failed')
-  AND (SELECT count(*) FROM target) = %(expected)s
-RETURNING j.id;
-
--- name: job_states
--- The current state of each given id (absent ids are missing from the result).
-SELECT id, state FROM {schema}.receipt_jobs WHERE id = ANY(%(ids)s::uuid[]);
-
--- name: provider_pause
--- The provider pause as the workers' flow control recorded it, with its
--- effective reason (as the claims read it) and the last probe's answer.
-SELECT CASE WHEN pause_reason IS NULL
-                OR (pause_reason = 'retry_after' AND paused_until <= statement_timestamp())
-              THEN NULL
-              WHEN pause_cause_until = paused_until THEN coalesce(pause_cause, pause_reason)
-              ELSE pause_reason END AS pause_reason,
-       paused_until, pause_seconds,
-       greatest(extract(epoch FROM paused_until - statement_timestamp())::float8, 0)
-         AS remaining_seconds,
-       last_probe_at, last_probe_outcome
-FROM {schema}.receipt_flow
-WHERE id = 1;
+-- statement, after the attempts' acks or reschedules, appended through
+-- receipts_record_attempts() (migration 0009): the history is append-only for
+-- every service role, which may call the function and holds no write on the
+-- table. Each job keeps its last 20 records in a ring: seq = the job's previous
+-- highest seq + 1 (several records of one job in a batch get consecutive
+-- numbers, in array order), slot = (seq - 1) % 20, and a newer record
+-- overwrites the slot's older one. Records of jobs that no longer exist
+-- (pruned) are dropped. Two writers that race on the same job and slot keep the
+-- first record.
+SELECT {schema}.receipts_record_attempts(
+  %(job_ids)s::uuid[], %(attempts)s::int[], %(reasons)s::text[], %(statuses)s::int[],
+  %(errors)s::text[], %(durations)s::float8[], %(workers)s::text[]);
 
 -- name: commit_probe
 -- Admission control's sample of what a small durable commit costs now, the

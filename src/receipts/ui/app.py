@@ -25,6 +25,7 @@ import contextlib
 import contextvars
 import dataclasses
 import re
+import signal
 import time
 import uuid
 from collections import OrderedDict
@@ -38,12 +39,15 @@ from urllib.parse import quote, urlencode
 import jinja2
 from aiohttp import web
 
-from receipts import bulk, fleet
+from receipts import bulk, fleet, recovery, review
+from receipts.db import make_pool
 from receipts.errors import DatabaseUnavailable, QueueError, StatementTimeout
-from receipts.jobqueue import JobQueue, ReviewFilter
+from receipts.jobqueue import JobQueue
 from receipts.logs import get_logger
+from receipts.metrics import start_server
 from receipts.model import JobState, Reason
-from receipts.operations import Operations, bulk_view
+from receipts.operations import Operations, ReviewFilter, bulk_view
+from receipts.runtime import make_operations, make_queue
 from receipts.settings import Settings
 from receipts.ui.chart import depth_chart, legend
 from receipts.ui.monitor import Monitor, Snapshot
@@ -186,7 +190,8 @@ class ListCache:
 
 @dataclass
 class Console:
-    """Everything the handlers share: the statements, the reading, the sessions."""
+    """Everything the handlers share: the statements (recovery's queue, the operator's
+    operations), the reading, the sessions."""
 
     queue: JobQueue
     operations: Operations
@@ -424,10 +429,8 @@ async def index(request: web.Request) -> web.Response:
     key = urlencode(filter_fields(view)) + "|" + request.query.get("after", "")
 
     async def load() -> tuple[int | None, list[dict[str, Any]]]:
-        _, count = await console.queue.count_now(view, timeout_seconds=LIST_COUNT_SECONDS,
-                                                 cap=LIST_COUNT_CAP)
-        rows = await console.queue.review_jobs(view, limit=PAGE_SIZE, after=cursor)
-        return count, rows
+        return await review.page(console.operations, view, limit=PAGE_SIZE, after=cursor,
+                                 count_seconds=LIST_COUNT_SECONDS, count_cap=LIST_COUNT_CAP)
 
     count, rows = await console.lists.get(key, load)
     next_url = None
@@ -461,16 +464,14 @@ async def job_page(request: web.Request) -> web.Response:
     """One job (by UUID or order id) and its attempt history."""
     console = request.app[CONSOLE]
     key = request.match_info["key"]
-    row = await console.queue.show_job(key) if len(key) <= 200 else None
+    row = await review.job(console.operations, key) if len(key) <= 200 else None
     if row is None:
         return _message(request, 404, "No such job",
                         f"No job has the id or order id {clip(key, 80)!r}.")
-    attempts = await console.queue.job_attempts(row["id"])
-    token = row.pop("lease_token", None)
-    row["lease_token_prefix"] = token.hex[:8] if token else None
+    attempts = row.pop("history")
+    tag = row.pop("holder_tag")
     holder = None
-    if token is not None:
-        tag = token.hex[-8:]
+    if tag is not None:
         workers = console.monitor.snapshot.workers if console.monitor.snapshot else []
         holder = next((w for w in workers if w["tag"] == tag), None)
     expired = bool(row["lease_until"] and row["lease_until"] <= datetime.now(UTC))
@@ -525,15 +526,15 @@ async def confirm(request: web.Request) -> web.Response:
     exact = True
     if isinstance(target, ReviewFilter):
         at, count, exact = await bulk.confirmation(
-            console.queue, target, timeout_seconds=CONFIRM_COUNT_SECONDS, cap=CONFIRM_COUNT_CAP)
+            console.operations, target, timeout_seconds=CONFIRM_COUNT_SECONDS,
+            cap=CONFIRM_COUNT_CAP)
         cutoff = at.isoformat()
-        sample = await console.queue.review_jobs(dataclasses.replace(target, cutoff=at),
-                                                 limit=10)
+        sample = await console.operations.review_jobs(dataclasses.replace(target, cutoff=at),
+                                                      limit=10)
         fields = filter_fields(target)
     else:
-        states = await console.queue.job_states(target)
-        refused = [(str(i), str(states.get(i, "unknown"))) for i in target
-                   if states.get(i) not in ACTION_STATES[do]]
+        refused = [(r.id, r.state) for r in await review.refusals(
+            console.operations, target, ACTION_STATES[do])]
         count = len(target)
         fields = {}
     return _render(request, "confirm.html", do=do, target_ids=[
@@ -564,8 +565,13 @@ async def act(request: web.Request) -> web.Response:
         raise web.HTTPSeeOther(f"/bulk/{row['id']}")
     if expected is None:
         raise BadInput("confirm the action first")
-    run = console.queue.retry_jobs if do == "retry" else console.queue.discard_jobs
-    changed = await run(target, expected=expected)
+    # The one door the command line uses too: all or nothing, exactly *expected* jobs.
+    if do == "retry":
+        retried = await review.retry(console.operations, target, expected=expected)
+        changed = retried.retried
+    else:
+        discarded = await review.discard(console.operations, target, expected=expected)
+        changed = discarded.discarded
     console.lists.clear()
     log.info("ui_action", extra={
         "action": do, "scope": "selected", "ids": [str(i) for i in target],
@@ -578,7 +584,7 @@ async def act(request: web.Request) -> web.Response:
             "operator, a worker or recovery acted on them). Nothing was changed: review "
             "the list and try again.")
     verb = "Retried" if do == "retry" else "Discarded"
-    return _render(request, "done.html", verb=verb, changed=[str(c) for c in changed],
+    return _render(request, "done.html", verb=verb, changed=changed,
                    title=verb.lower())
 
 
@@ -697,14 +703,10 @@ async def recover(request: web.Request) -> web.Response:
     """One recovery sweep of expired leases now (bounded), as ``receipts recover`` starts."""
     console = request.app[CONSOLE]
     options = console.options
-    to_ready = to_failed = 0
-    for _ in range(RECOVER_MAX_BATCHES):
-        batch = await console.queue.recover_expired(batch=options.recovery_batch_size,
-                                                    delay_seconds=options.recovery_delay_seconds)
-        to_ready += batch.to_ready
-        to_failed += batch.to_failed
-        if batch.to_ready + batch.to_failed < min(options.recovery_batch_size, 100):
-            break
+    returned = await recovery.return_expired(
+        console.queue, batch_size=options.recovery_batch_size,
+        delay_seconds=options.recovery_delay_seconds, max_batches=RECOVER_MAX_BATCHES)
+    to_ready, to_failed = returned.to_ready, returned.to_failed
     console.lists.clear()
     session = _SESSION.get()
     log.info("ui_action", extra={"action": "recover", "to_ready": to_ready,
@@ -967,10 +969,12 @@ def _needs_admin(request: web.Request, session: Session,
 # ------------------------------------------------------------------ wiring
 
 
-def make_app(queue: JobQueue, *, admin_token: str | None, loopback_only: bool,
-             viewer_token: str | None = None, options: UiOptions | None = None,
-             operations: Operations | None = None) -> web.Application:
-    """The review page as an aiohttp application on an open :class:`JobQueue`.
+def make_app(queue: JobQueue, operations: Operations, *, admin_token: str | None,
+             loopback_only: bool, viewer_token: str | None = None,
+             options: UiOptions | None = None) -> web.Application:
+    """The review page as an aiohttp application on the operator's *operations*
+    and, for "recover now", recovery's *queue* (both open, built by the
+    composition code: :func:`receipts.runtime.make_operations`, ``make_queue``).
 
     *admin_token* None makes it read-only (every action is refused);
     *viewer_token* makes reading need a token too; *loopback_only* serves
@@ -981,8 +985,6 @@ def make_app(queue: JobQueue, *, admin_token: str | None, loopback_only: bool,
     """
     options = options or UiOptions()
     sessions = Sessions(admin_token, viewer_token) if (admin_token or viewer_token) else None
-    operations = operations or Operations(queue.pool, schema=queue.schema,
-                                          deadline_seconds=queue.deadline_seconds)
     monitor = Monitor(queue, operations, refresh_seconds=options.refresh_seconds,
                       rate=options.rate, burst=options.burst, sessions=sessions,
                       idle_refresh_seconds=options.idle_refresh_seconds)
@@ -1037,18 +1039,11 @@ async def run_ui(settings: Settings) -> None:
     ``<name>-ui``): one for the shared reading, one for a bulk action, the
     rest for viewers' lists. Raises ``OSError`` when the port is taken.
     """
-    import signal
-
-    from receipts.db import make_pool, statement_deadline
-    from receipts.metrics import start_server
-
     pool = make_pool(settings, "ui", max_size=settings.ui_pool_max_size)
-    queue = JobQueue(pool, lease_seconds=settings.lease_seconds,
-                     max_attempts=settings.max_attempts, schema=settings.db_schema,
-                     deadline_seconds=statement_deadline(settings))
+    queue = make_queue(settings, pool)
     admin = settings.ui_admin_token.get_secret_value() if settings.ui_admin_token else None
     viewer = settings.ui_viewer_token.get_secret_value() if settings.ui_viewer_token else None
-    app = make_app(queue, admin_token=admin, viewer_token=viewer,
+    app = make_app(queue, make_operations(settings, pool), admin_token=admin, viewer_token=viewer,
                    loopback_only=is_loopback(settings.ui_host),
                    options=UiOptions.from_settings(settings))
     # Bind first: a taken port or a bad host raises OSError before any pool

@@ -39,10 +39,10 @@ from datetime import datetime
 from typing import Any
 
 from receipts.errors import QueueError
-from receipts.jobqueue import JobQueue, QueueStats, ReviewFilter
+from receipts.jobqueue import JobQueue
 from receipts.logs import get_logger
-from receipts.model import JobState
-from receipts.operations import FleetFlow, Operations
+from receipts.model import JobState, QueueStats
+from receipts.operations import FleetFlow, Operations, ReviewFilter
 from receipts.ui.chart import Sample
 from receipts.ui.session import Sessions
 
@@ -180,8 +180,8 @@ class Monitor:
                 self._done_at = now
                 self._done = None
                 if stats.done_estimate < DONE_EXACT_BELOW:
-                    counted = await self.queue.review_count(ReviewFilter(state=JobState.DONE),
-                                                            cap=DONE_EXACT_BELOW)
+                    counted = await self.operations.review_count(
+                        ReviewFilter(state=JobState.DONE), cap=DONE_EXACT_BELOW)
                     self._done = counted if counted < DONE_EXACT_BELOW else None
         except QueueError as exc:
             if self.error != str(exc):

@@ -32,7 +32,6 @@ from __future__ import annotations
 import base64
 import hashlib
 import hmac
-import ipaddress
 import secrets
 import time
 from collections import OrderedDict, deque
@@ -40,6 +39,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Literal
 from urllib.parse import urlsplit
+
+from receipts.proxy import is_loopback as is_loopback  # re-exported: ui.app, tests
 
 COOKIE = "receipts_ui_session"
 SESSION_SECONDS = 8 * 3600
@@ -248,16 +249,6 @@ def same_origin(host: str | None, origin: str | None, fetch_site: str | None,
     if referer is not None:
         return urlsplit(referer).netloc.lower() == host
     return True
-
-
-def is_loopback(address: str) -> bool:
-    """True for a loopback bind address or name (127.0.0.0/8, ::1, localhost)."""
-    if address.lower() == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(address.strip("[]")).is_loopback
-    except ValueError:
-        return False
 
 
 def host_allowed(host_header: str | None, *, loopback_only: bool) -> bool:

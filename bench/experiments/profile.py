@@ -1,4 +1,4 @@
-"""Profile one receipts worker during a benchmark drain: ``python -m bench.profile``.
+"""Profile one receipts worker during a benchmark drain: ``python -m bench.experiments.profile``.
 
 Runs one drain scenario (default: ``connections``, 400 slots against the
 reference provider at 200 ms, admission control off) on a fresh embedded
@@ -8,9 +8,9 @@ self time by file, self time by function, and inclusive time by function
 (the share of samples with that frame anywhere on the stack). py-spy counts
 only samples in which the thread was running, so idle waits are not in it.
 
-    python -m bench.profile                                   # connections
-    python -m bench.profile --scenario http0 --jobs 20000     # provider at 0 ms
-    python -m bench.profile --scenario noop --jobs 100000     # no-op deliverer
+    python -m bench.experiments.profile                                   # connections
+    python -m bench.experiments.profile --scenario http0 --jobs 20000     # provider at 0 ms
+    python -m bench.experiments.profile --scenario noop --jobs 100000     # no-op deliverer
 
 py-spy comes with the bench extra (``bench/run.sh`` installs it).
 """
@@ -47,8 +47,6 @@ AREAS: tuple[tuple[str, tuple[str, ...]], ...] = (
      ("psycopg/", "psycopg_pool/", "receipts/jobqueue.py", "receipts/db.py")),
     ("HTTP client: aiohttp (incl. the socket send), multidict, yarl",
      ("aiohttp/", "multidict/", "yarl/", "aiohappyeyeballs/", "propcache/")),
-    ("HTTP client: the former hand-written transport (incl. the socket send)",
-     ("bench/handwritten.py",)),
     ("HTTP: our adapter, deliverer and deadlines, httpx models, JSON",
      ("receipts/transport.py", "receipts/delivery.py", "receipts/deadlines.py", "httpx/",
       "json/")),
@@ -104,7 +102,8 @@ def summarize(raw: str, *, self_rows: int = 30, inclusive_rows: int = 60,
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.profile", description=__doc__.splitlines()[0])
+    p = argparse.ArgumentParser(prog="python -m bench.experiments.profile",
+                                description=__doc__.splitlines()[0])
     p.add_argument("--scenario", choices=sorted(SCENARIOS), default="connections")
     p.add_argument("--jobs", type=int, default=20_000)
     p.add_argument("--seconds", type=float, default=6.0, help="sampling time from go")
@@ -131,7 +130,7 @@ def main(argv: list[str] | None = None) -> int:
         f"# py-spy (200 Hz, non-blocking, {args.seconds:g} s from go) of one receipts worker: "
         f"scenario {args.scenario} {SCENARIOS[args.scenario]}, {args.jobs:,} jobs, admission "
         f"control {'on' if args.admission else 'off'}.",
-        f"# python -m bench.profile --scenario {args.scenario} --jobs {args.jobs}"
+        f"# python -m bench.experiments.profile --scenario {args.scenario} --jobs {args.jobs}"
         f"{' --admission' if args.admission else ''}"
         f"{f' --transport {args.transport}' if args.transport else ''}",
         f"# {result['jobs_per_second']:,.0f} jobs/s, {result['worker_cpu_us_per_job']:.0f} µs of "

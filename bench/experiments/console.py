@@ -2,8 +2,8 @@
 
 Runs alone, from the project's virtualenv (the ``dev`` extra: embedded PostgreSQL)::
 
-    .venv/bin/python -m bench.console                  # the defaults below
-    .venv/bin/python -m bench.console --rounds 3 --drain-jobs 20000 --bulk-rows 200000
+    .venv/bin/python -m bench.experiments.console                  # the defaults below
+    .venv/bin/python -m bench.experiments.console --rounds 3 --drain-jobs 20000 --bulk-rows 200000
 
 One embedded PostgreSQL 18 with default durability (``bench/pg.py``). Four
 measurements, each printed with the machine's load average:
@@ -38,9 +38,9 @@ from typing import Any
 from bench.pg import Bench, execute, fill_ready, settle
 from receipts import bulk
 from receipts.db import make_pool
-from receipts.jobqueue import JobQueue, ReviewFilter
+from receipts.jobqueue import JobQueue
 from receipts.model import JobState
-from receipts.operations import Operations
+from receipts.operations import Operations, ReviewFilter
 from receipts.settings import load_settings
 from receipts.ui.monitor import Monitor
 
@@ -135,15 +135,15 @@ def heartbeats(bench: Bench, workers: int = 16, beats: int = 50) -> dict[str, An
             pool = make_pool(settings, "worker", max_size=1)
             await pool.open(wait=True)
             try:
-                ops = Operations(pool)
+                queue = JobQueue(pool, lease_seconds=60, max_attempts=5)
                 times = []
                 for beat in range(beats):
                     for w in range(workers):
                         began = time.perf_counter()
-                        await ops.heartbeat(tag=f"{w:08x}", pod=f"receipts-worker-{w}", pid=w,
-                                            version="0.3.0", slots=32, inflight=beat % 32,
-                                            claimed_total=beat * 100, uptime_seconds=beat * 20,
-                                            since_claim_seconds=1.0)
+                        await queue.heartbeat(tag=f"{w:08x}", pod=f"receipts-worker-{w}", pid=w,
+                                              version="0.3.0", slots=32, inflight=beat % 32,
+                                              claimed_total=beat * 100,
+                                              uptime_seconds=beat * 20, since_claim_seconds=1.0)
                         times.append((time.perf_counter() - began) * 1000)
                 return times
             finally:
@@ -179,9 +179,9 @@ def bulk_retry(bench: Bench, rows: int) -> dict[str, Any]:
             pool = make_pool(settings, "ui", max_size=2)
             await pool.open(wait=True)
             try:
-                queue, ops = JobQueue(pool, lease_seconds=60, max_attempts=5), Operations(pool)
+                ops = Operations(pool)
                 cutoff, count, _ = await bulk.confirmation(
-                    queue, ReviewFilter(state=JobState.FAILED))
+                    ops, ReviewFilter(state=JobState.FAILED))
                 row, runner = await bulk.start(ops, action="retry", view=ReviewFilter(
                     state=JobState.FAILED, cutoff=cutoff), expected=count, created_by="bench")
                 stamps = [time.perf_counter()]

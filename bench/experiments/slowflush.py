@@ -1,6 +1,7 @@
 """Checkout under a drain where the WAL flush is slow: does admission control earn its place?
 
-``python -m bench.slowflush [--flush-us 1000] [--processes 4] [--synchronous-commit on]``.
+``python -m bench.experiments.slowflush [--flush-us 1000] [--processes 4]
+[--synchronous-commit on]``.
 The benchmark's durable server started with an ``LD_PRELOAD`` shim
 (``bench/slowsync.c``, built with ``cc`` as ``bench.checkout`` builds it) that sleeps ``--flush-us``
 before every ``fsync``/``fdatasync``: a cloud volume's flush on a local disk.
@@ -31,8 +32,9 @@ from typing import Any
 import psycopg
 
 from bench.checkout import start_server
+from bench.document import write_json
 from bench.pg import Bench
-from bench.report import per_second, write_json
+from bench.report import per_second
 from bench.scenarios import CheckoutPhase, checkout_impact
 
 
@@ -58,7 +60,7 @@ def commit_latency_ms(dsn: str, n: int = 50) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.slowflush",
+    p = argparse.ArgumentParser(prog="python -m bench.experiments.slowflush",
                                 description=(__doc__ or "").splitlines()[0])
     p.add_argument("--flush-us", type=int, default=1000, help="added to every flush (µs)")
     p.add_argument("--processes", type=int, default=4, help="worker processes (pods)")

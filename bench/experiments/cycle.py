@@ -1,4 +1,4 @@
-"""Where a delivery slot's cycle goes: ``python -m bench.cycle``.
+"""Where a delivery slot's cycle goes: ``python -m bench.experiments.cycle``.
 
 Runs the ``connections`` drain (one worker, 400 slots, claim batch 100,
 reference provider at 200 ms, admission control off, 20,000 jobs) on a fresh
@@ -71,7 +71,8 @@ def _line(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.cycle", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.experiments.cycle",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--runs", type=int, default=2)
     p.add_argument("--jobs", type=int, default=20_000)
     p.add_argument("--slots", type=int, default=400)

@@ -1,9 +1,8 @@
-"""The HTTP client alone, transport against transport: ``python -m bench.client``.
+"""The HTTP client alone, transport against transport: ``python -m bench.experiments.client``.
 
 Starts the reference provider (``receipts provider``, ``--latency-ms``), then
 for each round runs one child process per transport (``bench.child``'s
-choices: ``aiohttp``, the deliverer's default; ``aiohttp-via-httpx``;
-``hand-written``, the former transport; ``httpx``, httpx's own transport;
+choices: ``aiohttp``, the deliverer's default; ``httpx``, httpx's own transport;
 or a client library alone, :data:`RAW_CLIENTS`), alternating the order
 (A B, B A, …) so drift favours none. Each
 child sends ``--requests`` deliveries through :class:`receipts.delivery.HttpDeliverer`
@@ -13,7 +12,7 @@ warm-up of one request per slot, with the worker's garbage-collector tuning
 installed). It prints the client process's own CPU (user + system,
 ``getrusage``) per request, and at the end each transport's median and its
 ratio to the first. No database: this is what a delivery costs in the HTTP
-client, beside the queue's share that ``bench.cycle`` includes. A raw client
+client, beside the queue's share that ``bench.experiments.cycle`` includes. A raw client
 (``raw-aiohttp``, ``curl_cffi``, ``pyreqwest``, ``aiosonic``; each but the
 first must be installed by hand, none is a dependency) sends the deliverer's
 request through the library's own API, without the deliverer.
@@ -171,7 +170,8 @@ def child(argv: list[str]) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.client", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.experiments.client",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--transports", default="aiohttp,httpx",
                    help=f"comma-separated, of {', '.join(TRANSPORTS + RAW_CLIENTS)}")
     p.add_argument("--rounds", type=int, default=4)
@@ -195,7 +195,7 @@ def main(argv: list[str] | None = None) -> int:
         for n in range(args.rounds):
             for transport in (transports if n % 2 == 0 else transports[::-1]):
                 out = subprocess.run(
-                    [sys.executable, "-m", "bench.client", "--child", url, transport,
+                    [sys.executable, "-m", "bench.experiments.client", "--child", url, transport,
                      str(args.requests), str(args.concurrency)],
                     capture_output=True, text=True, check=True, timeout=900)
                 r = json.loads(out.stdout.strip().splitlines()[-1])

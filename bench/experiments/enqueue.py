@@ -3,8 +3,8 @@
 Runs alone, from the project's virtualenv (needs the ``demo`` or ``dev`` extra
 for the embedded PostgreSQL)::
 
-    .venv/bin/python -m bench.enqueue                 # 7 runs of 100,000, loop of 10,000
-    .venv/bin/python -m bench.enqueue --runs 3 --jobs 20000 --json out.json
+    .venv/bin/python -m bench.experiments.enqueue        # 7 runs of 100,000, loop of 10,000
+    .venv/bin/python -m bench.experiments.enqueue --runs 3 --jobs 20000 --json out.json
 
 One embedded PostgreSQL 18 with default durability (fsync and synchronous
 commit on, ``bench/pg.py``); every run gets a fresh migrated database. A run

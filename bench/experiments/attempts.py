@@ -1,6 +1,6 @@
 """What the attempt history costs on the hot path: ``record_attempts`` for a batch of 100.
 
-    python -m bench.attempts [--runs 60] [--history 100000]
+    python -m bench.experiments.attempts [--runs 60] [--history 100000]
 
 One durable embedded PostgreSQL 18 (``bench.pg.SERVER_SETTINGS``: fsync,
 synchronous_commit and full_page_writes on). The table holds *history* done
@@ -126,7 +126,7 @@ async def _together(pool: object, pairs: list[tuple[uuid.UUID, uuid.UUID]],
 
 def main() -> None:
     """Start a durable PostgreSQL 18, fill it, measure, print the table."""
-    parser = argparse.ArgumentParser(prog="python -m bench.attempts")
+    parser = argparse.ArgumentParser(prog="python -m bench.experiments.attempts")
     parser.add_argument("--runs", type=int, default=60)
     parser.add_argument("--history", type=int, default=100_000)
     args = parser.parse_args()

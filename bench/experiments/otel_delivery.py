@@ -2,8 +2,8 @@
 
 Runs alone from the project's virtualenv (the ``otel`` extra and the SDK, as in ``dev``)::
 
-    .venv/bin/python -m bench.otel_delivery                # 5 rounds of 5,000 deliveries
-    .venv/bin/python -m bench.otel_delivery --rounds 3 --deliveries 2000 --json out.json
+    .venv/bin/python -m bench.experiments.otel_delivery  # 5 rounds of 5,000 deliveries
+    .venv/bin/python -m bench.experiments.otel_delivery --rounds 3 --deliveries 2000 --json out.json
 
 The reference provider (``receipts provider``, 0 ms) runs as its own process;
 this process delivers with ``HttpDeliverer`` at 50 concurrent deliveries and

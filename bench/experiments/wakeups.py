@@ -1,6 +1,6 @@
 """Wake-ups: pickup latency with the default settings, and what an idle fleet costs.
 
-``python -m bench.wakeups`` (``--smoke`` for the CI size). One durable embedded
+``python -m bench.experiments.wakeups`` (``--smoke`` for the CI size). One durable embedded
 PostgreSQL 18 (``bench.pg.Bench``), a fresh database per run.
 
 1. **pickup**: jobs enqueued one per transaction at ``--rate`` (4/s) into an
@@ -38,9 +38,9 @@ from typing import Any
 
 import psycopg
 
+from bench.document import write_json
 from bench.pg import Bench, wait_until
 from bench.procs import Children
-from bench.report import write_json
 from bench.run import machine
 from bench.scenarios import (
     DEFAULT_BATCH,
@@ -111,7 +111,7 @@ def _median(values: list[float]) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.wakeups",
+    p = argparse.ArgumentParser(prog="python -m bench.experiments.wakeups",
                                 description=__doc__.splitlines()[0])
     p.add_argument("--smoke", action="store_true", help="tiny sizes (CI); figures meaningless")
     p.add_argument("--rounds", type=int)

@@ -1,4 +1,4 @@
-"""Asynchronous versus durable worker commits, side by side: ``python -m bench.commit``.
+"""Asynchronous versus durable worker commits, side by side: ``python -m bench.experiments.commit``.
 
 What ``RECEIPTS_SYNCHRONOUS_COMMIT=off`` (the default) buys, measured the way
 the checkout rows of ``bench/run.sh`` are (:func:`bench.scenarios.checkout_impact`):
@@ -50,7 +50,8 @@ def _cell(values: list[float], fmt: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m bench.commit", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m bench.experiments.commit",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--rounds", type=int, default=3)
     p.add_argument("--seconds", type=float, default=20.0)
     p.add_argument("--jobs", type=int, default=150_000)
