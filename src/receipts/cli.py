@@ -396,6 +396,10 @@ def check_jobs(args: argparse.Namespace) -> None:
         except fleet.PauseError as exc:
             raise UsageError(str(exc)) from None
     if args.jobs_command == "retry":
+        if args.held:
+            if args.all_failed or args.ids:
+                raise UsageError("give job ids, --all-failed or --held (one of them)")
+            return
         if args.all_failed == bool(args.ids):
             raise UsageError("give job ids or --all-failed (not both)")
         if args.ids:
@@ -404,7 +408,11 @@ def check_jobs(args: argparse.Namespace) -> None:
             except ValueError:
                 raise UsageError("job ids must be UUIDs (see `receipts jobs list`)") from None
     if args.jobs_command == "discard":
-        if args.ids:
+        if args.held:
+            if args.ids or args.failed or args.ready or args.reason or args.status is not None:
+                raise UsageError("--held takes no job ids and no other filter")
+            args.discard_target = None
+        elif args.ids:
             if args.failed or args.ready or args.reason or args.status is not None:
                 raise UsageError("give job ids, or --failed/--ready with filters (not both)")
             try:
@@ -443,6 +451,8 @@ def cmd_jobs(settings: Settings, args: argparse.Namespace) -> int:
                 for label, value in table:
                     print(f"{label:<{width}}  {value}")
             return EXIT_OK
+        if args.jobs_command in ("list", "discard", "retry") and getattr(args, "held", False):
+            return await _held_command(operations, args)
         if args.jobs_command == "list":
             rows = await review.list_jobs(operations, JobState(args.state), limit=args.limit,
                                           since=args.since_at)
@@ -480,6 +490,31 @@ def cmd_jobs(settings: Settings, args: argparse.Namespace) -> int:
         return EXIT_OK if result.ok else EXIT_ERROR
 
     return _run(_with_operations(settings, "cli", body))
+
+
+async def _held_command(operations: Operations, args: argparse.Namespace) -> int:
+    """``jobs list|discard|retry --held``: the held rejections as one group (docs/operations.md)."""
+    if args.jobs_command == "list":
+        rows = [{k: review.jsonable(v) for k, v in row.items()}
+                for row in await operations.held_jobs(limit=args.limit)]
+        if args.json:
+            print(json.dumps(rows))
+        else:
+            print(f"{rows[0]['held'] if rows else 0} held rejection(s)", file=sys.stderr)
+            print(_table(rows, ["id", "order_id", "attempts", "run_at", "last_error"]))
+        return EXIT_OK
+    if args.dry_run:
+        rows = await operations.held_jobs(limit=1)
+        count = rows[0]["held"] if rows else 0
+        verb = "discard" if args.jobs_command == "discard" else "retry"
+        print(json.dumps({"held": count, "dry_run": True}) if args.json
+              else f"would {verb} {count} held rejection(s)")
+        return EXIT_OK
+    changed = await operations.held_action(args.jobs_command)
+    print(json.dumps({"changed": changed}) if args.json
+          else f"{changed} held rejection(s) {args.jobs_command}ed"
+          if args.jobs_command == "discard" else f"{changed} held rejection(s) due now")
+    return EXIT_OK
 
 
 class _BulkProgress:
@@ -527,7 +562,7 @@ def _describe_flow(flow: FleetFlow | None) -> str:
     if not flow.paused:
         return "delivering (not paused)"
     if flow.awaiting_probe:
-        return f"paused ({flow.reason}); one probe job decides when it resumes"
+        return f"paused ({flow.reason}); a probe decides when it resumes"
     assert flow.paused_until is not None
     text = (f"paused ({flow.reason}) for {fleet.describe_seconds(flow.remaining_seconds)} "
             f"more, until {flow.paused_until.isoformat()}")
@@ -767,6 +802,9 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--since", metavar="TIME",
                    help="only jobs finished (or created, while unfinished) at or after this "
                         "ISO 8601 time (UTC unless it has an offset); default: any time")
+    j.add_argument("--held", action="store_true",
+                   help="the held rejections instead: ready jobs whose last 4xx had no "
+                        "evidence that the provider accepts other orders")
     j = action("show", "one job by id or order id")
     j.add_argument("id", metavar="ID", help="a job UUID or an order id")
     j = action(
@@ -777,6 +815,8 @@ def build_parser() -> argparse.ArgumentParser:
         "changed) or database error, 2 bad usage.")
     j.add_argument("ids", nargs="*", metavar="ID", help="job UUIDs (or use --all-failed)")
     j.add_argument("--all-failed", action="store_true", help="every failed job")
+    j.add_argument("--held", action="store_true",
+                   help="every held rejection (ready): send them again now")
     j.add_argument("--dry-run", action="store_true", help="show what would change; change nothing")
     j = action(
         "discard", "ready/failed → discarded (terminal; the order stays deduplicated)",
@@ -786,6 +826,8 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("ids", nargs="*", metavar="ID", help="job UUIDs")
     j.add_argument("--failed", action="store_true", help="every failed job matching the filters")
     j.add_argument("--ready", action="store_true", help="every ready job matching the filters")
+    j.add_argument("--held", action="store_true",
+                   help="every held rejection (see `jobs list --held`): give up on them")
     j.add_argument("--reason", help="latest attempt's reason, e.g. rejected; default: any")
     j.add_argument("--status", type=int,
                    help="latest attempt's HTTP status, e.g. 422; default: any")

@@ -13,7 +13,10 @@ provider answer                    verdict    reason label
 429                                retry      ``rate_limited`` (Retry-After)
 5xx                                retry      ``provider_5xx`` (Retry-After)
 401, 403, 407 (proxy credentials)  retry      ``auth_rejected`` (opens breaker)
-other 4xx                          permanent  ``rejected``
+408 (the provider timed us out)    retry      ``timeout``
+other 4xx                          permanent  ``rejected`` (a verdict only on
+                                              evidence: receipts.flow)
+4xx whose body was cut off         retry      ``connection_lost`` / ``timeout``
 1xx/3xx (we never follow)          retry      ``unexpected_status``
 timeout (incl. hang after headers) retry      ``timeout`` (outcome unknown)
 connection lost after sending      retry      ``connection_lost`` (unknown)
@@ -93,6 +96,8 @@ def classify(status: int, headers: HeaderLookup, body: bytes) -> Outcome:
         return Outcome(Verdict.DELIVERED, Reason.DELIVERED, status)
     if status == 409:
         return Outcome(retry, Reason.IN_PROGRESS, status, retry_after, "409 request in progress")
+    if status == 408:
+        return Outcome(retry, Reason.TIMEOUT, status, retry_after, "408 request timeout")
     if status == 429:
         return Outcome(retry, Reason.RATE_LIMITED, status, retry_after, "429 rate limited")
     if status >= 500:
@@ -291,6 +296,9 @@ class HttpDeliverer:
         deadline = loop.time() + self.timeout_seconds
         answer: Answer | None = None
         data = bytearray()
+        # A failure's body cut off by a reset or the deadline: a partial reason is
+        # no verdict about the order (the outcome is unknown: retry, same key).
+        cut: Outcome | None = None
         try:
             # One deadline for the whole exchange; reading a 2xx body gets at most
             # SUCCESS_BODY_SECONDS of it (the answer is known from the status line).
@@ -308,19 +316,28 @@ class HttpDeliverer:
             if answer is None:
                 return Outcome(Verdict.RETRY, Reason.TIMEOUT, None, None,
                                f"no answer within {self.timeout_seconds:g}s")
+            cut = Outcome(Verdict.RETRY, Reason.TIMEOUT, answer.status, None,
+                          f"{answer.status} answer cut off: no whole body within "
+                          f"{self.timeout_seconds:g}s")
         except TransportError as exc:
             # Before the head: the failure is the outcome. While reading the body:
-            # the status already decides, with what arrived as its reason.
+            # the status decides, unless it would be a verdict on a partial reason
+            # (a 4xx cut off by a reset or a stall: an unknown outcome, below).
+            reason = FAILURE_REASONS[type(exc)]
             if answer is None:
-                reason = FAILURE_REASONS[type(exc)]
                 return Outcome(Verdict.RETRY, reason, None, None, self._detail(exc))
+            cut = Outcome(Verdict.RETRY, reason, answer.status, None,
+                          f"{answer.status} answer cut off: {self._detail(exc)}"[:200])
         finally:
             if answer is not None:
                 await answer.release()
         assert answer is not None
         if 200 <= answer.status < 300:
             return Outcome(Verdict.DELIVERED, Reason.DELIVERED, answer.status)
-        return classify(answer.status, answer.headers, bytes(data))
+        outcome = classify(answer.status, answer.headers, bytes(data))
+        if cut is not None and outcome.verdict is Verdict.PERMANENT:
+            return cut
+        return outcome
 
 
 #: The reason of each transport failure, mapped here once (the table of this module):

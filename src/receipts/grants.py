@@ -265,6 +265,10 @@ STATEMENTS: dict[str, Need] = {
     # One batch: the jobs get retry_effect (_RETRIED) or discard_effect (_DISCARDED).
     "bulk_step": Need(_V, select=(BULK_ACTIONS, JOBS, ATTEMPTS), update=(BULK_ACTIONS,),
                       update_columns=_RETRIED),
+    # The held rejections as one group (jobs list|discard|retry --held).
+    "held_jobs": Need(_V, select=(JOBS,)),
+    "held_discard": Need(_V, select=(JOBS,), update_columns=_DISCARDED),
+    "held_retry": Need(_V, select=(JOBS,), update_columns={JOBS: ("run_at", "last_error")}),
 }
 #: Named blocks of the SQL files that are fragments composed into others.
 FRAGMENTS = frozenset({"review_matching", "retry_effect", "discard_effect"})

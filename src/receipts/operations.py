@@ -641,3 +641,28 @@ class Operations:
     async def ui_samples(self) -> list[dict[str, Any]]:
         """The kept queue-depth samples of the last hour, oldest first."""
         return await self._dicts(self._q("ui_samples"))
+
+    # ------------------------------------------------------ held rejections
+
+    async def held_jobs(self, *, limit: int = 50) -> list[dict[str, Any]]:
+        """The held rejections (``held_jobs``): at most *limit* ready jobs whose last
+        4xx was held for want of evidence, oldest due first; each dict has id,
+        order_id, attempts, run_at, last_error, created_at and ``held`` (the
+        group's size). Raises ``ValueError`` for *limit* < 1."""
+        if limit < 1:
+            raise ValueError("limit must be at least 1")
+        return await self._dicts(self._q("held_jobs"), {"limit": int(limit)})
+
+    async def held_action(self, action: str, *, batch: int = 1000) -> int:
+        """Discard (*action* ``discard``) or send again now (``retry``) every held
+        rejection, in batches of *batch* (``held_discard``/``held_retry``); returns
+        how many jobs changed. Raises ``ValueError`` for another action."""
+        if action not in ("discard", "retry"):
+            raise ValueError(f"no held action {action!r}")
+        statement = self._q(f"held_{action}")
+        changed = 0
+        while True:
+            rows = await self._dicts(statement, {"batch": int(batch)})
+            changed += len(rows)
+            if len(rows) < batch:
+                return changed

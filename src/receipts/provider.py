@@ -13,7 +13,16 @@ can misbehave on purpose for the demo, the tests and staging.
   503, 429 with ``Retry-After``, 422 for a fixed share of keys (permanent),
   and three "unknown outcome" faults that happen *after* the receipt was
   recorded: a hang (the client times out), a reset connection, and a hang
-  after the response headers.
+  after the response headers;
+* rejections that no rule can fit to one shape (:class:`Faults`): every
+  request rejected (``reject_statuses``, rotating through the statuses
+  given) with bodies that differ every time (``reject_body``: ``json``, or
+  ``json_ids`` with a random request id and an ISO timestamp, or an ``html``
+  error page, or ``text``), optionally only in alternating phases
+  (``flap_seconds``: reject everything, then accept everything, each that
+  long, from the moment the faults were set); and orders that are genuinely
+  invalid (``invalid_pattern``: an order id matching the regular expression
+  gets a 422 with such a body, every time).
 
 ``GET /stats`` returns counters as JSON, ``GET /receipts`` every recorded key
 with its request count, ``GET /requests`` every keyed POST as ``[key, attempt]``
@@ -29,10 +38,14 @@ from __future__ import annotations
 
 import asyncio
 import hashlib
+import itertools
 import random
+import re
+import string
 import time
 from collections import Counter
 from dataclasses import asdict, dataclass, fields, replace
+from datetime import UTC, datetime
 from typing import Any
 
 from aiohttp import web
@@ -61,6 +74,16 @@ class Faults:
         hang_seconds: how long a hang lasts, seconds.
         status: if set, every POST answers this status (e.g. 401) and records nothing.
         body_bytes: size of the JSON answer padding (to test huge bodies).
+        reject_statuses: if set (4xx statuses), every POST is rejected, the
+            status rotating through these, and records nothing.
+        reject_body: the style of a rejection's body: ``json`` (one message),
+            ``json_ids`` (a random request id and an ISO timestamp in it),
+            ``html`` (an error page with a reference id and a time), ``text``.
+        flap_seconds: with ``reject_statuses``, reject only in alternating
+            phases of this many seconds (reject, accept, reject, …, counted
+            from when the faults were set); 0: always.
+        invalid_pattern: a regular expression; an order id it matches (search)
+            is answered 422, every time, and never recorded.
     """
 
     latency_seconds: float = 0.0
@@ -76,19 +99,37 @@ class Faults:
     hang_seconds: float = 30.0
     status: int | None = None
     body_bytes: int = 0
+    reject_statuses: tuple[int, ...] | None = None
+    reject_body: str = "json"
+    flap_seconds: float = 0.0
+    invalid_pattern: str | None = None
 
     @classmethod
     def from_mapping(cls, data: dict[str, Any], base: Faults | None = None) -> Faults:
         """A copy of *base* (or defaults) with the known keys of *data* applied.
 
-        Raises ``ValueError`` for an unknown key, a rate outside [0, 1] or a
-        negative duration or size.
+        Raises ``ValueError`` for an unknown key, a rate outside [0, 1], a
+        negative duration or size, a rejection status outside 400–499, an
+        unknown body style or a pattern that does not compile.
         """
         names = {f.name for f in fields(cls)}
         unknown = set(data) - names
         if unknown:
             raise ValueError(f"unknown fault setting(s): {', '.join(sorted(unknown))}")
+        data = dict(data)
+        if data.get("reject_statuses") is not None:
+            statuses = tuple(int(s) for s in data["reject_statuses"])
+            if not statuses or not all(400 <= s <= 499 for s in statuses):
+                raise ValueError("reject_statuses must be a non-empty list of 4xx statuses")
+            data["reject_statuses"] = statuses
+        if data.get("invalid_pattern") is not None:
+            try:
+                re.compile(str(data["invalid_pattern"]))
+            except re.error as exc:
+                raise ValueError(f"invalid_pattern does not compile: {exc}") from None
         result = replace(base or cls(), **data)
+        if result.reject_body not in REJECT_BODIES:
+            raise ValueError(f"reject_body must be one of {', '.join(REJECT_BODIES)}")
         for f in fields(cls):
             value = getattr(result, f.name)
             if f.name.endswith("_rate") and not 0.0 <= float(value) <= 1.0:
@@ -99,7 +140,10 @@ class Faults:
 
 
 _NON_NEGATIVE = ("latency_seconds", "latency_jitter_seconds", "retry_after_seconds",
-                 "hang_seconds", "body_bytes")
+                 "hang_seconds", "body_bytes", "flap_seconds")
+#: The styles of a rejection's body (:attr:`Faults.reject_body`).
+REJECT_BODIES = ("json", "json_ids", "html", "text")
+_BASE62 = string.ascii_letters + string.digits
 
 
 class ReferenceProvider:
@@ -114,6 +158,9 @@ class ReferenceProvider:
     def __init__(self, faults: Faults | None = None, *, token: str | None = None,
                  seed: int | None = None) -> None:
         self.faults = faults or Faults()
+        #: When the faults were last set (monotonic): the origin of flapping phases.
+        self.faults_at = time.monotonic()
+        self._rotation = itertools.count()
         self.token = token
         self.rng = random.Random(seed)
         self.receipts: dict[str, dict[str, Any]] = {}
@@ -145,6 +192,9 @@ class ReferenceProvider:
             return self._answer(401, {"error": "invalid credentials"})
         if f.status is not None:
             return self._answer(f.status, {"error": f"forced status {f.status}"})
+        if f.reject_statuses and self._rejecting_now():
+            statuses = f.reject_statuses
+            return self._rejection(statuses[next(self._rotation) % len(statuses)])
         key = request.headers.get("Idempotency-Key", "")
         if not key:
             return self._answer(400, {"error": "Idempotency-Key header is required"})
@@ -156,6 +206,9 @@ class ReferenceProvider:
             order_id = str(body["order_id"])
         except (ValueError, KeyError, TypeError):
             return self._answer(400, {"error": "body must be JSON with order_id"})
+        if f.invalid_pattern is not None and re.search(f.invalid_pattern, order_id):
+            self.stats["invalid_orders"] += 1
+            return self._rejection(422, f"order {order_id} cannot receive a receipt")
         if f.error_rate and self.rng.random() < f.error_rate:
             return self._answer(503, {"error": "injected provider error"})
         if f.rate_limit_rate and self.rng.random() < f.rate_limit_rate:
@@ -200,6 +253,34 @@ class ReferenceProvider:
             return response
         return self._answer(201, answer)
 
+    def _rejecting_now(self) -> bool:
+        """True while ``reject_statuses`` applies: always, or in a rejecting phase."""
+        period = self.faults.flap_seconds
+        if period <= 0:
+            return True
+        return int((time.monotonic() - self.faults_at) // period) % 2 == 0
+
+    def _rejection(self, status: int, message: str = "request rejected") -> web.Response:
+        """A 4xx whose body varies as a real API's does (:attr:`Faults.reject_body`)."""
+        style = self.faults.reject_body
+        request_id = "req_" + "".join(self.rng.choice(_BASE62) for _ in range(16))
+        stamp = datetime.now(UTC).isoformat(timespec="milliseconds").replace("+00:00", "Z")
+        self.stats[f"status_{status}"] += 1
+        self.stats["rejections"] += 1
+        self.answers.append((time.monotonic(), status))
+        if style == "json":
+            return web.json_response({"error": message}, status=status)
+        if style == "json_ids":
+            return web.json_response({"error": f"{message} (request {request_id} at {stamp})",
+                                      "request_id": request_id, "timestamp": stamp},
+                                     status=status)
+        if style == "html":
+            page = (f"<html><head><title>{status} Error</title></head><body><h1>{status}</h1>"
+                    f"<p>{message}.</p><p>Reference #{request_id} &middot; {stamp}</p>"
+                    f"<hr><address>edge-{self.rng.randrange(1, 99)}</address></body></html>")
+            return web.Response(text=page, status=status, content_type="text/html")
+        return web.Response(text=f"{status} {message} [{request_id}] {stamp}", status=status)
+
     def _answer(self, status: int, body: dict[str, Any],
                 headers: dict[str, str] | None = None) -> web.Response:
         self.stats[f"status_{status}"] += 1
@@ -242,6 +323,7 @@ class ReferenceProvider:
                 if not isinstance(data, dict):
                     raise ValueError("body must be a JSON object")
                 self.faults = Faults.from_mapping(data, self.faults)
+                self.faults_at = time.monotonic()
             except (ValueError, TypeError) as exc:
                 return web.json_response({"error": str(exc)}, status=400)
             log.info("faults_changed", extra={"faults": asdict(self.faults)})

@@ -20,12 +20,14 @@ Shape (docs/design.md §4, §11):
 * Provider flow control: every claim reads the fleet-wide pause; while it
   holds, the pod sleeps until the next probe is due (every few seconds,
   however long the pause) or the pause ends, holding no connection and no
-  lock. One pod wins the probe and claims one job; its answer resumes the
-  fleet or doubles the pause. Outcomes feed the
-  :class:`~receipts.flow.ProviderGate`, which may extend the pause (outage,
-  systemic rejection, 401/403, ``Retry-After``) and may hold a 4xx verdict
-  (the job's lease, not its slot) until later answers tell a bad order from
-  a provider rejecting everything. Under a fleet-wide rate limit a claim
+  lock. One pod wins the probe and claims a few jobs (``probe_jobs``, at
+  most its free slots); an acceptance resumes the fleet, a probe entirely
+  failed or rejected doubles the pause. Outcomes feed the
+  :class:`~receipts.flow.ProviderGate` through its shell
+  (:class:`~receipts.gate.GateShell`), which may extend the pause (outage,
+  systemic rejection, 401/403, ``Retry-After``) and judges a 4xx on evidence
+  (acceptances of other jobs around it), holding it (the job's lease, not
+  its slot) meanwhile. Under a fleet-wide rate limit a claim
   charges the pod's own token bucket at its announced share
   (:mod:`receipts.ratelimit`; the shared bucket row when no share is
   known), and a claim that ran out of tokens sleeps until the next ones.
@@ -49,11 +51,9 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import random
 import socket
 import time
-import uuid
 from collections.abc import Iterable
 from datetime import datetime
 
@@ -63,6 +63,7 @@ from receipts.db import commits_asynchronously, statement_deadline
 from receipts.delivery import Deliverer
 from receipts.errors import DatabaseUnavailable, QueueError
 from receipts.flow import FlowPolicy, ProviderGate
+from receipts.gate import GateShell
 from receipts.jobqueue import WorkerQueue
 from receipts.logs import get_logger, job_fields
 from receipts.metrics import Metrics
@@ -72,9 +73,7 @@ from receipts.model import (
     ClaimResult,
     FlowState,
     Outcome,
-    PauseReason,
     Reason,
-    Reschedule,
     Verdict,
 )
 from receipts.ratelimit import Choice, TokenBucket, choose
@@ -154,6 +153,12 @@ class Worker:
                                    watch_durability=commits_asynchronously(settings, "worker"),
                                    worker=socket.gethostname()[:100])
         self.gate = gate or ProviderGate(flow_policy(settings))
+        #: The gate's shell: holds rejections, settles them, writes the fleet's pause.
+        self.flow = GateShell(self.gate, queue, self.completer, metrics, self.policy,
+                              lease_seconds=settings.lease_seconds,
+                              lease_margin=settings.lease_margin,
+                              delivery_seconds=settings.delivery_timeout_seconds,
+                              redeliver=self._confirm)
         self._inflight: set[asyncio.Task[None]] = set()
         self._slot_freed = asyncio.Event()
         #: Set when at least ``_claim_min`` slots are free.
@@ -166,12 +171,9 @@ class Worker:
         self._db_ok = False
         self._unreachable = False  # the last claim failed for want of a connection
         self._busy_since: float | None = None
-        self._flow_read_at = 0.0  # monotonic: when the fleet's flow state was last read
         #: Monotonic time of the last claim that returned a job (None: none yet);
         #: the heartbeat reports it (:mod:`receipts.heartbeat`).
         self.last_claim_at: float | None = None
-        #: Rejections the gate holds: job id → (attempt, outcome, its deadline timer).
-        self._held: dict[uuid.UUID, tuple[Attempt, Outcome, asyncio.TimerHandle]] = {}
         #: True once a stop's drain has finished: deliveries ended or abandoned
         #: and every outcome written or given up (the last ``stopped`` event).
         self.drained = False
@@ -187,7 +189,7 @@ class Worker:
         metrics.slots.set(settings.concurrency)
         # Read when scraped: nothing to update per delivery. A held rejection's job
         # is still leased to this pod, its outcome not yet written: it counts.
-        metrics.inflight.set_function(lambda: len(self._inflight) + len(self._held))
+        metrics.inflight.set_function(lambda: len(self._inflight) + len(self.flow.held))
         self._probe_seconds = metrics.statement_duration.labels("commit_probe")
         #: The pod's LISTEN session and its part in the fleet's waker election; None
         #: when it cannot have one (behind PgBouncer, or RECEIPTS_LISTEN_NOTIFY off).
@@ -233,6 +235,7 @@ class Worker:
     def stop(self) -> None:
         """Ask :meth:`run` to stop claiming and drain (signal-handler safe)."""
         self._stop.set()
+        self.flow.closing = True
         self._wake.set()
         self._slot_freed.set()
 
@@ -268,6 +271,8 @@ class Worker:
         stopped = asyncio.create_task(self._stop.wait())
         try:
             await asyncio.wait({claiming, stopped}, return_when=asyncio.FIRST_COMPLETED)
+            if claiming.done() and not claiming.cancelled() and claiming.exception():
+                log.error("claim_loop_crashed", exc_info=claiming.exception())
             if not claiming.done():
                 await asyncio.wait({claiming}, timeout=STOP_CLAIM_SECONDS)
         finally:
@@ -283,7 +288,7 @@ class Worker:
         backoff = OUTAGE_BACKOFF_FIRST_SECONDS
         backlog_limit = max(self.settings.concurrency, self.completer.max_batch)
         while not self._stop.is_set():
-            free = self.settings.concurrency - len(self._inflight)
+            free = self._free_slots()
             if free <= 0:
                 await self._wait_for_slot()
                 continue
@@ -294,7 +299,9 @@ class Worker:
                 # A claim statement costs the same CPU for 1 job as for 40: let
                 # a few more slots free up (at most CLAIM_LINGER_SECONDS).
                 await self._gather_slots()
-                free = self.settings.concurrency - len(self._inflight)
+                free = self._free_slots()  # a confirmation may have taken a slot meanwhile
+                if free <= 0:
+                    continue
             wait = await self.step(free)
             if wait is None:  # the database failed us
                 await self._sleep(backoff * random.uniform(0.5, 1.0), wakeable=False)
@@ -307,6 +314,14 @@ class Worker:
             if seconds > 0:
                 await self._sleep(seconds, wakeable=wakeable)
 
+    def _free_slots(self) -> int:
+        """Slots free for a claim now: fewer while the gate sees unexplained rejections
+        (:meth:`ProviderGate.inflight_cap`); may be ≤ 0 (a confirmation takes a slot
+        without a claim)."""
+        free = self.settings.concurrency - len(self._inflight)
+        most = self.gate.inflight_cap()
+        return free if most is None else min(free, most - len(self._inflight))
+
     async def step(self, free: int) -> tuple[float, bool] | None:
         """One turn of the claim loop with *free* slots: claim, start deliveries.
 
@@ -318,10 +333,10 @@ class Worker:
         recheck = False
         if gate.paused:
             left = gate.pause_left()
-            since_read = time.monotonic() - self._flow_read_at
+            since_read = time.monotonic() - self.flow.flow_read_at
             if left > 0 and since_read < PAUSE_RECHECK_SECONDS:
                 return min(left, PAUSE_RECHECK_SECONDS - since_read), False
-            if gate.probe_job is not None:  # our probe is still out: wait for its answer
+            if gate.probe_until is not None and gate.probe_jobs:  # our probe is still out
                 return self.settings.poll_interval_seconds, False
             # Re-read the fleet's state now and then: another pod (or an operator)
             # may have ended or extended the pause. The claim claims nothing while
@@ -359,7 +374,7 @@ class Worker:
                 won = await self.queue.begin_probe(self._probe_guard_seconds())
                 if won is not None:
                     probe_until, state = won
-                    limit = 1
+                    limit = gate.probe_size(limit)
             result = await self.claim_once(limit, probe=probe_until is not None,
                                            shared_bucket=bucket is None)
         except QueueError as exc:
@@ -374,15 +389,17 @@ class Worker:
             self._busy_since = None
         if probe_until is not None:
             if result.attempts:
-                gate.start_probe(result.attempts[0].job.id, probe_until,
+                gate.start_probe([a.job.id for a in result.attempts], probe_until,
                                  state.pause_left_seconds or 0.0, state.pause_reason)
-                log.info("provider_probe", extra=job_fields(result.attempts[0].job, "probe"))
+                log.info("provider_probe", extra={
+                    **job_fields(result.attempts[0].job, "probe"),
+                    "probe_jobs": len(result.attempts)})
             return 0.0, False
         if admission is not None:
             admission.refund(limit - len(result.attempts))
         if bucket is not None:
             bucket.refund(limit - len(result.attempts))
-        self._observe_flow(result.flow)
+        self.flow.observe_flow(result.flow)
         if gate.paused:
             left = gate.pause_left()
             if left > 0:
@@ -391,8 +408,6 @@ class Worker:
             return self.settings.poll_interval_seconds * random.uniform(0.75, 1.25), False
         self._backlogged = len(result.attempts) >= limit
         self.completer.busy = self._backlogged
-        if self._held and not self._inflight:  # nothing more to hear: decide them now
-            self._settle_held(idle=True)
         if self._backlogged:
             return 0.0, False
         tokens = result.flow.tokens
@@ -454,21 +469,6 @@ class Worker:
             task.add_done_callback(self._delivery_done)
         return result
 
-    def _observe_flow(self, flow: FlowState) -> None:
-        self._flow_read_at = time.monotonic()
-        was = self.gate.reason
-        self.gate.observe_flow(flow)
-        if self.gate.reason is not was:
-            self.metrics.observe_pause(self.gate.reason)
-            if self.gate.reason is None:
-                log.info("provider_resumed")
-            else:
-                log.warning("provider_paused", extra={
-                    "reason": str(self.gate.reason),
-                    "pause_seconds": round(self.gate.pause_left(), 3)})
-        if self._held:
-            self._settle_held()
-
     def _delivery_done(self, task: asyncio.Task[None]) -> None:
         self._inflight.discard(task)
         self._slot_freed.set()
@@ -508,7 +508,7 @@ class Worker:
 
     # --------------------------------------------------------- delivery
 
-    async def _deliver(self, attempt: Attempt) -> None:
+    async def _deliver(self, attempt: Attempt, *, confirming: bool = False) -> None:
         job = attempt.job
         start = time.perf_counter()
         sent_at = time.monotonic()  # the flow gate's clock: held rejections compare it
@@ -527,94 +527,17 @@ class Worker:
         if self.record_all or outcome.verdict is not Verdict.DELIVERED or job.attempt > 1:
             self.completer.record(AttemptRecord.of(job, outcome, duration_seconds=took,
                                                    worker=self.name))
-        if outcome.verdict is Verdict.PERMANENT:
-            # A rejection may be held until the flow rule has judged the answers
-            # after it; never past the lease (the write needs its margin).
-            hold = (attempt.claimed_at + self.settings.lease_seconds
-                    - self.settings.lease_margin - time.monotonic())
-            decision = self.gate.judge(job.id, outcome, order_id=job.order_id,
-                                       hold_seconds=hold, sent_at=sent_at)
-        else:
-            decision = self.gate.judge(job.id, outcome, sent_at=sent_at)
-        if decision.hold_seconds is not None:  # before any await: settle() may run meanwhile
-            self._hold(attempt, outcome, decision.hold_seconds)
-        if decision.probe or decision.pause is not None:
-            await self._act_on_flow(attempt, outcome, decision.pause, decision.resume,
-                                    decision.probe)
-        # The completer owns the write from here; the slot is free when we return.
-        if outcome.verdict is Verdict.DELIVERED:
-            self.completer.ack(attempt)
-        elif decision.hold_seconds is None:
-            self._write_failure(attempt, outcome, requeue=decision.requeue,
-                                refund=decision.refund)
-        if self._held:  # this answer may have decided held ones
-            # The last delivery in flight, and the last claim found no more work:
-            # no answer is coming that could still decide them.
-            self._settle_held(idle=len(self._inflight) <= 1 and not self._backlogged)
+        await self.flow.judge(attempt, outcome, sent_at=sent_at, confirming=confirming)
 
-    def _write_failure(self, attempt: Attempt, outcome: Outcome, *, requeue: bool,
-                       refund: bool) -> None:
-        """Hand a failed attempt to the completer: failed when permanent (unless
-        *requeue*: a systemic rejection, written as a retry), else ready after its backoff."""
-        if requeue:
-            outcome = dataclasses.replace(outcome, verdict=Verdict.RETRY)
-        permanent = outcome.verdict is Verdict.PERMANENT
-        delay = 0.0 if permanent else self.policy.delay(
-            attempt.job.attempt, retry_after_seconds=outcome.retry_after_seconds)
-        self.completer.reschedule(Reschedule(attempt, outcome, delay, refund or requeue))
-
-    def _hold(self, attempt: Attempt, outcome: Outcome, seconds: float) -> None:
-        """Keep a rejection (and the job's lease) for at most *seconds*, slot freed."""
-        timer = asyncio.get_running_loop().call_later(seconds, self._settle_held)
-        self._held[attempt.job.id] = (attempt, outcome, timer)
-        log.info("rejection_held", extra={**job_fields(attempt.job, outcome.reason),
-                                          "hold_seconds": round(seconds, 3)})
-
-    def _settle_held(self, *, final: bool = False, idle: bool = False) -> None:
-        """Write the held rejections the gate has decided (see :meth:`ProviderGate.settle`)."""
-        requeue, fail = self.gate.settle(final=final, idle=idle)
-        for job_id, requeued in [(i, True) for i in requeue] + [(i, False) for i in fail]:
-            entry = self._held.pop(job_id, None)
-            if entry is None:
-                continue
-            attempt, outcome, timer = entry
-            timer.cancel()
-            if requeued:
-                log.info("rejection_requeued", extra=job_fields(attempt.job, outcome.reason))
-            self._write_failure(attempt, outcome, requeue=requeued, refund=requeued)
-
-    async def _act_on_flow(self, attempt: Attempt, outcome: Outcome,
-                           pause: tuple[PauseReason, float] | None, resume: datetime | None,
-                           probe: bool) -> None:
-        """Carry a gate decision into ``receipt_flow`` (one statement; errors logged)."""
-        fields = job_fields(attempt.job, outcome.reason)
-        try:
-            if pause is not None:
-                reason, seconds = pause
-                flow = await self.queue.extend_pause(
-                    reason, seconds,
-                    next_probe_seconds=min(seconds, self.gate.policy.probe_interval_seconds),
-                    probe_outcome=str(outcome.reason) if probe else None)
-                self.metrics.provider_pauses.labels(reason).inc()
-                log.warning("provider_pause_extended", extra={
-                    **fields, "reason": str(reason), "pause_seconds": round(seconds, 3)})
-                self._observe_flow(flow)
-                if probe:
-                    self.metrics.provider_probes.labels("failed").inc()
-            elif resume is not None:
-                resumed = await self.queue.resume(resume, probe_outcome=str(outcome.reason))
-                self.metrics.provider_probes.labels("resumed").inc()
-                self._observe_flow(FlowState() if resumed else self.gate_state())
-            elif probe:
-                self.metrics.provider_probes.labels("inconclusive").inc()
-        except QueueError as exc:
-            # The local view still holds; the next claim reads the fleet's.
-            self.metrics.db_errors.labels("flow").inc()
-            log.warning("flow_update_failed", extra={**fields, "error": str(exc)})
+    def _confirm(self, attempt: Attempt) -> None:
+        """Send a first strike's job again, in its lease: the confirmation."""
+        task = asyncio.create_task(self._deliver(attempt, confirming=True))
+        self._inflight.add(task)
+        task.add_done_callback(self._delivery_done)
 
     def gate_state(self) -> FlowState:
         """The gate's current view as a :class:`FlowState` (left unchanged)."""
-        return FlowState(self.gate.reason, self.gate.pause_left())
+        return self.flow.state()
 
     # ---------------------------------------------------------- helpers
 
@@ -669,8 +592,8 @@ class Worker:
             if abandoned:
                 log.warning("deliveries_abandoned", extra={"count": len(abandoned)})
                 await asyncio.wait(abandoned, timeout=1.0)
-        if self._held:  # stopping is no evidence: give the held rejections back
-            self._settle_held(final=True)
+        if self.flow.held:  # stopping is no evidence: give the held rejections back
+            self.flow.settle(final=True)
         await self.completer.close(timeout_seconds=ack_flush_seconds(self.settings))
         self.drained = True
         log.info("stopped")

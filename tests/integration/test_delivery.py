@@ -141,6 +141,46 @@ async def test_a_connection_reset_after_sending_is_an_unknown_outcome(stub, tran
     assert (outcome.verdict, outcome.reason) == (Verdict.RETRY, "connection_lost")
 
 
+async def test_a_rejection_cut_off_by_a_reset_is_a_connection_failure_not_a_verdict(
+        stub, transport):
+    """A 422 whose body the connection reset cut short: its partial reason judges nothing."""
+    async def cut(request: web.Request) -> web.StreamResponse:
+        await request.read()
+        response = web.StreamResponse(status=422, headers={"Content-Length": "4000"})
+        response.content_type = "application/json"
+        await response.prepare(request)
+        await response.write(b'{"error": "order cann')
+        await asyncio.sleep(0.05)
+        assert request.transport is not None
+        request.transport.abort()
+        await asyncio.sleep(1)
+        return response
+
+    stub.answer(cut)
+    outcome = await deliver_once(stub.url, 2, transport=transport)
+    assert (outcome.verdict, outcome.reason) == (Verdict.RETRY, "connection_lost")
+    assert outcome.status == 422 and "cut off" in outcome.detail
+
+
+async def test_a_rejection_whose_body_never_ends_is_a_timeout_not_a_verdict(stub, transport):
+    async def drip(request: web.Request) -> web.StreamResponse:
+        response = web.StreamResponse(status=422, headers={"Content-Length": "4000"})
+        await response.prepare(request)
+        await response.write(b'{"error": ')
+        await asyncio.sleep(30)
+        return response
+
+    stub.answer(drip)
+    outcome = await deliver_once(stub.url, 0.5, transport=transport)
+    assert (outcome.verdict, outcome.reason) == (Verdict.RETRY, "timeout")
+
+
+async def test_a_408_is_a_timeout_not_a_verdict(stub, transport):
+    stub.answer(status(408, body='{"error": "request timeout"}'))
+    outcome = await deliver_once(stub.url, 2, transport=transport)
+    assert (outcome.verdict, outcome.reason, outcome.status) == (Verdict.RETRY, "timeout", 408)
+
+
 async def test_a_connect_error_before_sending_is_a_known_failure(transport):
     outcome = await deliver_once(f"http://127.0.0.1:{free_port()}/receipts", 2,
                                  transport=transport)

@@ -93,15 +93,31 @@ async def test_a_job_that_always_gets_5xx_fails_after_max_attempts(dsn, provider
 
 
 @pytest.mark.slow
-async def test_a_permanent_rejection_fails_the_job_with_its_reason(dsn, provider):
+async def test_a_rejection_among_accepted_orders_fails_the_job_with_its_reason(dsn, provider):
+    """The provider accepts the orders sent around it and rejects this one twice (the
+    confirmation, in the same lease): a verdict about the order."""
+    provider.set_faults(invalid_pattern="^order-bad")
+    enqueue_many(dsn, [f"order-{i}" for i in range(30)] + ["order-bad"]
+                 + [f"order-{i}" for i in range(30, 60)])
+    settings = make_settings(dsn, provider_url=provider.url, concurrency=4)
+    async with Running(settings) as run:
+        await until(lambda: states(dsn) == {"done": 60, "failed": 1})
+        await until(lambda: run.value("receipts_failures_total", reason="rejected") == 1)
+    assert fetch_rows(dsn, "SELECT attempts, last_error FROM receipt_jobs"
+                           " WHERE state = 'failed'") == [
+        (1, "422 order order-bad cannot receive a receipt")]
+    assert [key for key, _ in provider.provider.request_log].count("receipt:order-bad") == 2
+
+
+async def test_a_lone_rejection_is_held_and_given_back_not_failed(dsn, provider):
     provider.set_faults(reject_rate=1.0)
     enqueue_many(dsn, ["order-bad"])
     settings = make_settings(dsn, provider_url=provider.url)
     async with Running(settings) as run:
-        await until(lambda: states(dsn) == {"failed": 1})
-        await until(lambda: run.value("receipts_failures_total", reason="rejected") == 1)
-    assert fetch_rows(dsn, "SELECT attempts, last_error FROM receipt_jobs") == [
-        (1, "422 order cannot receive a receipt")]
+        await until(lambda: run.value("receipts_retries_total", reason="rejected") >= 2)
+    assert fetch_rows(dsn, "SELECT state, attempts, last_error FROM receipt_jobs") == [
+        ("ready", 0, "held rejection: 422 order cannot receive a receipt")]
+    assert run.value("receipts_failures_total", reason="rejected") == 0
 
 
 @pytest.mark.slow
@@ -112,10 +128,11 @@ async def test_rejected_credentials_pause_claiming_instead_of_burning_attempts(d
                              auth_pause_seconds=0.2)
     async with Running(settings) as run:
         await until(lambda: run.value("receipts_provider_paused", reason="auth") == 1)
-        # Two failed probes: the pause doubled twice; only single probes went out.
+        # Two failed probes: the pause doubled twice; only probes (each of at most the
+        # 4 free slots) went out.
         await until(lambda: run.value("receipts_provider_probes_total", result="failed") >= 2)
         probes = run.value("receipts_provider_probes_total", result="failed")
-        assert provider.provider.stats["requests"] <= 4 + probes + 1
+        assert provider.provider.stats["requests"] <= 4 + 4 * (probes + 1)
         # Jobs in flight when the credentials were refused kept their attempt.
         assert fetch_rows(dsn, "SELECT max(attempts) FROM receipt_jobs")[0][0] <= 1
         provider.set_faults(status=None)

@@ -1,5 +1,5 @@
-"""The provider gate's rules, on a fake clock: outage and systemic-rejection detection,
-pauses, probes, refunds and held verdicts."""
+"""The provider gate's rules, on a fake clock: outage detection, rejections judged on
+evidence, systemic rejection, pauses, probes, refunds and held verdicts."""
 
 from __future__ import annotations
 
@@ -9,13 +9,14 @@ import uuid
 from datetime import UTC, datetime
 
 import httpx
+import pytest
 
 from receipts.delivery import classify
 from receipts.flow import (
+    NO_DECISION,
     FlowPolicy,
     OutageDetector,
     ProviderGate,
-    rejection_signature,
     tls_failure,
 )
 from receipts.model import FlowState, Outcome, PauseReason, Reason, Verdict
@@ -175,15 +176,6 @@ def tls(detail: str = "ConnectError: SSLError: [SSL: SSLV3_ALERT_HANDSHAKE_FAILU
     return Outcome(Verdict.RETRY, reason, None, None, detail)
 
 
-def test_a_rejection_shape_ignores_the_order_id_numbers_and_ids():
-    a = rejection_signature(rejected(422, "order A-17 not found (request 9f3c2a1b7e)"), "A-17")
-    b = rejection_signature(rejected(422, "order B-2 not found (request 01ab77ce3f)"), "B-2")
-    assert a == b
-    assert a != rejection_signature(rejected(400, "order B-2 not found (request 1)"), "B-2")
-    assert a != rejection_signature(rejected(422, "order total is negative"), "C")
-    assert rejection_signature(outcome(503)) is None and rejection_signature(outcome(200)) is None
-
-
 def test_tls_failures_are_told_from_connection_failures():
     assert tls_failure(tls())
     assert tls_failure(tls("ConnectError: SSLCertVerificationError: [SSL: "
@@ -198,97 +190,187 @@ def test_tls_failures_are_told_from_connection_failures():
     assert not tls_failure(tls("ReadError: ConnectionResetError", Reason.CONNECTION_LOST))
 
 
-def test_the_same_rejection_of_most_distinct_jobs_pauses_and_fails_none_of_them():
-    g = gate()
-    jobs = [uuid.uuid4() for _ in range(5)]
-    decisions = [g.judge(job, rejected()) for job in jobs]
-    assert all(d.hold_seconds == 30 and d.pause is None for d in decisions[:4])
-    assert g.held == 4
-    reason, seconds = decisions[4].pause  # type: ignore[misc]
+B = POLICY.bracket_seconds
+
+
+def accept(g: ProviderGate, sent_at: float) -> None:
+    assert g.judge(uuid.uuid4(), outcome(201), sent_at=sent_at).pause is None
+
+
+def test_a_rejection_bracketed_by_acceptances_of_other_jobs_is_a_first_strike():
+    clock = Clock()
+    g = gate(clock)
+    bad, sent = uuid.uuid4(), clock.now
+    accept(g, sent - B / 2)
+    clock.now += 0.05
+    d = g.judge(bad, rejected(422, "order cannot receive a receipt"), sent_at=sent)
+    assert d.hold_seconds == 2 * B and not d.requeue and d.pause is None
+    assert not g.settle()  # an acceptance sent after it may still come
+    accept(g, sent + B / 2)
+    assert g.settle().confirm == [bad] and g.held == 0
+
+
+def test_a_confirmation_rejected_while_others_are_accepted_fails_the_job():
+    clock = Clock()
+    g = gate(clock)
+    bad = uuid.uuid4()
+    accept(g, clock.now - 0.2)
+    d = g.judge(bad, rejected(422), sent_at=clock.now, confirming=True)
+    assert d == NO_DECISION  # the verdict stands: written as failed
+
+
+def test_a_confirmation_without_evidence_is_held_like_any_rejection():
+    clock = Clock()
+    g = gate(clock)
+    d = g.judge(uuid.uuid4(), rejected(422), sent_at=clock.now, confirming=True)
+    assert d.hold_seconds == 2 * B
+
+
+def test_acceptances_on_one_side_only_make_no_verdict():
+    clock = Clock()
+    g = gate(clock)
+    bad, sent = uuid.uuid4(), clock.now
+    for k in range(20):  # acceptances of requests sent before it: the provider may
+        accept(g, sent - 0.01 * k)  # have turned to rejecting everything since
+    g.judge(bad, rejected(), sent_at=sent)
+    clock.now += 2 * B
+    s = g.settle()
+    assert s.confirm == [] and s.fail == [] and [j for j, _ in s.requeue] == [bad]
+    g2 = gate(clock)
+    g2.judge(bad, rejected(), sent_at=clock.now)
+    for k in range(20):  # acceptances more than a bracket later
+        accept(g2, clock.now + B + 0.01 * (k + 1))
+    clock.now += 2 * B
+    assert [j for j, _ in g2.settle().requeue] == [bad]
+
+
+def test_a_held_rejection_goes_back_to_ready_with_a_growing_delay_never_failed():
+    clock = Clock()
+    g = gate(clock)
+    job = uuid.uuid4()
+    delays = []
+    for _ in range(4):
+        assert g.judge(job, rejected(), sent_at=clock.now).hold_seconds
+        clock.now += 2 * B
+        s = g.settle()
+        assert s.fail == [] and s.confirm == []
+        ((held, delay),) = s.requeue
+        assert held == job
+        delays.append(delay)
+    assert all(b > a * 1.2 for a, b in itertools.pairwise(delays)), delays
+    clock.now += 10
+    assert g.settle().pause is None  # one job is never a systemic rejection
+
+
+def test_the_deadline_and_a_stop_give_held_rejections_back():
+    clock = Clock()
+    g = gate(clock)
+    held = [uuid.uuid4() for _ in range(3)]
+    for job in held:
+        g.judge(job, rejected(), sent_at=clock.now)
+    assert not g.settle()
+    clock.now += 2 * B
+    assert sorted(j for j, _ in g.settle().requeue) == sorted(held)
+    for job in held:
+        g.judge(job, rejected(), sent_at=clock.now)
+    assert sorted(j for j, _ in g.settle(final=True).requeue) == sorted(held)
+
+
+def test_a_rejection_with_a_short_lease_left_is_given_back_at_once():
+    d = gate().judge(uuid.uuid4(), rejected(), hold_seconds=0)
+    assert d.requeue and d.refund and d.hold_seconds is None
+
+
+BODIES = [
+    "request req_8Fh2KxQ9zLmN3pA1 rejected at 2026-12-05T13:21:47.123Z",
+    "<html><head><title>400 Bad Request</title></head><body>cf-ray 7d1e5a</body></html>",
+    "validation failed (trace 0b1c2d3e-4f50-4617-8293-a4b5c6d7e8f9, 1733404907)",
+]
+
+
+def test_rejections_of_several_jobs_without_acceptance_pause_whatever_the_bodies_and_statuses():
+    clock = Clock()
+    g = gate(clock)
+    accept(g, clock.now)  # the provider worked until now
+    clock.now += 2 * B
+    pauses = []
+    for i in range(40):
+        status = (400, 404, 422)[i % 3]
+        d = g.judge(uuid.uuid4(), rejected(status, BODIES[i % 3] + str(i)), sent_at=clock.now)
+        assert d.hold_seconds and d.pause is None and not d.requeue
+        clock.now += 0.1
+        s = g.settle()
+        assert s.fail == [] and s.confirm == []
+        if s.pause is not None:
+            pauses.append((clock.now, s.pause))
+    (when, (reason, seconds)), *_ = pauses
     assert reason is PauseReason.REJECTING and 4.5 <= seconds <= 5.5
-    assert decisions[4].requeue and decisions[4].refund
-    requeue, fail = g.settle()
-    assert sorted(requeue) == sorted(jobs[:4]) and fail == [] and g.held == 0
-    # In flight when the pause began: given back, not failed.
+    # After rejecting_after_seconds of unexplained rejections (of at least min_jobs jobs).
+    assert when - 1000 - 2 * B == pytest.approx(POLICY.rejecting_after_seconds, abs=0.15)
     g.observe_flow(FlowState(PauseReason.REJECTING, seconds))
-    late = g.judge(uuid.uuid4(), rejected())
+    s = g.settle()
+    assert s.fail == [] and len(s.requeue) > 0 and g.held == 0
+    late = g.judge(uuid.uuid4(), rejected(), sent_at=clock.now)  # in flight when paused
     assert late.requeue and late.refund and late.hold_seconds is None
 
 
-def test_rejections_of_different_shapes_do_not_add_up():
-    g = gate()
-    for i in range(10):
-        d = g.judge(uuid.uuid4(), rejected(422, f"reason number {'abcdefghij'[i]}"))
-        assert d.pause is None and d.hold_seconds is not None
-
-
-def test_a_bad_order_fails_once_a_few_deliveries_sent_after_its_rejection_are_accepted():
+def test_one_acceptance_explains_the_rejections_around_it():
     clock = Clock()
     g = gate(clock)
-    bad = uuid.uuid4()
-    sent_before = clock.now - 0.05
-    clock.now += 0.1  # the rejection arrives
-    assert g.judge(bad, rejected(422, "order cannot receive a receipt")).hold_seconds
-    # Requests already in flight when it arrived prove nothing: the provider may have
-    # turned to rejecting everything between them and it.
-    for _ in range(3 * POLICY.min_jobs):
-        g.judge(uuid.uuid4(), outcome(200), sent_at=sent_before)
-    assert g.settle() == ([], [])
-    for _ in range(POLICY.min_jobs - 1):
-        clock.now += 0.01
-        g.judge(uuid.uuid4(), outcome(200), sent_at=clock.now)
-        assert g.settle() == ([], [])
-    clock.now += 0.01
-    g.judge(uuid.uuid4(), outcome(200), sent_at=clock.now)
-    assert g.settle() == ([], [bad])
+    for _ in range(10):
+        g.judge(uuid.uuid4(), rejected(), sent_at=clock.now)
+        clock.now += 0.2
+    accept(g, clock.now)
+    assert g.unexplained == 0
+    clock.now += POLICY.rejecting_after_seconds
+    assert g.settle().pause is None
 
 
-def test_later_failures_and_other_rejections_do_not_fail_a_held_rejection():
+def test_a_resume_does_not_let_the_first_answers_after_it_pause_again():
     clock = Clock()
     g = gate(clock)
-    bad = uuid.uuid4()
-    g.judge(bad, rejected(422, "order cannot receive a receipt"))
-    for i in range(2 * POLICY.window_jobs):  # 4xx of other shapes and failures: no acceptance
-        clock.now += 0.01
-        g.judge(uuid.uuid4(), rejected(400, f"bad field {'abcdefghijklmnopqrstuvwxyz'[i % 26]}")
-                if i % 2 else outcome(503))
-        assert g.settle() == ([], [])
+    g.observe_flow(FlowState(PauseReason.REJECTING, 5))
+    for _ in range(10):
+        g.judge(uuid.uuid4(), rejected(), sent_at=clock.now)
+    g.observe_flow(FlowState())  # resumed (another pod's probe was accepted)
+    for _ in range(6):  # a few invalid orders in a row right after the resume
+        g.judge(uuid.uuid4(), rejected(), sent_at=clock.now)
+        clock.now += 0.1
+    assert g.settle().pause is None  # not before rejecting_after_seconds without acceptance
+    accept(g, clock.now)
+    clock.now += 5
+    assert g.settle().pause is None
 
 
-def test_a_held_rejection_fails_at_its_deadline_when_too_few_answers_come():
+def test_a_flapping_provider_brackets_no_rejection():
+    """Phases of 5 s: reject everything, accept everything. A request every 50 ms."""
     clock = Clock()
     g = gate(clock)
-    bad = uuid.uuid4()
-    assert g.judge(bad, rejected(), hold_seconds=12).hold_seconds == 12  # the lease's bound
-    clock.now += 11.9
-    assert g.settle() == ([], [])
-    clock.now += 0.2
-    assert g.settle() == ([], [bad])
-    assert g.judge(uuid.uuid4(), rejected(), hold_seconds=0).hold_seconds is None  # no time
+    failed, confirmed = [], []
+    start = clock.now
+    while clock.now < start + 60:
+        rejecting = int((clock.now - start) // 5) % 2 == 0
+        job = uuid.uuid4()
+        d = g.judge(job, rejected() if rejecting else outcome(200), sent_at=clock.now)
+        if d == NO_DECISION and rejecting:
+            failed.append(job)
+        s = g.settle()
+        failed += s.fail
+        confirmed += s.confirm
+        clock.now += 0.05
+    assert failed == [] and confirmed == []
 
 
-def test_held_rejections_fail_when_no_further_answer_can_come():
-    g = gate()
-    held = [uuid.uuid4() for _ in range(3)]
-    for job in held:
-        g.judge(job, rejected())
-    assert g.settle() == ([], [])
-    assert g.settle(idle=True) == ([], held)  # three could never make a systemic rejection
-
-
-def test_stopping_gives_the_held_rejections_back():
-    g = gate()
-    held = [uuid.uuid4() for _ in range(2)]
-    for job in held:
-        g.judge(job, rejected())
-    assert g.settle(final=True) == (held, [])
-
-
-def test_tls_failures_of_most_jobs_pause_with_reason_rejecting_not_outage():
-    g = gate()
-    decisions = [g.judge(uuid.uuid4(), tls()) for _ in range(5)]
-    assert [d.pause for d in decisions[:4]] == [None] * 4
-    assert all(d.hold_seconds is None and not d.requeue for d in decisions)  # retries anyway
+def test_tls_failures_of_several_jobs_pause_with_reason_rejecting_not_outage():
+    clock = Clock()
+    g = gate(clock)
+    decisions = []
+    for _ in range(8):
+        decisions.append(g.judge(uuid.uuid4(), tls(), sent_at=clock.now))
+        clock.now += 0.1
+    assert all(d.hold_seconds is None and not d.requeue and d.refund for d in decisions)
+    # At the fifth distinct job (no invalid order fails a handshake: no wait), and once.
+    assert [i for i, d in enumerate(decisions) if d.pause] == [4]
     assert decisions[4].pause[0] is PauseReason.REJECTING  # type: ignore[index]
     plain = gate()
     resets = [plain.judge(uuid.uuid4(), tls("ReadError: ConnectionResetError",
@@ -296,25 +378,47 @@ def test_tls_failures_of_most_jobs_pause_with_reason_rejecting_not_outage():
     assert resets[4].pause[0] is PauseReason.OUTAGE  # type: ignore[index]
 
 
-def test_a_rejecting_pause_ends_only_when_a_probe_is_accepted():
+def probe(g: ProviderGate, n: int, length: float = 5) -> tuple[list[uuid.UUID], datetime]:
+    jobs, until = [uuid.uuid4() for _ in range(n)], datetime.now(UTC)
+    g.start_probe(jobs, until, length)
+    return jobs, until
+
+
+def test_a_rejecting_pause_grows_only_when_every_probe_job_is_rejected():
     g = gate()
     g.observe_flow(FlowState(PauseReason.REJECTING, 0))
-    probe, until = uuid.uuid4(), datetime.now(UTC)
-    g.start_probe(probe, until, 5)
-    again = g.judge(probe, rejected())
-    assert again.probe and again.requeue and again.refund and again.resume is None
-    assert again.pause[0] is PauseReason.REJECTING and again.pause[1] >= 9  # type: ignore[index]
-    probe, until = uuid.uuid4(), datetime.now(UTC)
-    g.start_probe(probe, until, 10)
-    assert g.judge(probe, outcome(201)).resume == until
+    jobs, _ = probe(g, 5)
+    decisions = [g.judge(job, rejected()) for job in jobs]
+    assert all(d.requeue and d.refund for d in decisions)
+    assert [d.pause for d in decisions[:4]] == [None] * 4
+    assert decisions[4].probe and decisions[4].pause[0] is PauseReason.REJECTING  # type: ignore[index]
+    assert decisions[4].pause[1] >= 9  # type: ignore[index]
+
+
+def test_one_accepted_probe_job_resumes_whatever_the_others_answer():
+    g = gate()
+    g.observe_flow(FlowState(PauseReason.REJECTING, 0))
+    (bad, good, other), until = probe(g, 3, 10)
+    d = g.judge(bad, rejected(422, "order cannot receive a receipt"))
+    assert d.pause is None and d.requeue  # an invalid order in the probe: no doubling
+    assert g.judge(good, outcome(201)).resume == until
+    g.observe_flow(FlowState())
+    later = g.judge(other, rejected(422))
+    assert later.pause is None and later.hold_seconds  # judged like any other answer
+
+
+def test_an_acceptance_of_another_job_during_the_probe_resumes_too():
+    g = gate()
+    g.observe_flow(FlowState(PauseReason.REJECTING, 0))
+    _, until = probe(g, 2)
+    assert g.judge(uuid.uuid4(), outcome(200)).resume == until  # in flight since before
 
 
 def test_an_outage_probe_answered_4xx_resumes_and_its_verdict_is_held():
     g = gate()
     g.observe_flow(FlowState(PauseReason.OUTAGE, 0))
-    probe, until = uuid.uuid4(), datetime.now(UTC)
-    g.start_probe(probe, until, 5)
-    d = g.judge(probe, rejected(422, "order cannot receive a receipt"))
+    (job,), until = probe(g, 1)
+    d = g.judge(job, rejected(422, "order cannot receive a receipt"))
     assert d.resume == until and d.probe and d.hold_seconds is not None and not d.requeue
 
 
@@ -328,9 +432,22 @@ NGINX_NO_CERTIFICATE = (
 
 def test_nginx_refusing_a_missing_client_certificate_is_a_systemic_rejection():
     answer = classify(400, httpx.Headers({"content-type": "text/html"}), NGINX_NO_CERTIFICATE)
-    assert answer.verdict is Verdict.PERMANENT  # alone, it would fail the job
-    g = gate()
-    decisions = [g.judge(uuid.uuid4(), answer, order_id=f"order-{i}") for i in range(5)]
-    assert all(d.hold_seconds for d in decisions[:4])
-    assert decisions[4].pause[0] is PauseReason.REJECTING  # type: ignore[index]
-    assert len(g.settle()[0]) == 4
+    assert answer.verdict is Verdict.PERMANENT  # a verdict only on evidence
+    clock = Clock()
+    g = gate(clock)
+    decisions = []
+    for _ in range(8):
+        decisions.append(g.judge(uuid.uuid4(), answer, sent_at=clock.now))
+        clock.now += 0.5
+    # Held, until the one that makes 3 s of unexplained rejections: it pauses the fleet.
+    assert all(d.hold_seconds and d.pause is None for d in decisions[:6])
+    assert decisions[6].pause[0] is PauseReason.REJECTING  # type: ignore[index]
+    assert decisions[6].requeue and decisions[6].refund
+    g.observe_flow(FlowState(PauseReason.REJECTING, 5))
+    s = g.settle()
+    assert len(s.requeue) == 7 and s.fail == [] and s.confirm == []  # one more held meanwhile
+
+
+def test_a_408_is_a_timeout_not_a_verdict():
+    answer = classify(408, httpx.Headers(), b"request timeout")
+    assert answer.verdict is Verdict.RETRY and answer.reason is Reason.TIMEOUT

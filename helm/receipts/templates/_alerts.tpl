@@ -184,10 +184,10 @@ ReceiptsManualPauseLong (severity info) says when it has lasted alerts.manualPau
         summary: The provider rejects nearly every receipt; deliveries have been paused for most of {{ $a.providerRejectingFor }}.
         description: >-
           Workers in {{`{{ $labels.namespace }}`}} paused deliveries because the provider
-          answered nearly every recent receipt with a permanent rejection (4xx) across many
-          jobs: a provider or contract fault, not bad orders. The fleet probes with one job
-          at a time and fails no job for it; nothing is delivered until the provider accepts
-          again.
+          rejected (4xx or TLS) the receipts of many jobs while accepting none: a provider or
+          contract fault, or a queue holding only invalid orders (receipts jobs list --held).
+          The fleet probes with a few jobs at a time and fails no job for it; nothing is
+          delivered until the provider accepts one again.
         runbook_url: {{ printf "%sreceiptsproviderrejecting/" $runbook }}
     - alert: ReceiptsManualPauseLong
       expr: max by (namespace, job) (receipts_provider_paused{ {{- $s -}} ,reason="manual"}) == 1

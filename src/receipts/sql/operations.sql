@@ -589,3 +589,53 @@ SELECT minute, ready, running, failed
 FROM {schema}.receipt_ui_samples
 WHERE minute >= statement_timestamp() - interval '1 hour'
 ORDER BY minute;
+
+-- name: held_jobs
+-- The held rejections as one group: ready jobs whose last attempt was a 4xx
+-- the workers could not judge for want of evidence (the provider accepted no
+-- other order around it), so they gave the attempt back (receipts/flow.py;
+-- last_error starts with 'held rejection: '). Oldest due first, at most
+-- %(limit)s, with the group's size. A read over the ready partial index.
+SELECT j.id, j.order_id, j.attempts, j.run_at, j.last_error, j.created_at,
+       count(*) OVER () AS held
+FROM {schema}.receipt_jobs AS j
+WHERE j.state = 'ready' AND starts_with(j.last_error, 'held rejection: ')
+ORDER BY j.run_at, j.id
+LIMIT %(limit)s;
+
+-- name: held_discard
+-- Give up on at most %(batch)s held rejections (held_jobs): ready → discarded,
+-- as discard_jobs (terminal, the order stays deduplicated). Rows a worker has
+-- claimed meanwhile are running, not ready, and are left alone (SKIP LOCKED and
+-- the state check). Run until it changes fewer than %(batch)s rows.
+WITH target AS MATERIALIZED (
+  SELECT j.id FROM {schema}.receipt_jobs AS j
+  WHERE j.state = 'ready' AND starts_with(j.last_error, 'held rejection: ')
+  ORDER BY j.run_at, j.id
+  LIMIT %(batch)s
+  FOR UPDATE OF j SKIP LOCKED
+)
+UPDATE {schema}.receipt_jobs AS j
+SET state = 'discarded',
+    finished_at = statement_timestamp()
+FROM target AS t
+WHERE j.id = t.id AND j.state = 'ready'
+RETURNING j.id;
+
+-- name: held_retry
+-- Send at most %(batch)s held rejections again now: run_at = now, last_error
+-- prefixed 'manual retry after: ' (so they leave the group until held again).
+-- Attempts are unchanged (held rejections gave theirs back).
+WITH target AS MATERIALIZED (
+  SELECT j.id FROM {schema}.receipt_jobs AS j
+  WHERE j.state = 'ready' AND starts_with(j.last_error, 'held rejection: ')
+  ORDER BY j.run_at, j.id
+  LIMIT %(batch)s
+  FOR UPDATE OF j SKIP LOCKED
+)
+UPDATE {schema}.receipt_jobs AS j
+SET run_at = statement_timestamp(),
+    last_error = 'manual retry after: ' || j.last_error
+FROM target AS t
+WHERE j.id = t.id AND j.state = 'ready'
+RETURNING j.id;

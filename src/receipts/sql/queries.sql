@@ -431,7 +431,7 @@ RETURNING {schema}.receipts_pause_reason(pause_reason, paused_until, pause_cause
 
 -- name: begin_probe
 -- An outage, auth or rejecting pause is due for a probe: exactly one pod wins
--- the right to claim one probe job (the row lock serialises contenders, and a
+-- the right to claim the probe's jobs (the row lock serialises contenders, and a
 -- loser re-checks the WHERE against the winner's probe_until). A probe is due
 -- at probe_until (set by extend_pause: a short interval after the last
 -- failure, whatever the pause's length) or, when that is NULL (a released
