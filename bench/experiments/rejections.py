@@ -8,7 +8,7 @@ whose id starts with ``bad-`` are genuinely invalid (the provider answers them
 422 whenever it judges orders); the others are valid. The script prints one
 line per case and writes the figures as JSON.
 
-    python -m bench.rejections [--only NAME,...] [--out FILE]
+    python -m bench.experiments.rejections [--only NAME,...] [--out FILE]
 
 What each figure means: ``failed_valid`` valid receipts failed for good (must be
 0), ``failed_invalid`` invalid orders failed with their reason, ``held`` jobs
