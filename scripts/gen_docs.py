@@ -331,8 +331,10 @@ def alerts_page() -> str:
         "with `alerts.kubeStateMetrics=true` (the plain rule file "
         "`deploy/prometheus/receipts.rules.kube-state-metrics.yaml`). "
         "Each alert's `runbook_url` is "
-        "`alerts.runbookUrl` followed by the alert's name in lower case and a slash: "
-        "its page under [Runbook](../runbook/index.md).",
+        "`alerts.runbookUrl` (an absolute URL; empty by default, and then there is none) "
+        "followed by the alert's name in lower case and a slash: "
+        "its page under [Runbook](../runbook/index.md). `alerts.disabled` leaves alerts out "
+        "by name.",
         "",
         "| alert | severity | for | summary |",
         "|---|---|---|---|",
@@ -346,7 +348,7 @@ def alerts_page() -> str:
             "",
             f"## {rule['alert']}",
             "",
-            f"`runbook_url`: `{rule['annotations'].get('runbook_url', '')}`"
+            f"`runbook_url`: `<alerts.runbookUrl>{rule['alert'].lower()}/`"
             + (f" · rendered only with `{rule['_values']}`" if "_values" in rule else ""),
             "",
             "```promql",

@@ -455,6 +455,11 @@ without its volume. Included by receipts.validate; renders nothing.
 {{- fail (printf "%s %q must be an http:// or https:// URL of the proxy (http://proxy.internal:3128)." $name $url) }}
 {{- end }}
 {{- end }}
+{{- with .Values.alerts.runbookUrl }}
+{{- if not (regexMatch "^[hH][tT][tT][pP][sS]?://[^/?#\\s]+(/[^?#\\s]*)?/$" .) }}
+{{- fail (printf "alerts.runbookUrl %q must be an absolute http:// or https:// URL ending in \"/\" (e.g. https://docs.shop.internal/receipts/runbook/): Alertmanager, Grafana and PagerDuty open runbook_url as it is, and cannot resolve a relative one. Leave it empty for no runbook_url." .) }}
+{{- end }}
+{{- end }}
 {{- if .Values.recovery.enabled }}
 {{- $schedule := .Values.recovery.schedule | trim -}}
 {{- $fields := regexSplit "\\s+" $schedule -1 -}}
