@@ -246,7 +246,7 @@ up() {
     start_bg etcd etcd --name node1 --data-dir "$STATE/etcd" \
         --listen-client-urls "http://127.0.0.1:$ETCD_PORT" --advertise-client-urls "http://127.0.0.1:$ETCD_PORT" \
         --listen-peer-urls "http://127.0.0.1:$ETCD_PEER" --initial-advertise-peer-urls "http://127.0.0.1:$ETCD_PEER" \
-        --initial-cluster "node1=http://127.0.0.1:$ETCD_PEER" --unsafe-no-fsync
+        --initial-cluster "node1=http://127.0.0.1:$ETCD_PEER"
 
     cat > "$STATE/cni/10-bridge.conflist" <<EOF
 {"cniVersion": "0.4.0", "name": "receipts-k8s", "plugins": [{"type": "bridge", "bridge": "$BRIDGE",

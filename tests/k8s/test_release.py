@@ -18,6 +18,7 @@ from __future__ import annotations
 import json
 import os
 import time
+from datetime import UTC, datetime, timedelta
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -79,11 +80,11 @@ def provider_stats(provider: str) -> dict[str, Any]:
         return dict(json.load(answer))
 
 
-def enqueue(db: psycopg.Connection, count: int) -> list[str]:
+def enqueue(db: psycopg.Connection, count: int, run_at: datetime | None = None) -> list[str]:
     """Enqueue ``count`` new orders' receipt jobs in one transaction; their order ids."""
     orders = [f"k8s-{next(_orders)}" for _ in range(count)]
     with db.transaction():
-        enqueue_many(db, orders)
+        enqueue_many(db, orders, run_at=run_at)
     return orders
 
 
@@ -166,10 +167,14 @@ def test_receipts_enqueued_from_outside_are_delivered(kube: Kube, db: psycopg.Co
 def test_the_recovery_cronjob_recovers_an_expired_lease(kube: Kube, db: psycopg.Connection) -> None:
     # A job whose worker vanished: running, its lease expired a minute ago. Workers only
     # claim ready jobs; only `receipts recover` (the CronJob's pod) returns it to the queue.
-    [order] = enqueue(db, 1)
-    db.execute("UPDATE receipt_jobs SET state = 'running', attempts = 1,"
-               " lease_token = gen_random_uuid(), lease_until = now() - interval '1 minute',"
-               " run_at = now() WHERE order_id = %s AND state = 'ready'", (order,))
+    # Enqueued for later, so that no worker claims it first.
+    [order] = enqueue(db, 1, run_at=datetime.now(UTC) + timedelta(hours=1))
+    changed = db.execute(
+        "UPDATE receipt_jobs SET state = 'running', attempts = 1,"
+        " lease_token = gen_random_uuid(), lease_until = now() - interval '1 minute',"
+        " run_at = now() - interval '2 minutes' WHERE order_id = %s AND state = 'ready'",
+        (order,)).rowcount
+    assert changed == 1
     wait_until("the expired lease recovered and the job delivered",
                lambda: undelivered(db, [order]) == 0, 150, interval=2,
                on_timeout=kube.diagnostics)
@@ -186,10 +191,10 @@ def test_the_recovery_cronjob_recovers_an_expired_lease(kube: Kube, db: psycopg.
 
 def test_deleting_a_worker_pod_mid_deliveries_loses_nothing(
         kube: Kube, db: psycopg.Connection, provider: str) -> None:
-    set_faults(provider, latency_seconds=0.5)
+    set_faults(provider, latency_seconds=1.0)
     try:
         orders = enqueue(db, 400)
-        wait_until("deliveries under way", lambda: undelivered(db, orders) < 350, 60, interval=0.2)
+        wait_until("deliveries under way", lambda: undelivered(db, orders) < 370, 60, interval=0.2)
         victim = kube.ready_workers()[0]
         kube.kubectl("delete", "pod", victim, "--wait=false")
         wait_delivered(kube, db, orders, 240)
@@ -206,10 +211,10 @@ def test_upgrade_rolls_under_load_then_rollback(kube: Kube, db: psycopg.Connecti
     wait_until("two ready workers", lambda: len(kube.ready_workers()) == 2, 180,
                on_timeout=kube.diagnostics)
     before = set(kube.ready_workers())
-    set_faults(provider, latency_seconds=0.5)
+    set_faults(provider, latency_seconds=2.0)
     try:
-        orders = enqueue(db, 600)
-        wait_until("deliveries under way", lambda: undelivered(db, orders) < 550, 60, interval=0.2)
+        orders = enqueue(db, 1000)   # about 30 s for two pods of 32 slots at 2 s a delivery
+        wait_until("deliveries under way", lambda: undelivered(db, orders) < 950, 60, interval=0.2)
         started = time.monotonic()
         kube.helm("upgrade", *install_args(values_file, "autoscaling.minReplicas=2",
                                            "config.concurrency=16", "config.logLevel=DEBUG"))
@@ -276,7 +281,7 @@ def test_the_hpa_scales_out_on_a_backlog_and_back(
 
         set_faults(provider, latency_seconds=2.0)
         try:
-            orders = enqueue(db, 400)   # 400 / 25 per pod: capped at maxReplicas 4
+            orders = enqueue(db, 800)   # 800 / 25 per pod: capped at maxReplicas 4
             peak = wait_until("the Deployment scaled out", lambda: (
                 r if (r := kube.get("deploy", RELEASE)["spec"]["replicas"]) > 1 else None), 120,
                 on_timeout=kube.diagnostics)
@@ -291,7 +296,7 @@ def test_the_hpa_scales_out_on_a_backlog_and_back(
             on_timeout=kube.diagnostics)
         back = time.monotonic() - drained
         assert_all_delivered_once(db, provider, orders)
-        print(f"HPA: target {target}/pod, scaled 1 -> {peak} on 400 jobs, back to 1 "
+        print(f"HPA: target {target}/pod, scaled 1 -> {peak} on 800 jobs, back to 1 "
               f"{back:.0f} s after the backlog drained (window 30 s); metric read "
               f"{standin.served} times")
     finally:
