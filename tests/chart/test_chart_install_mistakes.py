@@ -38,6 +38,14 @@ def test_api_versions_follow_the_cluster_s_version(kube: str | None, cronjob: st
     assert one(docs, "HorizontalPodAutoscaler")["apiVersion"] == hpa
 
 
+def test_fields_newer_than_the_cluster_are_left_out() -> None:
+    # matchLabelKeys (1.27) is refused by 1.20's API server ("unknown field")
+    old = one(render((), (), "1.26.0"), "Deployment")["spec"]["template"]["spec"]
+    assert all("matchLabelKeys" not in c for c in old["topologySpreadConstraints"])
+    new = one(render(), "Deployment")["spec"]["template"]["spec"]
+    assert all(c["matchLabelKeys"] == ["pod-template-hash"] for c in new["topologySpreadConstraints"])
+
+
 def test_the_beta_hpa_carries_the_same_spec() -> None:
     old = one(render((), ("autoscaling.hpa.metric=external",), "1.20.2"), "HorizontalPodAutoscaler")
     new = one(render((), ("autoscaling.hpa.metric=external",)), "HorizontalPodAutoscaler")
