@@ -43,7 +43,8 @@ def test_fields_newer_than_the_cluster_are_left_out() -> None:
     old = one(render((), (), "1.26.0"), "Deployment")["spec"]["template"]["spec"]
     assert all("matchLabelKeys" not in c for c in old["topologySpreadConstraints"])
     new = one(render(), "Deployment")["spec"]["template"]["spec"]
-    assert all(c["matchLabelKeys"] == ["pod-template-hash"] for c in new["topologySpreadConstraints"])
+    constraints = new["topologySpreadConstraints"]
+    assert all(c["matchLabelKeys"] == ["pod-template-hash"] for c in constraints)
 
 
 def test_the_beta_hpa_carries_the_same_spec() -> None:
