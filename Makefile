@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast docs lint tools bench soak chaos clean lock
+.PHONY: demo test test-fast test-k8s docs lint tools bench soak chaos clean lock
 
 $(STAMP): pyproject.toml src/receipts/__init__.py
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,13 @@ test: $(STAMP) tools
 ## cores; the same tools and databases as `make test`, which still runs everything.
 test-fast: $(STAMP) tools
 	PATH="$(CURDIR)/.tools/bin:$(CURDIR)/$(BIN):$$PATH" $(BIN)/pytest -q -p no:cacheprovider -m "not slow" $(PYTEST_ARGS)
+
+## The chart on a real Kubernetes (tests/k8s): builds Kubernetes 1.20.2 from Debian's source
+## package, starts one control plane and one node, installs the chart with the image built
+## from the Dockerfile, tests it and takes it all down. Root only; about 13 minutes the first
+## time, a few minutes after (build cache in RECEIPTS_K8S_CACHE, default /var/cache/receipts-k8s).
+test-k8s: $(STAMP) tools
+	bash scripts/k8s/cluster.sh test
 
 ## The documentation site, built into site/ with every warning an error (broken links and
 ## anchors fail). The reference pages are generated from the code: python scripts/gen_docs.py.

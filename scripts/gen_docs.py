@@ -65,6 +65,16 @@ def _plain(text: str) -> str:
     return re.sub(r":[a-z]+:`~?([^`]+)`", r"`\1`", " ".join(str(text).split()))
 
 
+def _alert_text(text: str) -> str:
+    """An alert annotation for a page: *text* on one line (:func:`_plain`) with its
+    Prometheus template actions (``{{ $labels.namespace }}``, ``{{ $value | humanize }}``),
+    which only Alertmanager fills in, shown as italic placeholders (*namespace*, *value*)."""
+    def placeholder(match: re.Match[str]) -> str:
+        action = match.group(1).split("|")[0].strip()
+        return "*" + action.removeprefix("$labels.").removeprefix("$") + "*"
+    return re.sub(r"\{\{-?\s*(.*?)\s*-?\}\}", placeholder, _plain(text))
+
+
 def _cell(text: str) -> str:
     """*text* made safe for one Markdown table cell."""
     return _plain(text).replace("|", "\\|")
@@ -263,7 +273,9 @@ def _rule_block(rule: dict[str, Any]) -> str:
         str(rule["expr"]).strip(),
         "```",
         "",
-        f"> {_plain(notes.get('summary', ''))} {_plain(description)}",
+        f"> {_alert_text(notes.get('summary', ''))} {_alert_text(description)}",
+        *([">", "> *Italic*: what the alert fills in when it fires."]
+          if "{{" in f"{notes.get('summary', '')}{description}" else []),
         END_RULE,
     ])
 
@@ -320,8 +332,10 @@ def alerts_page() -> str:
         "with `alerts.kubeStateMetrics=true` (the plain rule file "
         "`deploy/prometheus/receipts.rules.kube-state-metrics.yaml`). "
         "Each alert's `runbook_url` is "
-        "`alerts.runbookUrl` followed by the alert's name in lower case and a slash: "
-        "its page under [Runbook](../runbook/index.md).",
+        "`alerts.runbookUrl` (an absolute URL; empty by default, and then there is none) "
+        "followed by the alert's name in lower case and a slash: "
+        "its page under [Runbook](../runbook/index.md). `alerts.disabled` leaves alerts out "
+        "by name.",
         "",
         "| alert | severity | for | summary |",
         "|---|---|---|---|",
@@ -335,7 +349,7 @@ def alerts_page() -> str:
             "",
             f"## {rule['alert']}",
             "",
-            f"`runbook_url`: `{rule['annotations'].get('runbook_url', '')}`"
+            f"`runbook_url`: `<alerts.runbookUrl>{rule['alert'].lower()}/`"
             + (f" · rendered only with `{rule['_values']}`" if "_values" in rule else ""),
             "",
             "```promql",

@@ -7,8 +7,10 @@ Two checks, one line each on stdout:
   version: :attr:`receipts.migrate.SchemaStatus.usable`).
 * **provider**: one ``OPTIONS`` request to ``RECEIPTS_PROVIDER_URL`` through the delivery
   client (:meth:`receipts.delivery.HttpDeliverer.reach`: its TLS settings, proxy and
-  token). Any HTTP answer proves the way there works (a provider need not allow
-  ``OPTIONS``: 404 or 405 are answers), except 401 and 403: the provider refuses the token.
+  token). An HTTP answer proves the way there works (a provider need not allow
+  ``OPTIONS``: 404, 405 or 501 are answers), except: 401 and 403, the provider refuses the
+  token; 407, the egress proxy refuses its credentials (RFC 9110 §15.5.8); 500, 502, 503 and
+  504, the provider, or a gateway on the way to it, is not serving (RFC 9110 §15.6).
 
 Nothing is written and no receipt is sent. Messages carry no password or token: the
 database's are redacted, the provider's name only its scheme, host and path.
@@ -26,6 +28,11 @@ from receipts.migrate import schema_status_async
 from receipts.runtime import make_deliverer
 from receipts.settings import Settings, SettingsError
 from receipts.transport import TransportError
+
+#: Answers that reach a server but prove no receipt could be delivered: an internal error,
+#: a gateway that could not reach the provider or waited in vain for it, and "unavailable".
+#: 501 (Not Implemented) is not among them: a provider may not implement OPTIONS.
+NOT_SERVING = frozenset({500, 502, 503, 504})
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,6 +83,13 @@ async def check_provider(settings: Settings) -> CheckResult:
     if status in (401, 403):
         return CheckResult("provider", False, f"{where}: {took}: the provider refuses our "
                                               "token (RECEIPTS_PROVIDER_TOKEN)")
+    if status == 407:
+        return CheckResult("provider", False, f"{where}: {took}: the egress proxy refuses "
+                                              "its credentials (the user and password of "
+                                              "RECEIPTS_PROVIDER_PROXY or HTTP(S)_PROXY)")
+    if status in NOT_SERVING:
+        return CheckResult("provider", False, f"{where}: {took}: the provider, or a gateway "
+                                              "on the way to it, is not serving")
     return CheckResult("provider", True, f"{where}: reachable ({took})")
 
 

@@ -118,7 +118,7 @@ def test_scaled_object_min_replicas_do_not_exceed_max(values: tuple[Path, ...]) 
 
 
 def test_kube_version_below_the_chart_minimum_is_refused() -> None:
-    result = template((), (), "1.24.0")
+    result = template((), (), "1.19.16")
     assert result.returncode != 0
     assert "kubeVersion" in result.stderr or "incompatible" in result.stderr
 

@@ -394,9 +394,8 @@ def test_every_alert_is_documented_with_a_runbook(alert: str) -> None:
     assert rule["labels"]["severity"] in {"info", "warning", "critical"}
     annotations = rule["annotations"]
     assert annotations["summary"] and annotations["description"]
-    # The default names no host: it is the page's folder in the repository, which is
-    # also its path on the built docs site (docs/runbook/index.md).
-    assert annotations["runbook_url"] == f"docs/runbook/{alert.lower()}/"
+    # No runbook_url by default: a relative link opens nowhere (alerts.runbookUrl sets one).
+    assert "runbook_url" not in annotations
     page = RUNBOOK_DIR / alert.lower() / "README.md"
     assert page.exists(), f"{alert} needs a runbook page, {page} (python scripts/gen_docs.py)"
     assert page.read_text().startswith(f"# {alert}\n")
@@ -411,3 +410,39 @@ def test_runbook_links_follow_the_base_url_the_operator_sets() -> None:
              for r in g["rules"] if "alert" in r]
     assert {r["annotations"]["runbook_url"] for r in rules} == {
         f"{base}{alert.lower()}/" for alert in ALERTS}
+
+
+@pytest.mark.parametrize("url", ["docs/runbook/", "/runbook/", "runbook",
+                                 "https://docs.shop.internal/runbook", "ftp://docs/runbook/"])
+def test_a_runbook_url_alertmanager_cannot_open_is_refused(url: str) -> None:
+    result = template((), ("prometheusOperator.enabled=true", f"alerts.runbookUrl={url}"))
+    assert result.returncode != 0
+    assert f'alerts.runbookUrl "{url}" must be an absolute http' in result.stderr
+
+
+def test_runbook_urls_keep_the_folder_names_of_the_pages() -> None:
+    # the pages' folders are the alert names in lower case, and so are the links
+    base = "https://docs.shop.internal/receipts/runbook/"
+    result = template((), ("prometheusOperator.enabled=true", f"alerts.runbookUrl={base}"))
+    rules = [r for g in yaml.safe_load(rules_spec_text(result.stdout))["groups"]
+             for r in g["rules"] if "alert" in r]
+    for rule in rules:
+        folder = rule["annotations"]["runbook_url"].removeprefix(base).rstrip("/")
+        assert (RUNBOOK_DIR / folder / "README.md").exists(), folder
+
+
+def test_named_alerts_can_be_disabled() -> None:
+    off = ("ReceiptsManualPauseLong", "ReceiptsStaleAcks")
+    result = template((), ("prometheusOperator.enabled=true",
+                           f"alerts.disabled={{{','.join(off)}}}"))
+    assert result.returncode == 0, result.stderr
+    rules = [r["alert"] for g in yaml.safe_load(rules_spec_text(result.stdout))["groups"]
+             for r in g["rules"] if "alert" in r]
+    assert not set(off) & set(rules)
+    assert set(rules) | set(off) == set(ALERTS)
+
+
+def test_disabling_an_alert_the_chart_does_not_have_is_refused() -> None:
+    result = template((), ("prometheusOperator.enabled=true", "alerts.disabled={ReceiptsLagHigh}"))
+    assert result.returncode != 0
+    assert "/alerts/disabled/0" in result.stderr and "must be one of" in result.stderr

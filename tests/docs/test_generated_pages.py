@@ -163,3 +163,10 @@ def test_the_readme_links_only_to_files_that_exist() -> None:
 
 def test_the_readme_fits_a_couple_of_screens() -> None:
     assert len((REPO / "README.md").read_text().splitlines()) <= 200
+
+
+def test_runbook_pages_show_no_raw_alert_template_text() -> None:
+    # `{{ $labels.namespace }}` means something to Alertmanager only; a page shows it raw.
+    for page in sorted((DOCS / "runbook").glob("*/README.md")):
+        text = page.read_text()
+        assert "{{" not in text and "$labels" not in text, page

@@ -94,3 +94,42 @@ async def test_an_unreachable_database_fails_without_its_password(
     assert result.stdout.splitlines()[0].startswith("database: FAILED")
     assert "n0t-Sh0wn" not in result.stdout + result.stderr
     assert result.stdout.splitlines()[1].startswith("provider: ok")
+
+
+@pytest.mark.parametrize("status", [500, 502, 503, 504])
+async def test_a_provider_answering_a_server_error_fails(dsn: str, stub, status: int) -> None:
+    # 503 is the provider (or its load balancer) saying it does not serve; 502/504 a gateway
+    # that could not reach it: an answer, but no proof that receipts can be delivered.
+    async def unavailable(request: web.Request) -> web.Response:
+        return web.Response(status=status)
+
+    stub.answer(unavailable)
+    result = await receipts_check(dsn, stub.url)
+    assert result.returncode == 1, result.stdout
+    reach = result.stdout.splitlines()[1]
+    assert reach.startswith("provider: FAILED: ") and f"HTTP {status}" in reach
+    assert "not serving" in reach
+
+
+async def test_a_provider_that_does_not_implement_options_passes(dsn: str, stub) -> None:
+    async def not_implemented(request: web.Request) -> web.Response:
+        return web.Response(status=501)
+
+    stub.answer(not_implemented)
+    result = await receipts_check(dsn, stub.url)
+    assert result.returncode == 0, result.stdout
+
+
+async def test_a_proxy_refusing_its_credentials_fails(dsn: str, stub) -> None:
+    # A forward proxy that wants other credentials answers the request itself, 407.
+    async def proxy_auth_required(request: web.Request) -> web.Response:
+        return web.Response(status=407, headers={"Proxy-Authenticate": 'Basic realm="egress"'})
+
+    stub.answer(proxy_auth_required)
+    proxy = stub.url.rsplit("/", 1)[0].replace("http://", "http://alice:n0t-Sh0wn@")
+    result = await receipts_check(dsn, "http://receipts.provider.test/receipts",
+                                  RECEIPTS_PROVIDER_PROXY=proxy)
+    assert result.returncode == 1, result.stdout
+    reach = result.stdout.splitlines()[1]
+    assert "HTTP 407" in reach and "proxy refuses" in reach
+    assert "n0t-Sh0wn" not in result.stdout + result.stderr

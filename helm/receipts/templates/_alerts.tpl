@@ -61,7 +61,9 @@ ReceiptsManualPauseLong (severity info) says when it has lasted alerts.manualPau
           The oldest due ready receipt job in {{`{{ $labels.namespace }}`}} has waited
           {{`{{ $value | humanizeDuration }}`}}. Workers are not keeping up, not claiming
           (provider paused, database trouble), or not running.
-        runbook_url: {{ printf "%sreceiptsqueuelaghigh/" $runbook }}
+        {{- with $runbook }}
+        runbook_url: {{ printf "%sreceiptsqueuelaghigh/" . }}
+        {{- end }}
     - alert: ReceiptsOldestUndeliveredTooOld
       expr: |-
         max by (namespace, job) (receipts_oldest_undelivered_age_seconds{ {{- $s -}} }) > {{ $a.undeliveredAgeSeconds }}
@@ -77,7 +79,9 @@ ReceiptsManualPauseLong (severity info) says when it has lasted alerts.manualPau
           enqueued {{`{{ $value | humanizeDuration }}`}} ago and is still not delivered.
           Retries keep the queue lag low while this grows: the provider keeps failing,
           or its answers are rate limits or timeouts.
-        runbook_url: {{ printf "%sreceiptsoldestundeliveredtooold/" $runbook }}
+        {{- with $runbook }}
+        runbook_url: {{ printf "%sreceiptsoldestundeliveredtooold/" . }}
+        {{- end }}
     {{- if $growing }}
     - alert: ReceiptsReadyJobsGrowingAtMaxReplicas
       {{- if $autoscaled }}
@@ -110,7 +114,9 @@ ReceiptsManualPauseLong (severity info) says when it has lasted alerts.manualPau
           workers at their maximum replica count. More pods will not come; raise the
           capacity (replicas within the connection budget, concurrency) or find what slows
           deliveries.
-        runbook_url: {{ printf "%sreceiptsreadyjobsgrowingatmaxreplicas/" $runbook }}
+        {{- with $runbook }}
+        runbook_url: {{ printf "%sreceiptsreadyjobsgrowingatmaxreplicas/" . }}
+        {{- end }}
     {{- end }}
     - alert: ReceiptsJobsFailed
       expr: >-
@@ -134,7 +140,9 @@ ReceiptsManualPauseLong (severity info) says when it has lasted alerts.manualPau
           {{`{{ $labels.namespace }}`}} in the last {{ $w }} failed (a permanent provider
           answer or their last attempt). Their customers have no receipt; review them with
           `receipts jobs list` and retry.
-        runbook_url: {{ printf "%sreceiptsjobsfailed/" $runbook }}
+        {{- with $runbook }}
+        runbook_url: {{ printf "%sreceiptsjobsfailed/" . }}
+        {{- end }}
     - alert: ReceiptsStaleAcks
       expr: >-
         sum by (namespace, job) (increase(receipts_stale_acks_total{ {{- $s -}} }[{{ $w }}]))
@@ -155,7 +163,9 @@ ReceiptsManualPauseLong (severity info) says when it has lasted alerts.manualPau
           lease/token guard refused them. Those jobs may be delivered twice (the provider's
           idempotency key should absorb it). Leases are too short for the observed delivery
           and ack times, or workers stall.
-        runbook_url: {{ printf "%sreceiptsstaleacks/" $runbook }}
+        {{- with $runbook }}
+        runbook_url: {{ printf "%sreceiptsstaleacks/" . }}
+        {{- end }}
     - alert: ReceiptsProviderPaused
       expr: >-
         max by (namespace, job, reason) (
@@ -171,7 +181,9 @@ ReceiptsManualPauseLong (severity info) says when it has lasted alerts.manualPau
           {{`{{ $value | humanizePercentage }}`}} of the last {{ $a.providerPausedFor }}, reason
           {{`{{ $labels.reason }}`}} (auth: the provider refuses our credentials; outage: it
           keeps failing; retry_after: it asks us to wait). Nothing is delivered meanwhile.
-        runbook_url: {{ printf "%sreceiptsproviderpaused/" $runbook }}
+        {{- with $runbook }}
+        runbook_url: {{ printf "%sreceiptsproviderpaused/" . }}
+        {{- end }}
     - alert: ReceiptsProviderRejecting
       expr: >-
         max by (namespace, job) (
@@ -188,7 +200,9 @@ ReceiptsManualPauseLong (severity info) says when it has lasted alerts.manualPau
           contract fault, or a queue holding only invalid orders (receipts jobs list --held).
           The fleet probes with a few jobs at a time and fails no job for it; nothing is
           delivered until the provider accepts one again.
-        runbook_url: {{ printf "%sreceiptsproviderrejecting/" $runbook }}
+        {{- with $runbook }}
+        runbook_url: {{ printf "%sreceiptsproviderrejecting/" . }}
+        {{- end }}
     - alert: ReceiptsManualPauseLong
       expr: max by (namespace, job) (receipts_provider_paused{ {{- $s -}} ,reason="manual"}) == 1
       for: {{ $a.manualPauseMaxFor }}
@@ -201,7 +215,9 @@ ReceiptsManualPauseLong (severity info) says when it has lasted alerts.manualPau
           Deliveries in {{`{{ $labels.namespace }}`}} have been paused by an operator for
           {{ $a.manualPauseMaxFor }}. The lag and backlog alerts stay silent while it holds;
           receipts wait. It ends by itself at the time it was set for.
-        runbook_url: {{ printf "%sreceiptsmanualpauselong/" $runbook }}
+        {{- with $runbook }}
+        runbook_url: {{ printf "%sreceiptsmanualpauselong/" . }}
+        {{- end }}
     - alert: ReceiptsRateLimitSaturated
       # receipts_provider_tokens is -1 without a rate limit: the bucket must have held >= 0
       # tokens (a limit is set) all the window and never a whole one.
@@ -222,7 +238,9 @@ ReceiptsManualPauseLong (severity info) says when it has lasted alerts.manualPau
           The fleet's provider token bucket in {{`{{ $labels.namespace }}`}} never held a whole
           token in the last {{ $a.rateLimitSaturatedFor }}, and due jobs waited all that time:
           deliveries run at the provider's rate limit and the backlog drains no faster.
-        runbook_url: {{ printf "%sreceiptsratelimitsaturated/" $runbook }}
+        {{- with $runbook }}
+        runbook_url: {{ printf "%sreceiptsratelimitsaturated/" . }}
+        {{- end }}
     - alert: ReceiptsDatabaseNotReady
       expr: count by (namespace, job) (receipts_database_ready{ {{- $s -}} } == 0) > 0
       for: {{ $a.databaseNotReadyFor }}
@@ -235,7 +253,9 @@ ReceiptsManualPauseLong (severity info) says when it has lasted alerts.manualPau
           {{`{{ $value }}`}} worker(s) in {{`{{ $labels.namespace }}`}} have reported the
           database unavailable for {{ $a.databaseNotReadyFor }} (/readyz 503). They claim
           nothing; their delivered jobs' acks wait and, past the lease, go to recovery.
-        runbook_url: {{ printf "%sreceiptsdatabasenotready/" $runbook }}
+        {{- with $runbook }}
+        runbook_url: {{ printf "%sreceiptsdatabasenotready/" . }}
+        {{- end }}
     - alert: ReceiptsQueueStatsStale
       expr: time() - max by (namespace, job) (receipts_queue_stats_timestamp_seconds{ {{- $s -}} }) > {{ $a.queueStatsMaxAgeSeconds }}
       for: 2m
@@ -249,7 +269,9 @@ ReceiptsManualPauseLong (severity info) says when it has lasted alerts.manualPau
           {{`{{ $value | humanizeDuration }}`}}. Lag, backlog, expired leases and the xmin
           horizon are unknown meanwhile (stale gauges are not exported), so their alerts
           cannot fire.
-        runbook_url: {{ printf "%sreceiptsqueuestatsstale/" $runbook }}
+        {{- with $runbook }}
+        runbook_url: {{ printf "%sreceiptsqueuestatsstale/" . }}
+        {{- end }}
     - alert: ReceiptsExpiredLeasesNotRecovered
       expr: max by (namespace, job) (receipts_expired_leases{ {{- $s -}} }) > 0
       for: {{ $a.expiredLeasesFor }}
@@ -262,7 +284,9 @@ ReceiptsManualPauseLong (severity info) says when it has lasted alerts.manualPau
           {{`{{ $value | humanize }}`}} running jobs in {{`{{ $labels.namespace }}`}} have had
           expired leases for {{ $a.expiredLeasesFor }}. The recovery CronJob is not running
           or failing; these receipts wait until it does.
-        runbook_url: {{ printf "%sreceiptsexpiredleasesnotrecovered/" $runbook }}
+        {{- with $runbook }}
+        runbook_url: {{ printf "%sreceiptsexpiredleasesnotrecovered/" . }}
+        {{- end }}
     {{- if and .Values.recovery.enabled $recoveryFrom }}
     - alert: ReceiptsRecoveryNotRunning
       {{- if eq $recoveryFrom "pushgateway" }}
@@ -287,7 +311,9 @@ ReceiptsManualPauseLong (severity info) says when it has lasted alerts.manualPau
         description: >-
           {{ $recoveryLast }} Expired leases are not recovered and old rows are not
           pruned.
-        runbook_url: {{ printf "%sreceiptsrecoverynotrunning/" $runbook }}
+        {{- with $runbook }}
+        runbook_url: {{ printf "%sreceiptsrecoverynotrunning/" . }}
+        {{- end }}
     {{- end }}
     {{- if gt (.Values.config.retentionDays | int) 0 }}
     - alert: ReceiptsPruningBehind
@@ -305,7 +331,9 @@ ReceiptsManualPauseLong (severity info) says when it has lasted alerts.manualPau
           {{`{{ $value | humanizeDuration }}`}} ago, more than the retention plus
           {{ $a.pruningBehindSeconds }}s: pruning is not running or failing, and the table
           and its indexes grow.
-        runbook_url: {{ printf "%sreceiptspruningbehind/" $runbook }}
+        {{- with $runbook }}
+        runbook_url: {{ printf "%sreceiptspruningbehind/" . }}
+        {{- end }}
     {{- end }}
     - alert: ReceiptsLongTransaction
       expr: max by (namespace, job) (receipts_oldest_transaction_age_seconds{ {{- $s -}} }) > {{ $a.longTransactionSeconds }}
@@ -319,7 +347,9 @@ ReceiptsManualPauseLong (severity info) says when it has lasted alerts.manualPau
           The oldest open transaction in the receipts database is
           {{`{{ $value | humanizeDuration }}`}} old. An old snapshot keeps dead index entries
           alive and makes every claim slower (≈70× in measurements).
-        runbook_url: {{ printf "%sreceiptslongtransaction/" $runbook }}
+        {{- with $runbook }}
+        runbook_url: {{ printf "%sreceiptslongtransaction/" . }}
+        {{- end }}
     - alert: ReceiptsXminHorizonHeld
       expr: max by (namespace, job, holder) (receipts_xmin_horizon_age_transactions{ {{- $s -}} }) > {{ $a.xminHorizonTransactions | int }}
       for: {{ $a.xminHorizonFor }}
@@ -333,7 +363,9 @@ ReceiptsManualPauseLong (severity info) says when it has lasted alerts.manualPau
           slot) keeps the xmin horizon {{`{{ $value | humanize }}`}} transaction IDs back. Dead
           rows of receipt_jobs cannot be removed while it does, so claims slow down and the
           table bloats; a prepared transaction or a replication slot has no age in seconds.
-        runbook_url: {{ printf "%sreceiptsxminhorizonheld/" $runbook }}
+        {{- with $runbook }}
+        runbook_url: {{ printf "%sreceiptsxminhorizonheld/" . }}
+        {{- end }}
     - alert: ReceiptsWorkersDown
       {{- if and $toZero $ksm }}
       # Scaled to zero is normal: alert only when the Deployment wants pods (kube-state-metrics).
@@ -358,7 +390,9 @@ ReceiptsManualPauseLong (severity info) says when it has lasted alerts.manualPau
           Prometheus has scraped no receipts worker for {{ $a.workersDownFor }}. Either no
           worker runs (receipts are not delivered) or scraping is broken (no metrics, no
           alerts about the queue).
-        runbook_url: {{ printf "%sreceiptsworkersdown/" $runbook }}
+        {{- with $runbook }}
+        runbook_url: {{ printf "%sreceiptsworkersdown/" . }}
+        {{- end }}
     {{- if $usesKsm }}
     - alert: ReceiptsKubeStateMetricsMissing
       # The alerts above that read kube-state-metrics would be silent without it.
@@ -375,6 +409,29 @@ ReceiptsManualPauseLong (severity info) says when it has lasted alerts.manualPau
           kube-state-metrics (backlog at max replicas, recovery's last success, workers down
           when scaled to zero) cannot fire: install or scrape kube-state-metrics, or set
           alerts.kubeStateMetrics=false.
-        runbook_url: {{ printf "%sreceiptskubestatemetricsmissing/" $runbook }}
+        {{- with $runbook }}
+        runbook_url: {{ printf "%sreceiptskubestatemetricsmissing/" . }}
+        {{- end }}
     {{- end }}
+{{- end }}
+
+
+{{/*
+receipts.alertGroups without the alerts named in alerts.disabled (as kube-prometheus-stack's
+disabled list does); a group left without rules is dropped. With nothing disabled the
+groups are rendered as they are, so the plain rule file stays byte for byte the chart's.
+*/}}
+{{- define "receipts.enabledAlertGroups" -}}
+{{- $off := .Values.alerts.disabled | default list -}}
+{{- if $off -}}
+{{- $kept := list -}}
+{{- range $group := include "receipts.alertGroups" . | fromYamlArray -}}
+{{- $rules := list -}}
+{{- range $rule := $group.rules }}{{ if not (has $rule.alert $off) }}{{ $rules = append $rules $rule }}{{ end }}{{ end -}}
+{{- if $rules }}{{ $kept = append $kept (set $group "rules" $rules) }}{{ end -}}
+{{- end -}}
+{{- toYaml $kept -}}
+{{- else -}}
+{{- include "receipts.alertGroups" . -}}
+{{- end -}}
 {{- end }}

@@ -51,6 +51,43 @@ release names that share a prefix apart. Pass a dict with "ctx" (root), "suffix"
 {{- include "receipts.componentName" (dict "ctx" . "suffix" "recovery" "max" 52) -}}
 {{- end }}
 
+{{/*
+API versions of the kinds whose stable version came after the oldest Kubernetes the chart
+supports (1.20), chosen from the cluster's version (.Capabilities.KubeVersion: the live
+cluster's on install, --kube-version with `helm template`) as community charts do: the
+stable one from the release that made it stable (CronJob batch/v1 in 1.21, PodDisruptionBudget
+policy/v1 in 1.21, HorizontalPodAutoscaler autoscaling/v2 in 1.23), the beta before. Each
+beta serves the same fields the chart renders.
+*/}}
+{{- define "receipts.cronJobApiVersion" -}}
+{{- ternary "batch/v1" "batch/v1beta1" (semverCompare ">=1.21.0-0" .Capabilities.KubeVersion.Version) -}}
+{{- end }}
+
+{{- define "receipts.pdbApiVersion" -}}
+{{- ternary "policy/v1" "policy/v1beta1" (semverCompare ">=1.21.0-0" .Capabilities.KubeVersion.Version) -}}
+{{- end }}
+
+{{- define "receipts.hpaApiVersion" -}}
+{{- ternary "autoscaling/v2" "autoscaling/v2beta2" (semverCompare ">=1.23.0-0" .Capabilities.KubeVersion.Version) -}}
+{{- end }}
+
+{{/*
+A Kubernetes quantity ("128Mi", "1G", "100m", "0.5", 2) as a plain number (bytes, cores),
+for comparing a request with its limit: the binary suffixes Ki..Ei, the decimal k..E and
+m (milli). A suffix it does not know gives -1, which no check acts on.
+*/}}
+{{- define "receipts.quantity" -}}
+{{- $q := toString . | trim -}}
+{{- $num := regexFind "^[0-9]*\\.?[0-9]+" $q -}}
+{{- $unit := trimPrefix $num $q -}}
+{{- $mult := dict "" 1.0 "m" 0.001 "k" 1e3 "M" 1e6 "G" 1e9 "T" 1e12 "P" 1e15 "E" 1e18 "Ki" 1024.0 "Mi" 1048576.0 "Gi" 1073741824.0 "Ti" 1099511627776.0 "Pi" 1125899906842624.0 "Ei" 1152921504606846976.0 -}}
+{{- if and $num (hasKey $mult $unit) -}}
+{{- mulf ($num | float64) (get $mult $unit) -}}
+{{- else -}}
+-1
+{{- end -}}
+{{- end }}
+
 {{- define "receipts.chart" -}}
 {{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" }}
 {{- end }}
@@ -396,8 +433,17 @@ without its volume. Included by receipts.validate; renders nothing.
 {{- if and (not .Values.secret.existingSecret) (not .Values.secret.databaseUrl) }}
 {{- fail (printf "secret.existingSecret or secret.databaseUrl is required: no pod of the release can start without the PostgreSQL DSN. Prefer an existing Secret holding it under the key %q (secret.databaseUrlKey), so the password stays out of values files." .Values.secret.databaseUrlKey) }}
 {{- end }}
+{{- if and .Values.secret.existingSecret (or .Values.secret.databaseUrl .Values.secret.providerToken) }}
+{{- fail (printf "secret.existingSecret (%q) is set together with secret.%s: with an existing Secret the chart creates none, so that value would be dropped silently. Put it in the Secret %q (keys secret.databaseUrlKey %q, secret.providerTokenKey %q) and unset secret.databaseUrl and secret.providerToken, or unset secret.existingSecret." .Values.secret.existingSecret (ternary "databaseUrl" "providerToken" (not (empty .Values.secret.databaseUrl))) .Values.secret.existingSecret .Values.secret.databaseUrlKey .Values.secret.providerTokenKey) }}
+{{- end }}
+{{- if not $c.providerUrl }}
+{{- fail "config.providerUrl is required: the receipt provider's endpoint the workers POST receipts to, e.g. --set config.providerUrl=https://receipts.provider.internal/v1/receipts." }}
+{{- end }}
 {{- if not (regexMatch "^[hH][tT][tT][pP][sS]?://[^/?#\\s]+" $c.providerUrl) }}
 {{- fail (printf "config.providerUrl %q must be an http:// or https:// URL with a host: receipts are POSTed there." $c.providerUrl) }}
+{{- end }}
+{{- if regexMatch "(?i)^https?://([^/@]*@)?([^/:@]+\\.)?example\\.(com|net|org)(:[0-9]+)?([/?#]|$)" $c.providerUrl }}
+{{- fail (printf "config.providerUrl %q is a documentation placeholder (example.com hosts no receipt provider): set your provider's endpoint." $c.providerUrl) }}
 {{- end }}
 {{- range $name, $url := dict "config.providerUrl" $c.providerUrl "config.pushgatewayUrl" $c.pushgatewayUrl "proxy.providerProxy" .Values.proxy.providerProxy "proxy.httpsProxy" .Values.proxy.httpsProxy "proxy.httpProxy" .Values.proxy.httpProxy }}
 {{- if regexMatch "^[^/]*//[^/]*@" $url }}
@@ -409,11 +455,36 @@ without its volume. Included by receipts.validate; renders nothing.
 {{- fail (printf "%s %q must be an http:// or https:// URL of the proxy (http://proxy.internal:3128)." $name $url) }}
 {{- end }}
 {{- end }}
+{{- with .Values.alerts.runbookUrl }}
+{{- if not (regexMatch "^[hH][tT][tT][pP][sS]?://[^/?#\\s]+(/[^?#\\s]*)?/$" .) }}
+{{- fail (printf "alerts.runbookUrl %q must be an absolute http:// or https:// URL ending in \"/\" (e.g. https://docs.shop.internal/receipts/runbook/): Alertmanager, Grafana and PagerDuty open runbook_url as it is, and cannot resolve a relative one. Leave it empty for no runbook_url." .) }}
+{{- end }}
+{{- end }}
 {{- if .Values.recovery.enabled }}
 {{- $schedule := .Values.recovery.schedule | trim -}}
 {{- $fields := regexSplit "\\s+" $schedule -1 -}}
 {{- if not (or (eq (len $fields) 5) (regexMatch "^@(yearly|annually|monthly|weekly|daily|midnight|hourly)$" $schedule)) }}
 {{- fail (printf "recovery.schedule %q has %d field(s): a Kubernetes CronJob schedule has 5 (minute hour day-of-month month day-of-week, e.g. \"* * * * *\") or is a macro such as @hourly. Set the time zone with recovery.timeZone, not in the schedule." $schedule (len $fields)) }}
+{{- end }}
+{{- end }}
+{{- with .Values.recovery.timeZone }}
+{{- if and $.Values.recovery.enabled (semverCompare "<1.25.0-0" $.Capabilities.KubeVersion.Version) }}
+{{- fail (printf "recovery.timeZone %q needs Kubernetes 1.25 or later (CronJob timeZone); this cluster is %s, whose API server would drop the field silently. Unset it and write the schedule in the controller's time zone (UTC usually)." . $.Capabilities.KubeVersion.Version) }}
+{{- end }}
+{{- if not (has . ($.Files.Get "files/timezones.txt" | splitList "\n")) }}
+{{- fail (printf "recovery.timeZone %q is not a time zone of the IANA database (e.g. Europe/Paris, America/New_York, UTC; names are case-sensitive, and abbreviations such as CET or PST and offsets such as UTC+1 are not names): the CronJob controller would never run the recovery." .) }}
+{{- end }}
+{{- end }}
+{{- range $pod := list "worker" "recovery" "migration" "helmTest" "ui" }}
+{{- $r := (index $.Values $pod).resources | default dict }}
+{{- range $res := list "memory" "cpu" }}
+{{- $req := index ($r.requests | default dict) $res }}
+{{- $lim := index ($r.limits | default dict) $res }}
+{{- if and $req $lim }}
+{{- if lt (include "receipts.quantity" $lim | float64) (include "receipts.quantity" $req | float64) }}
+{{- fail (printf "%s.resources.limits.%s (%v) is below its request (%v): Kubernetes refuses such a pod. Raise the limit or lower the request." $pod $res $lim $req) }}
+{{- end }}
+{{- end }}
 {{- end }}
 {{- end }}
 {{- range $key := keys $c.extraEnv | sortAlpha }}
