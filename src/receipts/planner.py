@@ -61,12 +61,12 @@ MAX_CONCURRENCY = 500
 #: A worker process's resident memory at rest, bytes: the intercept of the line through
 #: the peak resident sets ``python -m bench.memory`` measured at 32, 400 and 1,000 slots
 #: (``summary.model.base_bytes`` of ``bench/results/memory.json``; a test keeps them equal).
-WORKER_RSS_BASE_BYTES = 67_064_610
+WORKER_RSS_BASE_BYTES = 70_033_642
 
 #: What each delivery slot adds to a worker's resident memory while its delivery is in
 #: flight, bytes (``summary.model.per_slot_bytes`` of the same file: plain HTTP to the
 #: reference provider; TLS connections add their own buffers, which the headroom covers).
-WORKER_RSS_PER_SLOT_BYTES = 12_614
+WORKER_RSS_PER_SLOT_BYTES = 22_137
 
 #: Memory limit / measured peak. The bench's peak has every slot waiting on a plain-HTTP
 #: provider with small answers; in production a slot may also hold a TLS connection's
