@@ -389,6 +389,9 @@ def check_jobs(args: argparse.Namespace) -> None:
     """
     args.since_at = _parse_since(getattr(args, "since", None))
     args.uuids = None
+    if getattr(args, "held", False) and args.jobs_command == "list" and (
+            args.since is not None or args.state != "failed"):
+        raise UsageError("--held lists the held rejections only: no --state or --since")
     if args.jobs_command == "pause":
         try:
             args.pause_seconds = fleet.parse_duration(args.duration)
@@ -409,7 +412,8 @@ def check_jobs(args: argparse.Namespace) -> None:
                 raise UsageError("job ids must be UUIDs (see `receipts jobs list`)") from None
     if args.jobs_command == "discard":
         if args.held:
-            if args.ids or args.failed or args.ready or args.reason or args.status is not None:
+            if (args.ids or args.failed or args.ready or args.reason
+                    or args.status is not None or args.since is not None):
                 raise UsageError("--held takes no job ids and no other filter")
             args.discard_target = None
         elif args.ids:
@@ -500,20 +504,28 @@ async def _held_command(operations: Operations, args: argparse.Namespace) -> int
         if args.json:
             print(json.dumps(rows))
         else:
-            print(f"{rows[0]['held'] if rows else 0} held rejection(s)", file=sys.stderr)
+            held = rows[0]["held"] if rows else 0
+            shown = f" (showing {len(rows)})" if len(rows) < held else ""
+            print(f"{held} held rejection(s){shown}", file=sys.stderr)
             print(_table(rows, ["id", "order_id", "attempts", "run_at", "last_error"]))
         return EXIT_OK
+    verb = "discard" if args.jobs_command == "discard" else "retry"
     if args.dry_run:
         rows = await operations.held_jobs(limit=1)
         count = rows[0]["held"] if rows else 0
-        verb = "discard" if args.jobs_command == "discard" else "retry"
-        print(json.dumps({"held": count, "dry_run": True}) if args.json
+        print(json.dumps({"action": verb, "dry_run": True, "count": count}) if args.json
               else f"would {verb} {count} held rejection(s)")
         return EXIT_OK
     changed = await operations.held_action(args.jobs_command)
-    print(json.dumps({"changed": changed}) if args.json
-          else f"{changed} held rejection(s) {args.jobs_command}ed"
-          if args.jobs_command == "discard" else f"{changed} held rejection(s) due now")
+    if args.json:
+        print(json.dumps({"action": verb, "dry_run": False, "count": changed}))
+    elif verb == "discard":
+        print(f"{changed} held rejection(s) discarded")
+    else:
+        print(f"{changed} held rejection(s) due now")
+        if changed and (await operations.provider_pause())["pause_reason"] is not None:
+            print("the fleet is paused: nothing is claimed until a probe is accepted or "
+                  "`receipts jobs resume` lifts the pause", file=sys.stderr)
     return EXIT_OK
 
 

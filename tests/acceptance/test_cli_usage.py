@@ -92,6 +92,12 @@ def test_version_prints_the_installed_version() -> None:
     ["enqueue", ""],
     ["enqueue", "ok-1", " leading-space"],
     ["recover", "--loop", "soon"],
+    # --held is one group: a filter beside it would be silently ignored.
+    ["jobs", "discard", "--held", "--since", "2099-01-01"],
+    ["jobs", "discard", "--held", "--failed"],
+    ["jobs", "list", "--held", "--state", "done"],
+    ["jobs", "list", "--held", "--since", "2099-01-01"],
+    ["jobs", "retry", "--held", "--all-failed"],
 ])
 def test_bad_usage_is_exit_2_before_any_connection_even_with_the_database_down(
     down: Listener, args: list[str]
