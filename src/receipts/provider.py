@@ -39,6 +39,7 @@ from __future__ import annotations
 import asyncio
 import hashlib
 import itertools
+import math
 import random
 import re
 import string
@@ -108,15 +109,21 @@ class Faults:
     def from_mapping(cls, data: dict[str, Any], base: Faults | None = None) -> Faults:
         """A copy of *base* (or defaults) with the known keys of *data* applied.
 
-        Raises ``ValueError`` for an unknown key, a rate outside [0, 1], a
-        negative duration or size, a rejection status outside 400–499, an
-        unknown body style or a pattern that does not compile.
+        Raises ``ValueError`` for an unknown key, a value of the wrong type (a
+        number given as text, a non-finite number), a rate outside [0, 1], a
+        negative duration or size, a status outside 100–599 or a rejection
+        status outside 400–499, an unknown body style or a pattern that does
+        not compile.
         """
         names = {f.name for f in fields(cls)}
         unknown = set(data) - names
         if unknown:
             raise ValueError(f"unknown fault setting(s): {', '.join(sorted(unknown))}")
         data = dict(data)
+        for name, value in data.items():
+            _check_type(name, value)
+        if data.get("status") is not None and not 100 <= data["status"] <= 599:
+            raise ValueError("status must be an HTTP status (100-599)")
         if data.get("reject_statuses") is not None:
             statuses = tuple(int(s) for s in data["reject_statuses"])
             if not statuses or not all(400 <= s <= 499 for s in statuses):
@@ -137,6 +144,34 @@ class Faults:
             if f.name in _NON_NEGATIVE and not float(value) >= 0:
                 raise ValueError(f"{f.name} must not be negative")
         return result
+
+
+#: The type each fault setting takes from JSON (None is also allowed where the default is).
+_KINDS: dict[str, type] = {
+    "status": int, "body_bytes": int, "retry_after_raw": str, "reject_body": str,
+    "invalid_pattern": str, "reject_statuses": list,
+}
+_OPTIONAL = ("retry_after_raw", "status", "reject_statuses", "invalid_pattern")
+
+
+def _check_type(name: str, value: Any) -> None:
+    """Refuse a fault setting of the wrong JSON type (every other one is a number)."""
+    if value is None and name in _OPTIONAL:
+        return
+    kind = _KINDS.get(name, float)
+    if isinstance(value, bool):
+        ok = False
+    elif kind is float:
+        ok = isinstance(value, int | float) and math.isfinite(value)
+    elif kind is list:
+        ok = isinstance(value, list | tuple) and all(
+            isinstance(v, int) and not isinstance(v, bool) for v in value)
+    else:
+        ok = isinstance(value, kind)
+    if not ok:
+        what = {float: "a finite number", int: "an integer", str: "a string",
+                list: "a list of integers"}[kind]
+        raise ValueError(f"{name} must be {what}")
 
 
 _NON_NEGATIVE = ("latency_seconds", "latency_jitter_seconds", "retry_after_seconds",

@@ -64,7 +64,18 @@ async def test_orders_matching_the_pattern_are_invalid_every_time(provider):
 
 @pytest.mark.parametrize("faults", [
     {"reject_statuses": [500]}, {"reject_statuses": []}, {"reject_body": "xml"},
-    {"invalid_pattern": "("}, {"flap_seconds": -1}])
+    {"invalid_pattern": "("}, {"flap_seconds": -1},
+    # a value of the wrong type is refused when set, not when the next request fails on it
+    {"status": "abc"}, {"status": 999}, {"status": True}, {"latency_seconds": "0.1"},
+    {"error_rate": float("nan")}, {"reject_statuses": ["422"]}, {"reject_body": 1},
+    {"body_bytes": 1.5}])
 def test_bad_rejection_settings_are_refused(faults):
     with pytest.raises(ValueError):
         Faults.from_mapping(faults)
+
+
+def test_good_settings_of_every_type_are_taken():
+    faults = Faults.from_mapping({"status": 401, "latency_seconds": 1, "body_bytes": 10,
+                                  "reject_statuses": [400, 422], "retry_after_raw": "soon",
+                                  "invalid_pattern": None})
+    assert (faults.status, faults.latency_seconds, faults.reject_statuses) == (401, 1, (400, 422))
