@@ -867,6 +867,13 @@ def build_parser() -> argparse.ArgumentParser:
     add("ui", "Serve the review web page (read-only unless RECEIPTS_UI_ADMIN_TOKEN is set).")
 
     p = add("provider", "Run the reference receipt provider (idempotent, with fault injection).")
+    p.epilog = (
+        "While it runs, its faults change with PUT /faults (a JSON object of the settings to\n"
+        "change; it answers with them all): latency_seconds, latency_jitter_seconds,\n"
+        "error_rate, rate_limit_rate, retry_after_seconds, reject_rate, timeout_rate,\n"
+        "reset_rate, hang_after_headers_rate, hang_seconds, status, body_bytes,\n"
+        "reject_statuses (a list of 4xx), reject_body (json, json_ids, html, text),\n"
+        "flap_seconds, invalid_pattern. A bad value is refused with 400. docs/operations.md.\n")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=_port, default=8080, help="port to listen on")
     p.add_argument("--latency-ms", type=float, default=0.0, help="added latency per request")
