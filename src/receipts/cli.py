@@ -870,8 +870,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.epilog = (
         "While it runs, its faults change with PUT /faults (a JSON object of the settings to\n"
         "change; it answers with them all): latency_seconds, latency_jitter_seconds,\n"
-        "error_rate, rate_limit_rate, retry_after_seconds, reject_rate, timeout_rate,\n"
-        "reset_rate, hang_after_headers_rate, hang_seconds, status, body_bytes,\n"
+        "error_rate, rate_limit_rate, retry_after_seconds, retry_after_raw, reject_rate,\n"
+        "timeout_rate, reset_rate, hang_after_headers_rate, hang_seconds, status, body_bytes,\n"
         "reject_statuses (a list of 4xx), reject_body (json, json_ids, html, text),\n"
         "flap_seconds, invalid_pattern. A bad value is refused with 400. docs/operations.md.\n")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")

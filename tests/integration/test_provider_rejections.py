@@ -4,10 +4,12 @@ from __future__ import annotations
 
 import asyncio
 import time
+from dataclasses import fields
 
 import httpx
 import pytest
 
+from receipts.cli import build_parser
 from receipts.provider import Faults
 
 
@@ -79,3 +81,9 @@ def test_good_settings_of_every_type_are_taken():
                                   "reject_statuses": [400, 422], "retry_after_raw": "soon",
                                   "invalid_pattern": None})
     assert (faults.status, faults.latency_seconds, faults.reject_statuses) == (401, 1, (400, 422))
+
+
+def test_the_providers_help_names_every_fault_setting():
+    text = " ".join(build_parser()._subparsers._group_actions[0].choices[  # type: ignore[union-attr]
+        "provider"].format_help().split())
+    assert all(f.name in text for f in fields(Faults)), text
