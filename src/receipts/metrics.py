@@ -361,10 +361,16 @@ def make_app(metrics: Metrics, is_ready: Callable[[], bool],
 async def start_server(app: web.Application, port: int, host: str = "0.0.0.0") -> web.AppRunner:
     """Start serving *app* on *host*:*port*; returns the runner (``await runner.cleanup()``).
 
-    Raises ``OSError`` when the port is taken.
+    Raises ``OSError`` when the port is taken, after undoing the setup (the
+    application's startup hooks and background contexts end with it, so a failed
+    start leaves no task behind to keep the process alive).
     """
     runner = web.AppRunner(app, access_log=None, handle_signals=False)
     await runner.setup()
     site = web.TCPSite(runner, host, port, reuse_address=True)
-    await site.start()
+    try:
+        await site.start()
+    except BaseException:
+        await runner.cleanup()
+        raise
     return runner
