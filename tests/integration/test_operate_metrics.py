@@ -92,11 +92,15 @@ async def test_after_a_demo_sized_run_scraped_counters_agree_with_the_database(
     # Per outcome: the delivery histogram's counts split the same attempts.
     outcomes = by_label(s, "receipts_delivery_duration_seconds_count", "outcome")
     assert outcomes["delivered"] == acks + stale
-    assert outcomes["rejected"] == failures["rejected"]
+    # A rejection fails its job only when a second request in the same attempt is
+    # rejected too (the confirmation): at least two rejected answers per failed job.
+    # A confirmation answered otherwise (a 503 here) ends its attempt that way.
+    confirmations = sum(outcomes.values()) - claimed  # requests beyond one per attempt
+    assert outcomes["rejected"] >= 2 * failures["rejected"]
+    assert failures["rejected"] <= confirmations <= outcomes["rejected"] - failures["rejected"]
     for reason in RETRY_REASONS:
         assert outcomes.get(reason, 0) == retries[reason], reason
     assert failures["max_attempts"] == 0
-    assert sum(outcomes.values()) == claimed
     # ... and the provider saw one request per attempt, plus each request sent
     # again after a reused connection died under it having reached the provider
     # (the same key and attempt number twice).
