@@ -262,9 +262,10 @@ def _machine(runner: asyncio.Runner, queue: JobQueue, dsn: str) -> type[RuleBase
 
 @pytest.mark.slow
 def test_the_queue_behaves_like_its_lifecycle_model(dsn):
-    constraints = {r[0] for r in psycopg.connect(dsn).execute(
-        "SELECT pg_get_constraintdef(oid) FROM pg_constraint"
-        " WHERE conrelid = 'receipt_jobs'::regclass AND contype = 'c' AND convalidated")}
+    with psycopg.connect(dsn) as conn:
+        constraints = {r[0] for r in conn.execute(
+            "SELECT pg_get_constraintdef(oid) FROM pg_constraint"
+            " WHERE conrelid = 'receipt_jobs'::regclass AND contype = 'c' AND convalidated")}
     assert len(constraints) >= 5, constraints  # state, attempts and the three pairings
     with asyncio.Runner() as runner:
         cfg = make_settings(dsn, lease_seconds=LEASE_SECONDS)
