@@ -69,8 +69,9 @@ The rules:
   long (clamped to ``retry_after_max_seconds``): the provider asked all of
   us, not one job, to wait.
 * **Probe.** While an outage, auth or rejecting pause runs, one pod (the
-  winner of ``begin_probe``) claims up to ``probe_jobs`` jobs every
-  ``probe_interval_seconds`` (after the last failure, whatever the pause
+  winner of ``begin_probe``) claims one job every ``probe_interval_seconds``,
+  or up to ``probe_jobs`` jobs for a ``rejecting`` pause, where one order's
+  rejection says nothing about the provider (after the last failure, whatever the pause
   has grown to); a ``Retry-After`` or operator's pause simply ends when its
   time is up. The pause ends as soon as the provider accepts one probe job
   (or, for an outage or auth pause, answers one with a definite 4xx), or
@@ -480,7 +481,14 @@ class ProviderGate:
         self._resume_at = self._now() + left * self._rng.uniform(1.0, 1.1)
 
     def probe_size(self, free: int) -> int:
-        """How many jobs a probe claims with *free* slots (≥ 1)."""
+        """How many jobs a probe claims with *free* slots (≥ 1).
+
+        Several (``probe_jobs``) only for a ``rejecting`` pause, where one order's
+        rejection says nothing about the provider; an outage or credentials pause
+        probes with one job, since one answer decides and the provider is spared.
+        """
+        if self.reason is not PauseReason.REJECTING:
+            return 1
         return max(1, min(free, self.policy.probe_jobs))
 
     def start_probe(self, job_ids: list[uuid.UUID] | uuid.UUID, probe_until: datetime,
