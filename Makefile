@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: demo test test-fast test-k8s docs lint tools bench soak chaos clean lock
+.PHONY: demo test test-fast test-long test-k8s docs lint tools bench soak chaos clean lock
 
 $(STAMP): pyproject.toml src/receipts/__init__.py
 	$(PYTHON) -m venv $(VENV)
@@ -24,7 +24,12 @@ tools:
 
 ## The full test suite (real PostgreSQL, real processes, real helm/promtool).
 test: $(STAMP) tools
-	PATH="$(CURDIR)/.tools/bin:$(CURDIR)/$(BIN):$$PATH" $(BIN)/pytest -q -p no:cacheprovider $(PYTEST_ARGS)
+	PATH="$(CURDIR)/.tools/bin:$(CURDIR)/$(BIN):$$PATH" $(BIN)/pytest -q -p no:cacheprovider -m "not long" $(PYTEST_ARGS)
+
+## More variants of the fleet scenarios (verdicts: every error-body style, flapping phases,
+## invalid shares; TLS versions) that `make test` runs one of each; about 10 minutes.
+test-long: $(STAMP) tools
+	PATH="$(CURDIR)/.tools/bin:$(CURDIR)/$(BIN):$$PATH" $(BIN)/pytest -q -p no:cacheprovider -m long $(PYTEST_ARGS)
 
 ## The fast lane: every test not marked slow (pytest -m "not slow"), under 3 minutes on 2
 ## cores; the same tools and databases as `make test`, which still runs everything.

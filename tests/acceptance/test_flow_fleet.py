@@ -368,7 +368,8 @@ class TlsProvider:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("version", [ssl.TLSVersion.TLSv1_2, ssl.TLSVersion.TLSv1_3],
+@pytest.mark.parametrize("version", [pytest.param(ssl.TLSVersion.TLSv1_2, marks=pytest.mark.long),
+                                     ssl.TLSVersion.TLSv1_3],
                          ids=["tls1.2", "tls1.3"])
 def test_a_tls_failure_of_every_connection_pauses_the_fleet_for_rejecting(
         dsn, sup, pki, version):

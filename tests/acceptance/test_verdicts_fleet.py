@@ -23,6 +23,9 @@ from receipts.supervisor import Child, Supervisor, run_command
 from tests.acceptance.conftest import Trickle
 from tests.conftest import check_invariants, enqueue_many, fetch_rows
 
+#: The other variants of a scenario: `make test-long` runs them, `make test` one of each.
+LONG = pytest.mark.long
+
 INVALID = "^bad-"
 
 
@@ -135,7 +138,8 @@ def test_the_held_rejections_are_one_group_an_operator_can_list_and_discard(dsn,
 
 @pytest.mark.slow
 @pytest.mark.parametrize(("statuses", "body"), [
-    ([422], "json_ids"), ([400], "html"), ([400, 404, 422], "json"), ([422], "text")],
+    ([422], "json_ids"), pytest.param([400], "html", marks=LONG),
+    pytest.param([400, 404, 422], "json", marks=LONG), pytest.param([422], "text", marks=LONG)],
     ids=["ids-and-timestamps", "html-pages", "rotating-statuses", "text"])
 def test_a_provider_rejecting_everything_pauses_the_fleet_and_resumes_soon_after_it_heals(
         dsn, sup, provider, statuses, body):
@@ -163,7 +167,8 @@ def test_a_provider_rejecting_everything_pauses_the_fleet_and_resumes_soon_after
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("phase_seconds", [5.0, 12.0, 30.0])
+@pytest.mark.parametrize("phase_seconds", [5.0, pytest.param(12.0, marks=LONG),
+                                           pytest.param(30.0, marks=LONG)])
 def test_a_flapping_provider_fails_no_valid_receipt(dsn, sup, provider, phase_seconds):
     """Orders arrive at 10/s while the provider rejects everything and accepts everything
     in turns; the run spans at least two rejecting phases."""
@@ -185,7 +190,8 @@ def test_a_flapping_provider_fails_no_valid_receipt(dsn, sup, provider, phase_se
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("invalid_share", [0.10, 0.60, 0.95])
+@pytest.mark.parametrize("invalid_share", [pytest.param(0.10, marks=LONG), 0.60,
+                                           pytest.param(0.95, marks=LONG)])
 def test_a_batch_of_mostly_invalid_orders_fails_them_and_stalls_no_valid_one(
         dsn, sup, provider, invalid_share):
     """400 orders at once beside the shop's ordinary traffic (5 valid orders/s): no
