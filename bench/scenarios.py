@@ -30,6 +30,13 @@ from receipts.enqueue import NOTIFY_CHANNEL, enqueue
 from receipts.jobqueue import JobQueue
 from receipts.settings import Settings, load_settings
 
+#: The head of the queue worked off in one statement (ready -> done, leaving dead entries
+#: in the ready index). The bench's superuser session bypasses the trigger that holds
+#: `done` to the ack's lease guard (session_replication_role = replica): no lease here.
+WORKED_OFF = ("SET session_replication_role = replica;"
+              " UPDATE receipt_jobs SET state = 'done', finished_at = now(), attempts = 1"
+              " WHERE state = 'ready' AND run_at < now() - interval '30 s'")
+
 PROBE: dict[str, Any] = {"autocommit": True, "application_name": "bench-probe"}
 #: The service's defaults (settings.py): "default settings" scenarios run with these.
 DEFAULT_CONCURRENCY: int = Settings.model_fields["concurrency"].default
@@ -383,8 +390,7 @@ def claim_cost(bench: Bench, *, template: str, claims: int, batch: int = 10,
         # ready -> done in one statement, leaving dead entries in the ready index.
         fill_ready(dsn, updated, prefix=f"u{uuid.uuid4().hex[:6]}", run_at_offset_seconds=-60)
         execute(dsn, "VACUUM (ANALYZE) receipt_jobs")
-        execute(dsn, "UPDATE receipt_jobs SET state = 'done', finished_at = now(),"
-                     " attempts = 1 WHERE state = 'ready' AND run_at < now() - interval '30 s'")
+        execute(dsn, WORKED_OFF)
         lat = asyncio.run(_claim_latencies(dsn, claims, batch))
         out["after_update"] = {"p50_ms": percentile(lat, 50), "p99_ms": percentile(lat, 99),
                                "first_claim_ms": lat[0]}
@@ -627,9 +633,7 @@ def vacuum_after_update(bench: Bench, *, template: str, updated: int, claims: in
         for dsn in dsns.values():
             fill_ready(dsn, updated, prefix="v", run_at_offset_seconds=-60)
             execute(dsn, "VACUUM (ANALYZE) receipt_jobs")
-            execute(dsn, "UPDATE receipt_jobs SET state = 'done', finished_at = now(),"
-                         " attempts = 1 WHERE state = 'ready'"
-                         " AND run_at < now() - interval '30 s'")
+            execute(dsn, WORKED_OFF)
         t0 = time.monotonic()
         first: dict[str, float | None] = dict.fromkeys(dsns)
         dead0: dict[str, int] = {}
