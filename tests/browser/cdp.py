@@ -82,6 +82,8 @@ class Browser:
             except subprocess.TimeoutExpired:
                 self.process.kill()
                 self.process.wait(10)
+        if self.process.stderr is not None:  # the pipe the port was read from
+            self.process.stderr.close()
         shutil.rmtree(self.profile, ignore_errors=True)
 
     @asynccontextmanager

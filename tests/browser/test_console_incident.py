@@ -230,7 +230,7 @@ async def test_held_by_names_the_pod_and_the_process(ui: Served, page: Page) -> 
         await claim_jobs(worker, 10)
     finally:
         await pool.close()
-    await ui.operations.heartbeat(tag="0badcafe", pod="receipts-worker-5d8f7-x2k4p", pid=4242,
+    await ui.queue.heartbeat(tag="0badcafe", pod="receipts-worker-5d8f7-x2k4p", pid=4242,
                                   version="0.3.0", slots=8, inflight=1, claimed_total=1,
                                   uptime_seconds=10, since_claim_seconds=1)
     await ui.reread()
@@ -242,10 +242,10 @@ async def test_held_by_names_the_pod_and_the_process(ui: Served, page: Page) -> 
 
 async def test_a_killed_worker_stops_counting_as_live_within_half_a_minute(
         ui: Served, page: Page) -> None:
-    await ui.operations.heartbeat(tag="00000001", pod="alive", pid=1, version="0.3.0", slots=4,
+    await ui.queue.heartbeat(tag="00000001", pod="alive", pid=1, version="0.3.0", slots=4,
                                   inflight=0, claimed_total=0, uptime_seconds=5,
                                   since_claim_seconds=None)
-    await ui.operations.heartbeat(tag="00000002", pod="killed", pid=2, version="0.3.0", slots=4,
+    await ui.queue.heartbeat(tag="00000002", pod="killed", pid=2, version="0.3.0", slots=4,
                                   inflight=0, claimed_total=0, uptime_seconds=5,
                                   since_claim_seconds=None)
     # Its last heartbeat was 31 s ago: more than the longest gap between two (24 s) allows.
