@@ -197,7 +197,8 @@ PROVIDER_ANSWERS: list[tuple[str, Callable[..., Awaitable[Any]], Verdict, str, f
      "unexpected_status", None),
     ("308 redirect elsewhere", _fixed(308, b"", Location="http://169.254.169.254/"),
      Verdict.RETRY, "unexpected_status", None),
-    ("422 dripping a byte every 0.2 s", _drip, Verdict.PERMANENT, "rejected", None),
+    # A 4xx whose body the deadline cut off is no verdict: a retry, like any timeout.
+    ("422 dripping a byte every 0.2 s", _drip, Verdict.RETRY, "timeout", None),
     ("429 Retry-After: a year", _retry_after(str(YEAR)), Verdict.RETRY, "rate_limited",
      float(YEAR)),
     ("429 Retry-After: 20 digits", _retry_after("9" * 20), Verdict.RETRY, "rate_limited",
