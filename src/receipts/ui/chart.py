@@ -45,15 +45,15 @@ def axis_margin(label: str, font_px: float = 11.0) -> int:
     return max(LEFT, int(len(label) * font_px * 0.62) + 12)
 
 
+def _nice(value: float) -> float:
+    """The smallest of 1, 2, 5 × 10ⁿ (n any integer) at or above *value* (> 0)."""
+    power = 10 ** math.floor(math.log10(value))
+    return float(next(step * power for step in (1, 2, 5, 10) if step * power >= value))
+
+
 def nice_ceiling(value: float) -> int:
     """The smallest of 1, 2, 5 × 10ⁿ at or above *value* (at least 1): the y axis top."""
-    if value <= 1:
-        return 1
-    power = 10 ** math.floor(math.log10(value))
-    for step in (1, 2, 5, 10):
-        if step * power >= value:
-            return int(step * power)
-    return int(10 * power)  # pragma: no cover
+    return 1 if value <= 1 else int(_nice(value))
 
 
 def depth_chart(samples: Sequence[Sample], now: datetime, *, window_seconds: float = 3600.0,
@@ -161,13 +161,7 @@ def _axis_text(value: float, unit: str) -> str:
 
 def _nice_seconds(value: float) -> float:
     """The y axis top of attempt times: 1, 2, 5 × 10ⁿ seconds at or above *value*."""
-    if value <= 0:
-        return 1.0
-    power = 10 ** math.floor(math.log10(value))
-    for step in (1, 2, 5, 10):
-        if step * power >= value:
-            return float(step * power)
-    return float(10 * power)  # pragma: no cover
+    return 1.0 if value <= 0 else _nice(value)
 
 
 def _frame(top_label: str, left: int, title_id: str, title: str, cls: str) -> list[str]:
