@@ -77,7 +77,10 @@ def test_a_killed_waker_is_replaced_within_seconds_and_pickup_stays_fast(dsn, su
         time.sleep(0.25)
     before = pickups(provider, committed)
     wakes = waker.scrape().total("receipts_waker_wakes_total")
-    assert wakes >= 8  # each job was announced by the waker
+    # The waker announced the jobs; a worker that had not heard it yet may still find one
+    # of the first jobs by its own 1 s poll before the waker's probe does (then there is
+    # nothing left to announce). The pickup times below say no job waited for a poll.
+    assert wakes >= len(committed) - 2
     assert max(before) < 1.0, before  # the poll, now ≥ 3.75 s, did not find them
 
     killed_at = time.monotonic()
