@@ -301,11 +301,11 @@ def cmd_check(settings: Settings, args: argparse.Namespace) -> int:
 
 def check_enqueue(args: argparse.Namespace) -> None:
     """Usage of ``enqueue``: every order id valid (before any connection)."""
-    try:
-        for order_id in args.order_ids:
+    for n, order_id in enumerate(args.order_ids, 1):
+        try:
             check_order_id(order_id)
-    except InvalidOrderId as exc:
-        raise UsageError(str(exc)) from None
+        except InvalidOrderId as exc:
+            raise UsageError(f"argument ORDER_ID #{n} ({order_id[:40]!r}): {exc}") from None
 
 
 def cmd_enqueue(settings: Settings, args: argparse.Namespace) -> int:

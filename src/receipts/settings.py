@@ -76,7 +76,8 @@ class Settings(BaseSettings):
     """
 
     model_config = SettingsConfigDict(
-        env_prefix=ENV_PREFIX, case_sensitive=False, extra="ignore", frozen=True
+        env_prefix=ENV_PREFIX, case_sensitive=False, extra="ignore", frozen=True,
+        allow_inf_nan=False,  # "nan" and "inf" are refused as what they are
     )
 
     database_url: SecretStr = Field(
