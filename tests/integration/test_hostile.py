@@ -92,7 +92,7 @@ def test_enqueue_api_accepts_or_refuses_order_ids_without_poisoning_the_order_tr
 
 # argv cannot carry NUL; non-UTF-8 arrives as raw bytes
 CLI_ORDER_IDS: list[tuple[str, bytes, int, str]] = [
-    ("empty", b"", 2, "non-empty"),
+    ("empty", b"", 2, "argument ORDER_ID #1 (''): order id must be a non-empty"),
     ("10 KB", b"x" * 10 * 1024, 2, "longer than 200"),
     ("quotes", b"o'; DROP TABLE receipt_jobs; --\"", 0, "enqueued 1 job"),
     ("newline", b"a\nb", 2, "control characters"),

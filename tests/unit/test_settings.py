@@ -194,3 +194,11 @@ def test_choices_take_any_case_like_postgresql_does(given):
 def test_a_synchronous_commit_postgresql_would_not_take_for_a_session_is_refused_by_name():
     with pytest.raises(SettingsError, match="RECEIPTS_SYNCHRONOUS_COMMIT"):
         load_settings(database_url="postgresql://u@h/db", synchronous_commit="maybe")
+
+
+@pytest.mark.parametrize("field", ["retry_base_seconds", "lease_seconds", "provider_rate_limit_per_second",
+                                   "delivery_timeout_seconds"])
+@pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
+def test_a_number_that_is_not_finite_is_refused_as_such(field, value):
+    with pytest.raises(SettingsError, match=f"RECEIPTS_{field.upper()}: .*finite"):
+        load_settings(database_url="postgresql://u@h/d", **{field: value})
