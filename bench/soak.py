@@ -1,7 +1,7 @@
 """The soak: hours of steady churn against one PostgreSQL, sampled, plotted and judged.
 
 ``python -m bench.soak --hours H`` (also ``bench/run.sh --only soak --hours H``
-and ``make soak SOAK_ARGS="--hours H"``); ``--smoke`` is the 5-minute version
+and ``make soak SOAK_ARGS="--hours H"``); ``--smoke`` is the 2-minute version
 the test suite runs. One durable embedded PostgreSQL 18 with the server's
 defaults (checkpoints every 5 min, autovacuum at its defaults; the tables carry
 the shipped migrations' own settings), and for the whole run:
@@ -111,11 +111,11 @@ class SoakPlan:
 
     @classmethod
     def smoke(cls) -> SoakPlan:
-        """Five minutes, every phase shrunk (the test suite's run): a hold of 40 s
-        at 90 s and 240 s, retention 60 s, recovery every 20 s, retries from 1 s."""
-        return cls(hours=5 / 60, rate=20.0, retention_seconds=60.0, recover_every_seconds=20.0,
-                   hold_first_seconds=90.0, hold_every_seconds=150.0, hold_seconds=40.0,
-                   sample_seconds=5.0, hold_recovery_seconds=10.0, retry_base_seconds=1.0,
+        """Two minutes, every phase shrunk (the test suite's run): a hold of 20 s
+        at 45 s and 90 s, retention 30 s, recovery every 10 s, retries from 1 s."""
+        return cls(hours=2 / 60, rate=20.0, retention_seconds=30.0, recover_every_seconds=10.0,
+                   hold_first_seconds=45.0, hold_every_seconds=45.0, hold_seconds=20.0,
+                   sample_seconds=3.0, hold_recovery_seconds=5.0, retry_base_seconds=1.0,
                    drain_timeout_seconds=240.0)
 
     def holds(self) -> list[tuple[float, float]]:
@@ -697,7 +697,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.soak",
                                 description=(__doc__ or "").splitlines()[0])
     p.add_argument("--hours", type=float, help="how long orders arrive (default 2)")
-    p.add_argument("--smoke", action="store_true", help="the 5-minute version (CI)")
+    p.add_argument("--smoke", action="store_true", help="the 2-minute version (CI)")
     p.add_argument("--rate", type=float, help="orders per second (default 50)")
     p.add_argument("--workers", type=int, help="worker processes (default 2)")
     p.add_argument("--retention-seconds", type=float, help="retention (default 1800)")
