@@ -163,7 +163,7 @@ def _waker(workers: list[Child]) -> Child | None:
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("pods", [1, 4])
+@pytest.mark.parametrize("pods", [pytest.param(1, marks=pytest.mark.long), 4])
 def test_the_rate_limit_holds_within_10_percent_at_each_pods_share_as_pods_join_and_die(
         dsn, sup, provider, pods):
     """Each pod claims from its own bucket at its announced share; no claim writes
