@@ -9,6 +9,13 @@ whose id starts with ``bad-`` are genuinely invalid (the provider answers them
 line per case and writes the figures as JSON.
 
     python -m bench.experiments.rejections [--only NAME,...] [--out FILE]
+    python -m bench.experiments.rejections --rates [--shares 0,10,60,95]
+        [--latencies-ms 0,50] [--runs 3] [--orders N]
+
+``--rates`` measures the price of invalid orders instead (:func:`rates`): a
+batch of N orders at once, a share of them invalid, the provider answering
+after a fixed latency; the valid orders' delivery rate against the rate of a
+batch with none invalid, median of the interleaved runs.
 
 What each figure means: ``failed_valid`` valid receipts failed for good (must be
 0), ``failed_invalid`` invalid orders failed with their reason, ``held`` jobs
@@ -33,6 +40,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import psutil
 import psycopg
 
 from bench.pg import Bench
@@ -217,6 +225,121 @@ def trickle_onset(run: Run) -> dict[str, Any]:
     return {"failed_while_rejecting": during["failed_valid"], **run.figures()}
 
 
+def _cpu_seconds(pids: dict[str, list[int]]) -> dict[str, float]:
+    """User + system CPU seconds so far of each group of processes (gone ones: 0)."""
+    out: dict[str, float] = {}
+    for group, members in pids.items():
+        total = 0.0
+        for pid in members:
+            try:
+                t = psutil.Process(pid).cpu_times()
+            except psutil.Error:
+                continue
+            total += t.user + t.system
+        out[group] = total
+    return out
+
+
+def drain(run: Run, orders: list[str], latency_seconds: float,
+          server_pid: int | None = None) -> dict[str, Any]:
+    """One batch of *orders* enqueued at once, the provider answering after
+    *latency_seconds*; the figures once every valid order is delivered (at most
+    300 s). The batch's time runs from the provider's first answer to its last
+    acceptance (the enqueue and the invalid tail left out: the tail waits for
+    orders after the batch, docs/design.md §11)."""
+    run.faults(invalid_pattern=INVALID, latency_seconds=latency_seconds)
+    run.start_workers()
+    n_bad = sum(o.startswith("bad-") for o in orders)
+    n_ok = len(orders) - n_bad
+    run.enqueue(orders)
+    pids = {"workers": [w.pid for w in run.workers], "provider": [run.provider.pid]}
+    if server_pid is not None:
+        pids["postgres"] = [p.pid for p in psutil.Process(server_pid).children()]
+    cpu_before = _cpu_seconds(pids)
+    run.watch(300, until=lambda: run.rows(
+        "SELECT count(*) FROM receipt_jobs WHERE state = 'done'")[0][0] >= n_ok)
+    cpu = {k: round(v - cpu_before[k], 2) for k, v in _cpu_seconds(pids).items()}
+    out = run.figures()
+    out["cpu_s"] = cpu
+    answers = run.provider.get_json("/answers")
+    first = min(t for t, _ in answers)
+    last_ok = max(t for t, s in answers if s < 300)
+    batch_s = last_ok - first
+    out.update(orders=len(orders), invalid=n_bad, batch_s=round(batch_s, 3),
+               requests=len(answers), valid_per_second=round(n_ok / batch_s, 1))
+    return out
+
+
+def rates(bench: Bench, shares: list[float], latencies: list[float], runs: int,
+          orders: int | list[int]) -> dict[str, Any]:
+    """The valid orders' delivery rate with a share of invalid orders beside them.
+
+    For each provider latency (seconds) and invalid share (0–1), *runs* batches
+    of *orders* orders (interleaved: run 1 of every pair, then run 2, ...; a
+    fresh database and processes each). Returns, per latency and share, the
+    runs and their medians: ``valid_per_second`` (valid orders over enqueue to
+    the last valid receipt), ``ratio`` (that over the rate per order of the
+    batch with none invalid), ``cost`` (what one invalid order costs, in valid
+    deliveries: the drain's extra time over the time per order of the clean
+    batch, per invalid order), ``requests`` (provider requests per batch),
+    ``cpu_ms_per_order`` (each process group's CPU per order of the batch).
+    *orders* is one count, or one per latency. Raises RuntimeError when a
+    valid order failed.
+    """
+    import statistics
+    rng = random.Random(7)
+    table: dict[str, dict[str, Any]] = {}
+    for r in range(runs):
+        for i, latency in enumerate(latencies):
+            n = orders[i] if isinstance(orders, list) else orders
+            for share in shares:
+                key = f"{round(latency * 1000)}ms/{round(share * 100)}pct"
+                batch_orders = _orders(n, share, rng, prefix=f"{r}-")
+                logs = Path(tempfile.mkdtemp(prefix=f"rejections-rate-{r}-"))
+                with bench.database("rejections") as dsn, Supervisor(logs) as sup:
+                    port = free_port()
+                    provider = sup.start("provider", ["provider", "--port", str(port)],
+                                         port=port)
+                    provider.wait_healthy()
+                    run = Run(dsn, sup, provider)
+                    try:
+                        figures = drain(run, batch_orders, latency, bench.server_pid())
+                    finally:
+                        run.stopped.set()
+                if figures["failed_valid"]:
+                    raise RuntimeError(f"{key} run {r} did not settle: {figures}; logs in {logs}")
+                table.setdefault(key, {"latency_ms": latency * 1000, "share": share,
+                                       "runs": []})["runs"].append(figures)
+                print(f"{key:12s} run {r}: {json.dumps(figures)}", flush=True)
+    cpu_key = "median_cpu_ms_per_order_"
+    for key, entry in table.items():
+        clean = table.get(f"{round(entry['latency_ms'])}ms/0pct")
+        for figures in entry["runs"]:
+            if clean is not None:
+                n = figures["orders"]
+                per_order = statistics.median(f["batch_s"] / f["orders"] for f in clean["runs"])
+                figures["ratio"] = round(figures["valid_per_second"] * per_order, 3)
+                n_bad = figures["invalid"]
+                figures["cost"] = None if not n_bad else round(
+                    (figures["batch_s"] / per_order - (n - n_bad)) / n_bad, 2)
+            figures["cpu_ms_per_order"] = {
+                k: round(v * 1000 / figures["orders"], 3) for k, v in figures["cpu_s"].items()}
+        for group in entry["runs"][0]["cpu_ms_per_order"]:
+            entry[f"median_cpu_ms_per_order_{group}"] = round(statistics.median(
+                f["cpu_ms_per_order"][group] for f in entry["runs"]), 3)
+        for name in ("valid_per_second", "ratio", "cost", "requests", "pauses", "batch_s",
+                     "failed_invalid", "held"):
+            values = [f[name] for f in entry["runs"] if f.get(name) is not None]
+            if values:
+                entry[f"median_{name}"] = round(statistics.median(values), 3)
+        print(f"{key:12s} median valid/s {entry.get('median_valid_per_second')}"
+              f" ratio {entry.get('median_ratio')} cost {entry.get('median_cost')}"
+              f" requests {entry.get('median_requests')} pauses {entry.get('median_pauses')}"
+              f" cpu ms/order {[(k, v) for k, v in entry.items() if k.startswith(cpu_key)]}",
+              flush=True)
+    return table
+
+
 CASES: dict[str, Callable[[Run], dict[str, Any]]] = {
     "reject_all_422_ids_and_times": reject_all([422], "json_ids"),
     "reject_all_rotating_400_404_422": reject_all([400, 404, 422], "json"),
@@ -242,7 +365,27 @@ def main() -> None:
     parser.add_argument("--only", help="comma-separated case names")
     parser.add_argument("--out", default=f"bench/results/rejections-{time.strftime('%Y-%m-%d')}"
                         ".json")
+    parser.add_argument("--rates", action="store_true",
+                        help="measure the valid orders' rate beside invalid ones")
+    parser.add_argument("--shares", default="0,10,60,95", help="invalid shares, percent")
+    parser.add_argument("--latencies-ms", default="0,50", help="provider latencies, ms")
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--orders", default="12000,6000",
+                        help="orders per batch, one count or one per latency")
     args = parser.parse_args()
+    if args.rates:
+        bench = Bench()
+        try:
+            table = rates(bench, [float(x) / 100 for x in args.shares.split(",")],
+                          [float(x) / 1000 for x in args.latencies_ms.split(",")],
+                          args.runs, [int(x) for x in args.orders.split(",")])
+        finally:
+            bench.cleanup()
+        out = args.out.replace("rejections-", "rejections-rates-")
+        write_json({"workers": WORKERS, "settings": "defaults", "orders": args.orders,
+                    "shares_pct": args.shares, "latencies_ms": args.latencies_ms,
+                    "rates": table}, Path(out))
+        return
     names = args.only.split(",") if args.only else list(CASES)
     bench = Bench()
     results: dict[str, Any] = {}

@@ -13,14 +13,17 @@ from __future__ import annotations
 
 import json
 import random
+import re
 import time
 from collections.abc import Callable, Iterator
 
 import pytest
+import yaml
 
 from receipts.embedded import free_port
 from receipts.supervisor import Child, Supervisor, run_command
 from tests.acceptance.conftest import Trickle
+from tests.chart import chartkit
 from tests.conftest import check_invariants, enqueue_many, fetch_rows
 
 #: The other variants of a scenario: `make test-long` runs them, `make test` one of each.
@@ -247,3 +250,112 @@ def test_a_trickle_meets_a_provider_that_starts_rejecting_everything(dsn, sup, p
         trickle.stop()
     until(lambda: counts(dsn)["pending"] == 0, "every receipt delivered", 60)
     assert counts(dsn)["failed_valid"] == 0
+
+
+# ------------------------------------------- the alert, from the workers' own metrics
+
+#: Prometheus's scrape interval in the chart (``serviceMonitor.interval``): each scrape
+#: of this test stands for one scrape at that interval.
+PROMETHEUS_SCRAPE = "30s"
+#: How often this test scrapes, seconds.
+SCRAPE_SECONDS = 0.5
+#: Scrapes kept once every worker reports the rejecting pause: more than the alert's
+#: 10-minute window holds at that interval (20).
+SCRAPES_PAUSED = 22
+
+
+def _scrape_series(workers: list[Child], names: set[str]) -> list[dict[tuple[str, tuple], float]]:
+    """One scrape of every worker: {(sample name, labels with job, namespace and
+    instance added): value} for the samples named in *names*."""
+    out: dict[tuple[str, tuple], float] = {}
+    for i, w in enumerate(workers):
+        for (name, labels), value in w.scrape().items():
+            if name in names:
+                extra = (("instance", f"worker-{i}"), ("job", "receipts"), ("namespace", "shop"))
+                out[(name, tuple(sorted(labels + extra)))] = value
+    return [out]
+
+
+def _promtool_input(scrapes: list[dict[tuple[str, tuple], float]]) -> list[dict[str, str]]:
+    """promtool ``input_series``: one series per (name, labels), one value per scrape
+    (``_`` where a scrape lacked it)."""
+    keys = sorted({k for s in scrapes for k in s})
+    series = []
+    for name, labels in keys:
+        selector = ",".join(f'{k}="{v}"' for k, v in labels)
+        values = " ".join(f"{s[(name, labels)]:g}" if (name, labels) in s else "_"
+                          for s in scrapes)
+        series.append({"series": f"{name}{{{selector}}}", "values": values})
+    return series
+
+
+@pytest.mark.slow
+def test_the_rejecting_alert_fires_on_the_workers_own_metrics(dsn, sup, provider, tmp_path):
+    """A provider that turns to rejecting everything under two real workers: their
+    /metrics, scraped twice a second, become promtool's input series (one scrape per
+    Prometheus scrape interval of the chart, so the fleet's seconds stand for minutes:
+    the two alerts read how many scrapes showed a pause and how far counters rose,
+    which the compression does not change), and the chart's rendered rules run on
+    them: ``ReceiptsProviderRejecting`` is silent while the fleet delivers and as the
+    pause begins, and fires once the pause has filled its window;
+    ``ReceiptsJobsFailed`` never fires (no job failed)."""
+    rules = yaml.safe_load(chartkit.default_rules_text())
+    exprs = {r["alert"]: r["expr"] for g in rules["groups"] for r in g["rules"] if "alert" in r}
+    names = set()
+    for alert in ("ReceiptsProviderRejecting", "ReceiptsJobsFailed"):
+        names |= set(re.findall(r"receipts_[a-z_]+", exprs[alert]))
+    enqueue_many(dsn, [f"ok-{i}" for i in range(50)])
+    set_faults(provider, latency_seconds=0.01)
+    workers = start_workers(sup, dsn, provider)
+    scrapes: list[dict[tuple[str, tuple], float]] = []
+
+    def scrape_until(predicate: Callable[[], bool], what: str, timeout_seconds: float) -> None:
+        deadline = time.monotonic() + timeout_seconds
+        while True:
+            step = time.monotonic()
+            scrapes.extend(_scrape_series(workers, names))
+            if predicate():
+                return
+            assert time.monotonic() < deadline, f"timed out after {timeout_seconds:g}s: {what}"
+            time.sleep(max(0.0, SCRAPE_SECONDS - (time.monotonic() - step)))
+
+    scrape_until(lambda: len(scrapes) >= 3 and counts(dsn)["done"] == 50,
+                 "deliveries under way", 30)
+    healthy = len(scrapes)
+    set_faults(provider, reject_statuses=[422], reject_body="json_ids")
+    enqueue_many(dsn, [f"ok-{i}" for i in range(50, 300)])
+    scrape_until(lambda: all(paused_for_rejecting([w]) for w in workers),
+                 "every worker paused", 30)
+    onset = len(scrapes)
+    scrape_until(lambda: len(scrapes) >= onset + SCRAPES_PAUSED, "scrapes of the pause", 60)
+    assert counts(dsn)["failed_valid"] == 0
+    for group in rules["groups"]:
+        for rule in group["rules"]:
+            rule.pop("annotations", None)  # promtool would compare them too
+    (tmp_path / "rules.yaml").write_text(yaml.safe_dump(rules))
+    step = int(PROMETHEUS_SCRAPE.rstrip("s"))
+    last = (len(scrapes) - 1) * step
+    fired = [{"exp_labels": {"severity": "warning", "namespace": "shop", "job": "receipts"}}]
+    tests = {
+        "rule_files": ["rules.yaml"],
+        "evaluation_interval": PROMETHEUS_SCRAPE,
+        "tests": [{
+            "interval": PROMETHEUS_SCRAPE,
+            "input_series": _promtool_input(scrapes),
+            "alert_rule_test": [
+                {"eval_time": f"{(healthy - 1) * step}s",
+                 "alertname": "ReceiptsProviderRejecting", "exp_alerts": []},
+                {"eval_time": f"{onset * step}s",
+                 "alertname": "ReceiptsProviderRejecting", "exp_alerts": []},
+                {"eval_time": f"{last}s", "alertname": "ReceiptsProviderRejecting",
+                 "exp_alerts": fired},
+                {"eval_time": f"{last}s", "alertname": "ReceiptsJobsFailed", "exp_alerts": []},
+            ],
+        }],
+    }
+    (tmp_path / "rules.test.yaml").write_text(yaml.safe_dump(tests))
+    result = chartkit.run([chartkit.find_tool("promtool"), "test", "rules", "rules.test.yaml"],
+                          cwd=tmp_path)
+    print(f"\n[figures] {len(scrapes)} scrapes of 2 workers: {healthy} healthy, "
+          f"{onset - healthy} before every worker paused, {len(scrapes) - onset} paused")
+    assert result.returncode == 0, result.stdout + result.stderr
