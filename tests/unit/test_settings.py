@@ -196,8 +196,8 @@ def test_a_synchronous_commit_postgresql_would_not_take_for_a_session_is_refused
         load_settings(database_url="postgresql://u@h/db", synchronous_commit="maybe")
 
 
-@pytest.mark.parametrize("field", ["retry_base_seconds", "lease_seconds", "provider_rate_limit_per_second",
-                                   "delivery_timeout_seconds"])
+@pytest.mark.parametrize("field", ["retry_base_seconds", "lease_seconds",
+                                   "provider_rate_limit_per_second", "delivery_timeout_seconds"])
 @pytest.mark.parametrize("value", ["nan", "inf", "-inf"])
 def test_a_number_that_is_not_finite_is_refused_as_such(field, value):
     with pytest.raises(SettingsError, match=f"RECEIPTS_{field.upper()}: .*finite"):
