@@ -59,7 +59,13 @@ The rules:
   ``rejecting`` (a TLS failure, which no invalid order causes, does not
   wait: ``min_jobs`` unexplained jobs suffice). Each acceptance explains the
   rejections sent up to ``bracket_seconds`` after it. Meanwhile the pod keeps at most
-  ``probe_jobs`` deliveries in flight (:meth:`ProviderGate.inflight_cap`).
+  ``probe_jobs`` deliveries in flight (:meth:`ProviderGate.inflight_cap`) and
+  starts at most ``suspect_sends_per_second`` new ones a second
+  (:meth:`ProviderGate.suspect_allowance`): enough that among orders 95 %
+  invalid an acceptance shows up within the wait (60 sends, 95 % of the
+  time), few enough that a provider rejecting everything gets a few dozen
+  requests per pod before the pause, not the hundreds a second a fast
+  provider would otherwise answer.
   The acceptances are never forgotten on a pause or a resume: after a
   resume, a few rejections in a row cannot pause again before
   ``rejecting_after_seconds`` without an acceptance.
@@ -87,11 +93,12 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import math
 import random
 import re
 import time
 import uuid
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 from datetime import datetime
 
@@ -184,6 +191,8 @@ class FlowPolicy:
             ``min_jobs`` distinct jobs must go on with no acceptance before
             the fleet pauses for ``rejecting``.
         probe_jobs: most jobs one probe of a pause claims.
+        suspect_sends_per_second: most new deliveries a pod starts a second
+            while ``min_jobs`` or more rejections are unexplained (module doc).
         held_retry_seconds: first delay of a held rejection's retry; it doubles
             each time this pod holds the same job again (≤ 30 s).
     """
@@ -200,6 +209,7 @@ class FlowPolicy:
     bracket_seconds: float = 1.0
     rejecting_after_seconds: float = 3.0
     probe_jobs: int = 5
+    suspect_sends_per_second: float = 20.0
     held_retry_seconds: float = 1.0
 
 
@@ -426,6 +436,8 @@ class ProviderGate:
         self._unexplained: dict[uuid.UUID, float] = {}
         #: How often this pod held each job lately (its retry delay doubles).
         self._held_count: OrderedDict[uuid.UUID, int] = OrderedDict()
+        #: When this pod started deliveries during the last second while suspect.
+        self._suspect_sends: deque[float] = deque()
 
     def _now(self) -> float:
         return self._clock()  # type: ignore[operator,no-any-return]
@@ -460,6 +472,32 @@ class ProviderGate:
         be rejected before the pause is declared.
         """
         return self.policy.probe_jobs if len(self._unexplained) >= self.policy.min_jobs else None
+
+    def suspect_allowance(self, want: int) -> tuple[int, float]:
+        """How many of *want* new deliveries this pod may start now, and, when none,
+        how long to wait (seconds) for the next.
+
+        While fewer than ``min_jobs`` rejections are unexplained: all of them.
+        Otherwise at most ``suspect_sends_per_second`` in any one second (module
+        doc), counted by :meth:`sent`.
+        """
+        if len(self._unexplained) < self.policy.min_jobs:
+            self._suspect_sends.clear()
+            return want, 0.0
+        now = self._now()
+        sends = self._suspect_sends
+        while sends and sends[0] <= now - 1.0:
+            sends.popleft()
+        left = math.floor(self.policy.suspect_sends_per_second) - len(sends)
+        if left <= 0:
+            return 0, max(0.01, sends[0] + 1.0 - now) if sends else 0.01
+        return min(want, left), 0.0
+
+    def sent(self, n: int) -> None:
+        """This pod started *n* deliveries just now (counted while suspect only)."""
+        if n > 0 and len(self._unexplained) >= self.policy.min_jobs:
+            now = self._now()
+            self._suspect_sends.extend([now] * n)
 
     def pause_left(self) -> float:
         """Seconds until a probe may be tried, or a pause ends (0 when due or not paused)."""

@@ -349,6 +349,12 @@ class Worker:
         choice = self.rate_choice() if self.queue.rate > 0 and not gate.paused else None
         if choice is not None and choice.mode == "wait":
             return choice.wait_seconds, False
+        if not gate.paused:
+            # Rejections with no acceptance near them: pace new deliveries while the
+            # evidence gathers (ProviderGate.suspect_allowance).
+            limit, wait_suspect = gate.suspect_allowance(limit)
+            if limit == 0:
+                return wait_suspect, False
         # Admission control meters claims only while the provider is not paused.
         admission = None if gate.paused else self.admission
         if admission is not None:
@@ -399,6 +405,7 @@ class Worker:
             admission.refund(limit - len(result.attempts))
         if bucket is not None:
             bucket.refund(limit - len(result.attempts))
+        gate.sent(len(result.attempts))
         self.flow.observe_flow(result.flow)
         if gate.paused:
             left = gate.pause_left()

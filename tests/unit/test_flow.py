@@ -451,3 +451,26 @@ def test_nginx_refusing_a_missing_client_certificate_is_a_systemic_rejection():
 def test_a_408_is_a_timeout_not_a_verdict():
     answer = classify(408, httpx.Headers(), b"request timeout")
     assert answer.verdict is Verdict.RETRY and answer.reason is Reason.TIMEOUT
+
+
+def test_while_rejections_go_unexplained_new_deliveries_are_paced_and_an_acceptance_ends_it():
+    clock = Clock()
+    g = gate(clock)
+    per_second = int(POLICY.suspect_sends_per_second)
+    assert g.suspect_allowance(32) == (32, 0.0)  # nothing unexplained: no pace
+    for _ in range(POLICY.min_jobs):
+        g.judge(uuid.uuid4(), rejected(), sent_at=clock.now)
+    assert g.unexplained == POLICY.min_jobs
+    started = 0
+    for _ in range(3 * per_second):  # three seconds of a claim loop asking for 32 at a time
+        n, wait = g.suspect_allowance(32)
+        assert (n > 0) != (wait > 0)
+        g.sent(n)
+        started += n
+        clock.now += wait if n == 0 else 0.01
+        if clock.now >= 1003.0:
+            break
+    assert started <= 3 * per_second + per_second  # about suspect_sends_per_second a second
+    assert started >= 2 * per_second
+    accept(g, clock.now)  # the provider works: the pace is gone at once
+    assert g.unexplained == 0 and g.suspect_allowance(32) == (32, 0.0)
