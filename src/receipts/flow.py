@@ -61,7 +61,9 @@ The rules:
   rejections sent up to ``bracket_seconds`` after it. Meanwhile the pod keeps at most
   ``probe_jobs`` deliveries in flight (:meth:`ProviderGate.inflight_cap`) and
   starts at most ``suspect_sends_per_second`` new ones a second
-  (:meth:`ProviderGate.suspect_allowance`): enough that among orders 95 %
+  (:meth:`ProviderGate.suspect_allowance`), as it does after
+  ``suspect_streak`` rejections answered in a row with no acceptance among
+  them (sooner than the bracket can explain anything): enough that among orders 95 %
   invalid an acceptance shows up within the wait (60 sends, 95 % of the
   time), few enough that a provider rejecting everything gets a few dozen
   requests per pod before the pause, not the hundreds a second a fast
@@ -192,7 +194,10 @@ class FlowPolicy:
             the fleet pauses for ``rejecting``.
         probe_jobs: most jobs one probe of a pause claims.
         suspect_sends_per_second: most new deliveries a pod starts a second
-            while ``min_jobs`` or more rejections are unexplained (module doc).
+            while ``min_jobs`` or more rejections are unexplained, or after
+            ``suspect_streak`` rejections in a row (module doc).
+        suspect_streak: rejections answered in a row, no acceptance among them,
+            that start the pace before any is unexplained.
         held_retry_seconds: first delay of a held rejection's retry; it doubles
             each time this pod holds the same job again (≤ 30 s).
     """
@@ -210,6 +215,7 @@ class FlowPolicy:
     rejecting_after_seconds: float = 3.0
     probe_jobs: int = 5
     suspect_sends_per_second: float = 20.0
+    suspect_streak: int = 50
     held_retry_seconds: float = 1.0
 
 
@@ -438,6 +444,8 @@ class ProviderGate:
         self._held_count: OrderedDict[uuid.UUID, int] = OrderedDict()
         #: When this pod started deliveries during the last second while suspect.
         self._suspect_sends: deque[float] = deque()
+        #: Rejections answered since the last acceptance answered.
+        self._streak = 0
 
     def _now(self) -> float:
         return self._clock()  # type: ignore[operator,no-any-return]
@@ -481,7 +489,7 @@ class ProviderGate:
         Otherwise at most ``suspect_sends_per_second`` in any one second (module
         doc), counted by :meth:`sent`.
         """
-        if len(self._unexplained) < self.policy.min_jobs:
+        if not self._suspect():
             self._suspect_sends.clear()
             return want, 0.0
         now = self._now()
@@ -495,9 +503,13 @@ class ProviderGate:
 
     def sent(self, n: int) -> None:
         """This pod started *n* deliveries just now (counted while suspect only)."""
-        if n > 0 and len(self._unexplained) >= self.policy.min_jobs:
+        if n > 0 and self._suspect():
             now = self._now()
             self._suspect_sends.extend([now] * n)
+
+    def _suspect(self) -> bool:
+        return (len(self._unexplained) >= self.policy.min_jobs
+                or self._streak >= self.policy.suspect_streak)
 
     def pause_left(self) -> float:
         """Seconds until a probe may be tried, or a pause ends (0 when due or not paused)."""
@@ -629,6 +641,7 @@ class ProviderGate:
 
     def _accepted(self, sent: float, answered: float) -> None:
         self.evidence.add(sent, answered)
+        self._streak = 0
         if self._unexplained:
             # An acceptance explains the rejections sent up to a bracket after it.
             limit = sent + self.policy.bracket_seconds
@@ -636,6 +649,7 @@ class ProviderGate:
                 del self._unexplained[job_id]
 
     def _rejected(self, job_id: uuid.UUID, sent: float) -> None:
+        self._streak += 1
         latest = self.evidence.latest
         if latest is None or sent > latest + self.policy.bracket_seconds:
             self._unexplained[job_id] = min(sent, self._unexplained.get(job_id, sent))

@@ -474,3 +474,19 @@ def test_while_rejections_go_unexplained_new_deliveries_are_paced_and_an_accepta
     assert started >= 2 * per_second
     accept(g, clock.now)  # the provider works: the pace is gone at once
     assert g.unexplained == 0 and g.suspect_allowance(32) == (32, 0.0)
+
+
+def test_a_long_run_of_rejections_starts_the_pace_before_the_bracket_can_explain_them():
+    clock = Clock()
+    g = gate(clock)
+    accept(g, clock.now)
+    for _ in range(POLICY.suspect_streak - 1):
+        g.judge(uuid.uuid4(), rejected(), sent_at=clock.now)  # all within the bracket
+    assert g.unexplained == 0 and g.suspect_allowance(32) == (32, 0.0)
+    g.judge(uuid.uuid4(), rejected(), sent_at=clock.now)
+    n, _ = g.suspect_allowance(32)
+    assert n == 20 and n == POLICY.suspect_sends_per_second
+    g.sent(n)
+    assert g.suspect_allowance(32)[0] == 0
+    accept(g, clock.now)  # one acceptance ends the streak
+    assert g.suspect_allowance(32) == (32, 0.0)
