@@ -84,7 +84,7 @@ class CapacityPolicy:
     backoff: float = 0.7
     slow_factor: float = 2.0
     calm_factor: float = 1.25
-    min_window: int = 4
+    min_window: int = 32
     baseline_drift: float = 0.02
 
     def __post_init__(self) -> None:

@@ -22,7 +22,7 @@ from receipts.capacity import (
 )
 from receipts.model import Reason
 
-POLICY = CapacityPolicy(floor=2, ceiling=40)
+POLICY = CapacityPolicy(floor=2, ceiling=40, min_window=4)
 RTT = 0.05
 
 
@@ -189,11 +189,13 @@ def share_provider(pods: int, capacity: int, starts: list[float], rounds: int,
 @pytest.mark.parametrize("pods,capacity", [(1, 20), (2, 40), (4, 40), (8, 64), (16, 64)])
 def test_independent_pods_converge_to_fair_shares_near_the_capacity(pods, capacity):
     starts = [1 + 60 * (i % 2) for i in range(pods)]  # half at the floor, half near the top
-    means, loads, refused, total = share_provider(pods, capacity, starts, 600, seed=pods)
-    tail = loads[300:]
+    means, loads, refused, total = share_provider(pods, capacity, starts, 2000, seed=pods)
+    tail = loads[1000:]
     mean_load = sum(tail) / len(tail)
-    assert 0.6 * capacity <= mean_load <= 1.15 * capacity, (mean_load, capacity)
-    # Fair: averaged over the last half (each pod's own sawtooth makes a snapshot
-    # noisy), no pod holds much more than another, whatever it started at.
-    assert max(means) <= 1.5 * min(means) + 1, means
-    assert refused / total < 0.15, (refused, total)
+    # Measured (seeds 1-16): 0.87-1.01 × capacity, 0.4-1.4 % refused, Jain ≥ 0.95.
+    assert 0.8 * capacity <= mean_load <= 1.1 * capacity, (mean_load, capacity)
+    assert refused / total < 0.03, (refused, total)
+    # Fair: the pods' mean limits over the second half, whatever each started at (Jain's
+    # index: 1 when all are equal, 1/n when one pod holds everything).
+    jain = sum(means) ** 2 / (len(means) * sum(m * m for m in means))
+    assert jain >= 0.9, means
