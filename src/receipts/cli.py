@@ -736,7 +736,9 @@ def cmd_plan(settings: Settings | None, args: argparse.Namespace) -> int:
                                         or str(planner.DB_CEILING_BATCHED_JOBS_PER_SECOND)),
                       cpu_per_delivery_seconds=number(
                           "--cpu-per-delivery", args.cpu_per_delivery
-                          or str(planner.HTTP_DELIVERY_CPU_SECONDS * 1e6)) / 1e6)
+                          or str(planner.HTTP_DELIVERY_CPU_SECONDS * 1e6)) / 1e6,
+                      provider_capacity=None if args.provider_capacity is None else number(
+                          "--provider-capacity", args.provider_capacity))
     except planner.PlanError as exc:
         raise UsageError(str(exc)) from None
     print(planner.describe(result))
@@ -926,6 +928,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="worker CPU one HTTP delivery costs, µs (default: the bench's "
                         f"{_planner_default('HTTP_DELIVERY_CPU_SECONDS') * 1e6:,.0f}; "
                         "bench/run.sh on your nodes measures yours)")
+    p.add_argument("--provider-capacity", metavar="REQUESTS",
+                   help="requests the provider takes at once, when known: the plan says the "
+                        "rate it allows and turns adaptive concurrency on")
     return parser
 
 
