@@ -206,6 +206,8 @@ class Metrics:
             "(a 429, a 5xx, a timeout, a lost or refused connection) or latency.",
             ["signal"], registry=r,
         )
+        for signal in ("overload", "latency"):  # exported at 0 from the start
+            self.concurrency_decreases.labels(signal)
         self.provider_tokens = Gauge(
             "receipts_provider_tokens",
             "Tokens left in the fleet-wide rate-limit bucket after this pod's last claim "
