@@ -122,6 +122,7 @@ def run(bench: Bench, *, pods: int, capacity: int, adaptive: bool, seconds: floa
     steady = [s for t, s in answers if start <= t <= ended]
     arrived = [n for t, n in loads if start <= t <= ended]
     ok = sum(1 for s in steady if s == 201)
+    last = max((t for t, s in answers if s == 201), default=first)
     refused = sum(1 for s in steady if s in (429, 503))
     result: dict[str, Any] = {
         "pods": pods, "capacity": capacity, "adaptive": adaptive, "slots": slots,
@@ -131,7 +132,8 @@ def run(bench: Bench, *, pods: int, capacity: int, adaptive: bool, seconds: floa
         "throughput": ok / max(1e-9, ended - start),
         "allowed": capacity / latency, "refused_share": refused / max(1, len(steady)),
         "answers": len(steady), "pauses": pauses, "limits_at_end": limits,
-        "decreases": decreases,
+        "decreases": decreases, "last_receipt_s": round(last - first, 1),
+        "run_s": round(ended - first, 1),
         "keda_pods_capped": keda[0], "keda_pods_uncapped": keda[1],
     }
     if step:
@@ -160,15 +162,24 @@ def _timeline(answers: list[tuple[float, int]], loads: list[tuple[float, int]], 
         })
         t += WINDOW_SECONDS
     halved_at, restored_at = events[0][0] - first, events[1][0] - first
+    # The steady rate before the step (after a warm-up of 4 s): what "recovered" means.
+    before = [r["receipts_per_second"] for r in rows if 4 <= r["t"] < halved_at - WINDOW_SECONDS]
+    steady = statistics.median(before) if before else capacity / latency
     follow = next((r["t"] + WINDOW_SECONDS - halved_at for r in rows
-                   if r["t"] >= halved_at and r["load_mean"] <= 1.1 * capacity // 2
+                   if r["t"] >= halved_at and r["receipts_per_second"] > 0
+                   and r["load_mean"] <= 1.1 * capacity // 2
                    and r["refused_share"] <= 0.05), None)
     recover = next((r["t"] + WINDOW_SECONDS - restored_at for r in rows
-                    if r["t"] >= restored_at
-                    and r["receipts_per_second"] >= 0.9 * capacity / latency), None)
+                    if r["t"] >= restored_at and r["receipts_per_second"] >= 0.9 * steady
+                    and steady > 0), None)
     return {"windows": rows, "halved_at": round(halved_at, 1),
+            "steady_before": steady,
             "restored_at": round(restored_at, 1), "follow_seconds": follow,
             "recover_seconds": recover}
+
+
+def _s(seconds: float | None) -> str:
+    return "never" if seconds is None else f"{seconds:.1f}s"
 
 
 def _row(r: dict[str, Any]) -> str:
@@ -231,7 +242,8 @@ def _runs(bench: Bench, args: argparse.Namespace, pods: list[int], modes: list[b
             print(f"\nstep, {pods[-1]} pods, adaptive {'on' if adaptive else 'off'}: C "
                   f"{args.capacity} -> {args.capacity // 2} at {tl['halved_at']}s -> "
                   f"{args.capacity} at {tl['restored_at']}s; followed in "
-                  f"{tl['follow_seconds']}s, recovered in {tl['recover_seconds']}s")
+                  f"{_s(tl['follow_seconds'])}, recovered (0.9 of the rate before the step, "
+                  f"{tl['steady_before']:.0f}/s) in {_s(tl['recover_seconds'])}")
             print("| t (s) | C | receipts/s | load mean | 429/503 |")
             print("|---|---|---|---|---|")
             for w in tl["windows"]:

@@ -23,7 +23,11 @@ The rule (:class:`ConcurrencyLimit`), per answer:
   limit, not by its backlog) adds 1: additive increase, one per round trip.
 
 The limit stays within [``floor``, ``ceiling``]; the worker claims no more
-than ``min(slots, limit) - in flight``.
+than ``min(slots, limit) - in flight``. After any overload answer the pod
+also claims nothing for one round trip (the baseline; :meth:`ConcurrencyLimit.hold_seconds`):
+a refused request frees its slot at once, and a pod at its floor would
+otherwise refill it at once, again and again, into a provider that is full
+(TCP's retransmission timer plays that part when the window cannot shrink).
 
 Why AIMD rather than a gradient or Vegas limiter alone: pods do not talk to
 each other about the provider. Additive increase with multiplicative
@@ -53,6 +57,8 @@ FLOOR = 1
 #: Default ceiling of the limit (deliveries in flight per pod; the slots cap it too).
 CEILING = 64
 
+#: Bounds of the pause in claims after an overload answer (one baseline round trip), s.
+HOLD_MIN_SECONDS, HOLD_MAX_SECONDS = 0.01, 5.0
 #: The signals of a decrease (``receipts_concurrency_limit_decreases_total{signal}``).
 OVERLOAD, LATENCY = "overload", "latency"
 #: Answers that say the provider is overloaded: the limit shrinks.
@@ -135,6 +141,8 @@ class ConcurrencyLimit:
         self.baseline: float | None = None
         self.decreases = 0
         self.increases = 0
+        #: Monotonic time until which the pod claims nothing (after an overload answer).
+        self.hold_until = -math.inf
         self._reset_window()
 
     def _reset_window(self) -> None:
@@ -146,6 +154,10 @@ class ConcurrencyLimit:
     def allowed(self) -> int:
         """Deliveries this pod may have in flight now (the limit, rounded down; ≥ 1)."""
         return max(1, int(self.limit))
+
+    def hold_seconds(self) -> float:
+        """Seconds the pod must still wait before claiming (0 when it may claim now)."""
+        return max(0.0, self.hold_until - self._clock())
 
     def on_send(self, inflight: int) -> None:
         """Note *inflight* deliveries (after starting some): the window saw this load."""
@@ -161,6 +173,11 @@ class ConcurrencyLimit:
         else None.
         """
         if reason in OVERLOAD_REASONS:
+            rtt = self.baseline if self.baseline is not None else rtt_seconds
+            if not math.isfinite(rtt):
+                rtt = HOLD_MAX_SECONDS
+            self.hold_until = max(self.hold_until, self._clock() + min(
+                HOLD_MAX_SECONDS, max(HOLD_MIN_SECONDS, rtt)))
             if sent_at >= self.decreased_at:
                 self._decrease()
                 return OVERLOAD

@@ -331,6 +331,10 @@ class Worker:
         backoff = OUTAGE_BACKOFF_FIRST_SECONDS
         backlog_limit = max(self.settings.concurrency, self.completer.max_batch)
         while not self._stop.is_set():
+            if self.capacity is not None and (hold := self.capacity.hold_seconds()) > 0:
+                # The provider refused a request just now: one round trip without claims.
+                await self._sleep(hold, wakeable=False)
+                continue
             free = self._free_slots()
             if free <= 0:
                 await self._wait_for_slot()

@@ -13,6 +13,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from receipts.capacity import (
+    HOLD_MAX_SECONDS,
     LATENCY,
     OVERLOAD,
     OVERLOAD_REASONS,
@@ -199,3 +200,25 @@ def test_independent_pods_converge_to_fair_shares_near_the_capacity(pods, capaci
     # index: 1 when all are equal, 1/n when one pod holds everything).
     jain = sum(means) ** 2 / (len(means) * sum(m * m for m in means))
     assert jain >= 0.9, means
+
+
+def test_an_overload_answer_holds_claims_for_one_baseline_round_trip():
+    """A refused request frees its slot at once: at the floor the pod would refill it at
+    once, again and again, into a full provider. It waits one round trip instead."""
+    clock = Clock()
+    lim = ConcurrencyLimit(POLICY, initial=POLICY.floor, clock=clock)
+    assert lim.hold_seconds() == 0
+    round_trip(lim, clock, [Reason.DELIVERED] * 4, rtt=RTT)  # baseline: RTT
+    sent = clock.now
+    clock.now += 0.001  # a fast 503
+    lim.observe(Reason.PROVIDER_5XX, rtt_seconds=0.001, sent_at=sent)
+    assert lim.allowed() == POLICY.floor and lim.hold_seconds() == pytest.approx(RTT)
+    clock.now += RTT / 2
+    lim.observe(Reason.PROVIDER_5XX, rtt_seconds=0.001, sent_at=sent)  # another: held longer
+    assert lim.hold_seconds() == pytest.approx(RTT)
+    clock.now += RTT
+    assert lim.hold_seconds() == 0
+    # A timeout before any baseline: held at most HOLD_MAX_SECONDS, not the timeout's length.
+    fresh = ConcurrencyLimit(POLICY, initial=10, clock=clock)
+    fresh.observe(Reason.TIMEOUT, rtt_seconds=30.0, sent_at=clock.now - 30)
+    assert fresh.hold_seconds() == pytest.approx(HOLD_MAX_SECONDS)
