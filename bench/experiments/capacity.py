@@ -4,9 +4,9 @@ a step change of the capacity.
 ``python -m bench.experiments.capacity`` (``--pods 1,2,4 --capacity 16 --seconds 30
 --slots 32 --latency 0.05 --step``): one embedded PostgreSQL 18, the reference provider
 (``receipts provider``) with a concurrency capacity C (a request beyond it is answered
-503 at once) and a latency per request, and ``--pods`` ``receipts worker`` processes of
-``--slots`` slots each, with ``RECEIPTS_ADAPTIVE_CONCURRENCY`` on and then off, draining
-a backlog longer than the run.
+503 at once, or 429, or slowed: ``--answer``) and a latency per request, and
+``--pods`` ``receipts worker`` processes of ``--slots`` slots each, with
+``RECEIPTS_ADAPTIVE_CONCURRENCY`` on and then off, draining a backlog longer than the run.
 
 For each run it reports, from ``--warmup`` seconds after the first answer to the end:
 the load each request found at the provider on arrival (itself included: mean, p95,
@@ -65,7 +65,7 @@ def _keda(dsn: str, slots: int, max_replicas: int) -> tuple[int, int]:
 
 def run(bench: Bench, *, pods: int, capacity: int, adaptive: bool, seconds: float,
         slots: int, latency: float, warmup: float, step: bool,
-        max_replicas: int = 10) -> dict[str, Any]:
+        max_replicas: int = 10, answer: str = "503") -> dict[str, Any]:
     """One run (module doc) on a fresh database of *bench*'s server; returns its figures."""
     dsn = bench.new_database("capacity")
     try:
@@ -79,7 +79,7 @@ def run(bench: Bench, *, pods: int, capacity: int, adaptive: bool, seconds: floa
                                  port=port).wait_healthy()
             provider.request("PUT", "/faults", json={
                 "latency_seconds": latency, "capacity": capacity,
-                "capacity_answer": "503"}).raise_for_status()
+                "capacity_answer": answer}).raise_for_status()
             workers: list[Child] = []
             for i in range(pods):
                 metrics = free_port()
@@ -126,6 +126,7 @@ def run(bench: Bench, *, pods: int, capacity: int, adaptive: bool, seconds: floa
     refused = sum(1 for s in steady if s in (429, 503))
     result: dict[str, Any] = {
         "pods": pods, "capacity": capacity, "adaptive": adaptive, "slots": slots,
+        "answer": answer,
         "latency": latency, "seconds": round(ended - start, 1),
         "load_mean": statistics.fmean(arrived) if arrived else math.nan,
         "load_p95": _pct(arrived, 0.95), "load_max": max(arrived, default=0),
@@ -206,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--step-seconds", type=float, default=90.0,
                         help="length of the step run")
     parser.add_argument("--adaptive", default="on,off", help="on, off or on,off")
+    parser.add_argument("--answer", choices=("503", "429", "latency"), default="503",
+                        help="what the provider answers beyond its capacity (capacity_answer)")
     parser.add_argument("--out", type=Path, help="write the figures here (JSON)")
     args = parser.parse_args(argv)
     pods = [int(p) for p in args.pods.split(",")]
@@ -229,14 +232,15 @@ def _runs(bench: Bench, args: argparse.Namespace, pods: list[int], modes: list[b
     for n in pods:
         for adaptive in modes:
             r = run(bench, pods=n, capacity=args.capacity, adaptive=adaptive, seconds=args.seconds,
-                    slots=args.slots, latency=args.latency, warmup=args.warmup, step=False)
+                    slots=args.slots, latency=args.latency, warmup=args.warmup, step=False,
+                    answer=args.answer)
             results.append(r)
             print(_row(r), flush=True)
     if args.step:
         for adaptive in modes:
             r = run(bench, pods=pods[-1], capacity=args.capacity, adaptive=adaptive,
                     seconds=args.step_seconds, slots=args.slots, latency=args.latency,
-                    warmup=args.warmup, step=True)
+                    warmup=args.warmup, step=True, answer=args.answer)
             results.append(r)
             tl = r["timeline"]
             print(f"\nstep, {pods[-1]} pods, adaptive {'on' if adaptive else 'off'}: C "

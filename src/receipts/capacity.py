@@ -81,8 +81,10 @@ class CapacityPolicy:
         calm_factor: a window may increase the limit only when its mean round
             trip is within this × the baseline (≥ 1).
         min_window: the fewest answers in a window (≥ 1).
-        baseline_drift: how much the baseline round trip may rise per window
-            (a fraction), so a provider that got slower for good is re-learnt.
+        baseline_drift: how much the baseline round trip may rise per second (a
+            fraction; 0.005: × 2 in about 2.3 minutes), so a provider that got
+            slower for good is re-learnt, but a fleet that loads the provider
+            for minutes does not make its own queueing the new normal.
     """
 
     floor: int = FLOOR
@@ -91,7 +93,7 @@ class CapacityPolicy:
     slow_factor: float = 2.0
     calm_factor: float = 1.25
     min_window: int = 32
-    baseline_drift: float = 0.02
+    baseline_drift: float = 0.005
 
     def __post_init__(self) -> None:
         if not 1 <= self.floor <= self.ceiling:
@@ -139,6 +141,7 @@ class ConcurrencyLimit:
         self.decreased_at = -math.inf
         #: The lowest window mean round trip seen (drifting up), seconds; None: none yet.
         self.baseline: float | None = None
+        self._baseline_at = clock()
         self.decreases = 0
         self.increases = 0
         #: Monotonic time until which the pod claims nothing (after an overload answer).
@@ -198,7 +201,9 @@ class ConcurrencyLimit:
         if base is None or mean < base:
             self.baseline = mean
         else:
-            self.baseline = min(mean, base * (1 + p.baseline_drift))
+            elapsed = max(0.0, self._clock() - self._baseline_at)
+            self.baseline = min(mean, base * (1 + p.baseline_drift) ** elapsed)
+        self._baseline_at = self._clock()
         if base is not None and mean > p.slow_factor * base:
             if self._first_sent >= self.decreased_at:
                 self._decrease()

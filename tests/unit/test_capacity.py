@@ -124,10 +124,15 @@ def test_the_baseline_follows_a_provider_that_got_slower_for_good():
     clock = Clock()
     lim = ConcurrencyLimit(POLICY, initial=10, clock=clock)
     round_trip(lim, clock, [Reason.DELIVERED] * 10, rtt=RTT)
-    for _ in range(200):
+    # Four times slower for good: the limit falls to the floor and stays there a while...
+    for _ in range(100):  # 20 s
+        round_trip(lim, clock, [Reason.DELIVERED] * max(4, lim.allowed()), rtt=RTT * 4)
+    assert lim.allowed() == POLICY.floor and lim.baseline < RTT * 1.2
+    # ... until the baseline has drifted up to it (0.5 %/s: ln 4 / ln 1.005 ≈ 280 s).
+    for _ in range(1500):  # 300 s more
         round_trip(lim, clock, [Reason.DELIVERED] * max(4, lim.allowed()), rtt=RTT * 4)
     assert lim.baseline == pytest.approx(RTT * 4)
-    for _ in range(50):
+    for _ in range(60):
         round_trip(lim, clock, [Reason.DELIVERED] * max(4, lim.allowed()), rtt=RTT * 4)
     assert lim.allowed() == POLICY.ceiling  # re-learnt: climbing again
 
