@@ -676,7 +676,8 @@ def check_provider(args: argparse.Namespace) -> None:
             retry_after_seconds=args.retry_after, reject_rate=args.reject_rate,
             timeout_rate=args.timeout_rate, reset_rate=args.reset_rate,
             hang_after_headers_rate=args.hang_after_headers_rate,
-            hang_seconds=args.hang_seconds,
+            hang_seconds=args.hang_seconds, capacity=args.capacity,
+            capacity_answer=args.capacity_answer,
         )
         args.faults = Faults.from_mapping({}, faults)
     except ValueError as exc:
@@ -735,7 +736,9 @@ def cmd_plan(settings: Settings | None, args: argparse.Namespace) -> int:
                                         or str(planner.DB_CEILING_BATCHED_JOBS_PER_SECOND)),
                       cpu_per_delivery_seconds=number(
                           "--cpu-per-delivery", args.cpu_per_delivery
-                          or str(planner.HTTP_DELIVERY_CPU_SECONDS * 1e6)) / 1e6)
+                          or str(planner.HTTP_DELIVERY_CPU_SECONDS * 1e6)) / 1e6,
+                      provider_capacity=None if args.provider_capacity is None else number(
+                          "--provider-capacity", args.provider_capacity))
     except planner.PlanError as exc:
         raise UsageError(str(exc)) from None
     print(planner.describe(result))
@@ -873,7 +876,9 @@ def build_parser() -> argparse.ArgumentParser:
         "error_rate, rate_limit_rate, retry_after_seconds, retry_after_raw, reject_rate,\n"
         "timeout_rate, reset_rate, hang_after_headers_rate, hang_seconds, status, body_bytes,\n"
         "reject_statuses (a list of 4xx), reject_body (json, json_ids, html, text),\n"
-        "flap_seconds, invalid_pattern. A bad value is refused with 400. docs/operations.md.\n")
+        "flap_seconds, invalid_pattern, capacity (requests at once; null: unlimited),\n"
+        "capacity_answer (503, 429, latency). A bad value is refused with 400.\n"
+        "docs/operations.md.\n")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=_port, default=8080, help="port to listen on")
     p.add_argument("--latency-ms", type=float, default=0.0, help="added latency per request")
@@ -891,6 +896,12 @@ def build_parser() -> argparse.ArgumentParser:
                    help="share that sends headers, then hangs before the body")
     p.add_argument("--hang-seconds", type=float, default=30.0,
                    help="how long a hanging answer hangs, seconds")
+    p.add_argument("--capacity", type=_positive_int, default=None,
+                   help="requests worked on at once; beyond it, --capacity-answer; "
+                        "default: unlimited")
+    p.add_argument("--capacity-answer", choices=("503", "429", "latency"), default="503",
+                   help="what a request beyond the capacity gets: 503, 429 with Retry-After, "
+                        "or latency (slowed by load / capacity)")
     p.add_argument("--token", help="require this bearer token; default: none required")
     p.add_argument("--seed", type=int, help="random seed of the faults; default: random")
 
@@ -917,6 +928,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="worker CPU one HTTP delivery costs, µs (default: the bench's "
                         f"{_planner_default('HTTP_DELIVERY_CPU_SECONDS') * 1e6:,.0f}; "
                         "bench/run.sh on your nodes measures yours)")
+    p.add_argument("--provider-capacity", metavar="REQUESTS",
+                   help="requests the provider takes at once, when known: the plan says the "
+                        "rate it allows and turns adaptive concurrency on")
     return parser
 
 

@@ -206,6 +206,7 @@ STATEMENTS: dict[str, Need] = {
     "record_attempts": Need(_W, execute=(RECORD_FUNCTION,)),  # append-only: no table right
     "heartbeat": Need(_W, select=(WORKERS,), insert=(WORKERS,), update=(WORKERS,)),
     "forget_workers": Need(_W, select=(WORKERS,), delete=(WORKERS,)),
+    "fleet_concurrency_limit": Need(_W, select=(WORKERS,)),
     "commit_probe": Need(_W),  # pg_logical_emit_message: any role
     "wal_position": Need(_W),  # pg_current_wal_insert_lsn, _flush_lsn: any role
     # the fleet's waker, on the LISTEN session: advisory locks, pg_notify and

@@ -83,7 +83,8 @@ class Heartbeat:
                 tag=self.tag, pod=self.worker.name, pid=os.getpid(), version=package_version(),
                 slots=self.worker.settings.concurrency, inflight=self.worker.inflight,
                 claimed_total=int(claimed), uptime_seconds=now - self._started,
-                since_claim_seconds=None if last is None else now - last, stopped=stopped)
+                since_claim_seconds=None if last is None else now - last, stopped=stopped,
+                concurrency_limit=self.worker.concurrency_limit())
         except QueueError as exc:
             if "--print-grants" in str(exc) and not self._refusal_logged:
                 # A role without the heartbeat's rights (grants not applied after an

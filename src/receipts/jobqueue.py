@@ -490,8 +490,13 @@ class JobQueue:
 
     async def heartbeat(self, *, tag: str, pod: str, pid: int, version: str, slots: int,
                         inflight: int, claimed_total: int, uptime_seconds: float,
-                        since_claim_seconds: float | None, stopped: bool = False) -> None:
-        """Upsert this worker's ``receipt_workers`` row (``heartbeat``); ages in seconds."""
+                        since_claim_seconds: float | None, stopped: bool = False,
+                        concurrency_limit: int | None = None) -> None:
+        """Upsert this worker's ``receipt_workers`` row (``heartbeat``); ages in seconds.
+
+        *concurrency_limit*: the worker's adaptive limit on deliveries in flight
+        (:mod:`receipts.capacity`), None when adaptation is off.
+        """
         async with self._conn() as conn:
             await conn.execute(self._q("heartbeat"), {
                 "tag": tag, "pod": pod, "pid": pid, "version": version, "slots": slots,
@@ -499,7 +504,14 @@ class JobQueue:
                 "uptime_seconds": max(0.0, uptime_seconds),
                 "since_claim_seconds": (None if since_claim_seconds is None
                                         else max(0.0, since_claim_seconds)),
-                "stopped": stopped})
+                "stopped": stopped, "concurrency_limit": concurrency_limit})
+
+    async def fleet_concurrency_limit(self) -> float | None:
+        """The mean adaptive limit of the live workers that report one (heard within
+        60 s), deliveries in flight per pod; None when none does."""
+        rows = await self._rows(self._q("fleet_concurrency_limit"), {})
+        mean, count = rows[0]
+        return None if not count else float(mean)
 
     async def forget_workers(self, *, seconds: float) -> int:
         """Delete heartbeat rows not seen for *seconds*; returns how many."""

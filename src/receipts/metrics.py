@@ -194,6 +194,20 @@ class Metrics:
             "Admission control's current claim-rate limit, jobs/s (0 while it is off).",
             registry=r,
         )
+        self.concurrency_limit = Gauge(
+            "receipts_concurrency_limit",
+            "Adaptive concurrency's current limit on this worker's deliveries in flight "
+            "(0 while it is off; compare receipts_inflight_deliveries).",
+            registry=r,
+        )
+        self.concurrency_decreases = Counter(
+            "receipts_concurrency_limit_decreases",
+            "Multiplicative decreases of the adaptive concurrency limit, by signal: overload "
+            "(a 429, a 5xx, a timeout, a lost or refused connection) or latency.",
+            ["signal"], registry=r,
+        )
+        for signal in ("overload", "latency"):  # exported at 0 from the start
+            self.concurrency_decreases.labels(signal)
         self.provider_tokens = Gauge(
             "receipts_provider_tokens",
             "Tokens left in the fleet-wide rate-limit bucket after this pod's last claim "

@@ -133,6 +133,8 @@ class Plan:
         connections: the chart's connection budget for this plan.
         db_share: the rate of one shard ÷ db_ceiling.
         wal_bytes_per_second: one shard's rate × WAL_BYTES_PER_JOB.
+        provider_capacity: concurrent requests the provider takes (None: not
+            given); with it, the plan turns adaptive concurrency on.
     """
 
     rate: float
@@ -154,6 +156,22 @@ class Plan:
     connections: int
     db_share: float
     wal_bytes_per_second: float
+    provider_capacity: float | None = None
+
+    @property
+    def provider_rate(self) -> float | None:
+        """Receipts/s the provider's capacity allows (capacity ÷ latency); None: not given."""
+        if self.provider_capacity is None:
+            return None
+        return self.provider_capacity / self.latency_seconds
+
+    @property
+    def capacity_pods(self) -> int | None:
+        """The most pods the capped KEDA signal asks for while the provider holds the
+        fleet at its capacity: ceil(capacity ÷ slots per pod) + 1 (the headroom pod)."""
+        if self.provider_capacity is None:
+            return None
+        return math.ceil(self.provider_capacity / self.concurrency) + 1
 
     @property
     def release_rate(self) -> float:
@@ -164,7 +182,8 @@ class Plan:
 def plan(rate: float, latency_seconds: float, *,
          utilisation: float = DEFAULT_UTILISATION,
          db_ceiling: float = DB_CEILING_BATCHED_JOBS_PER_SECOND,
-         cpu_per_delivery_seconds: float = HTTP_DELIVERY_CPU_SECONDS) -> Plan:
+         cpu_per_delivery_seconds: float = HTTP_DELIVERY_CPU_SECONDS,
+         provider_capacity: float | None = None) -> Plan:
     """Plan a fleet for *rate* receipts/s whose deliveries take *latency_seconds* each.
 
     The rate is the peak to carry; the result has a quarter more pods (at
@@ -177,7 +196,11 @@ def plan(rate: float, latency_seconds: float, *,
     bench's raw scenario). *cpu_per_delivery_seconds* is the worker CPU
     one HTTP delivery costs (default: the bench's figure; ``bench/run.sh`` on
     your own nodes writes yours as
-    ``summary.capacity.worker_cpu_us_per_http_delivery``). Raises
+    ``summary.capacity.worker_cpu_us_per_http_delivery``). *provider_capacity*
+    is how many requests the provider takes at once, when known: the plan
+    then says what rate that allows and turns adaptive concurrency on, so the
+    fleet finds the capacity by itself and KEDA stops adding pods it cannot
+    use (docs/scaling.md). Raises
     :class:`PlanError` for a rate, latency, ceiling or CPU figure that is not
     a positive finite number, or a utilisation outside (0, 1].
     """
@@ -185,6 +208,8 @@ def plan(rate: float, latency_seconds: float, *,
     _check("--latency", latency_seconds, upper=3_600)
     _check("--db-ceiling", db_ceiling, upper=100_000_000)
     _check("--cpu-per-delivery", cpu_per_delivery_seconds * 1e6, upper=1_000_000)
+    if provider_capacity is not None:
+        _check("--provider-capacity", provider_capacity, upper=10_000_000)
     if not (math.isfinite(utilisation) and 0 < utilisation <= 1):
         raise PlanError(f"--utilisation must be above 0 and at most 1, not {utilisation:g}")
 
@@ -222,6 +247,7 @@ def plan(rate: float, latency_seconds: float, *,
         connections=connections,
         db_share=release_rate / db_ceiling,
         wal_bytes_per_second=release_rate * WAL_BYTES_PER_JOB,
+        provider_capacity=provider_capacity,
     )
 
 
@@ -244,9 +270,11 @@ def helm_values(p: Plan) -> str:
     """The Helm values of *p* as a YAML snippet to paste into a values file."""
     pods = max(p.pods_for_cpu, p.pods_for_slots)
     millicores = max(100, math.ceil(p.worker_cpu_cores / pods * 1000 / 50) * 50)
+    adaptive = "" if p.provider_capacity is None else "  adaptiveConcurrency: true\n"
     return (
         "config:\n"
         f"  concurrency: {p.concurrency}\n"
+        f"{adaptive}"
         "worker:\n"
         "  resources:\n"
         "    requests:\n"
@@ -304,9 +332,24 @@ def describe(p: Plan) -> str:
         f"{CONNECTIONS_PER_POD} + recovery, migration, KEDA",
         f"database           {p.db_share:.1%} of the {p.db_ceiling:,g}/s claim+ack ceiling, "
         f"WAL ≈ {mb:,.2f} MB/s ({WAL_BYTES_PER_JOB:,} B per job)",
+        *_provider_lines(p),
         "",
         "Helm values" + (" (each release):" if p.shards > 1 else ":"),
         "",
         helm_values(p).rstrip("\n"),
     ]
     return "\n".join(lines)
+
+
+def _provider_lines(p: Plan) -> list[str]:
+    """What the provider's capacity means for *p* (nothing when it was not given)."""
+    if p.provider_capacity is None or p.provider_rate is None:
+        return []
+    lines = [f"provider           {p.provider_capacity:,g} requests at once allow "
+             f"{p.provider_rate:,.1f} receipts/s at {p.latency_seconds:g} s; adaptive "
+             "concurrency on: with KEDA, a fleet the provider holds asks for at most "
+             f"{p.capacity_pods} pods (ceil({p.provider_capacity:,g} / {p.concurrency}) + 1)"]
+    if p.release_rate > p.provider_rate:
+        lines.append(f"                   the rate is above it: backlogs drain at "
+                     f"{p.provider_rate:,.1f}/s whatever the pods (ask the provider for more)")
+    return lines

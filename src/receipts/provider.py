@@ -22,9 +22,18 @@ can misbehave on purpose for the demo, the tests and staging.
   (``flap_seconds``: reject everything, then accept everything, each that
   long, from the moment the faults were set); and orders that are genuinely
   invalid (``invalid_pattern``: an order id matching the regular expression
-  gets a 422 with such a body, every time).
+  gets a 422 with such a body, every time);
+* a concurrency capacity (``capacity``, requests worked on at once; None:
+  unlimited): a keyed request that arrives while ``capacity`` are already
+  being worked on is answered at once with a 503, or a 429 with
+  ``Retry-After`` (``capacity_answer``), or, with ``capacity_answer``
+  ``latency``, accepted but slowed: its latency is multiplied by load ÷
+  capacity, as a saturated server's is. It can change while it runs.
 
-``GET /stats`` returns counters as JSON, ``GET /receipts`` every recorded key
+``GET /stats`` returns counters as JSON (``concurrent`` requests now,
+``max_concurrent`` since the last reset, ``over_capacity`` answers), ``GET
+/loads`` the load each keyed request found on arrival (itself included) as
+``[monotonic seconds, load]``, ``GET /receipts`` every recorded key
 with its request count, ``GET /requests`` every keyed POST as ``[key, attempt]``
 (attempt from ``X-Receipts-Attempt``) in arrival order, ``GET /answers``
 every answer with a status as ``[monotonic seconds, status]`` (the machine's
@@ -85,6 +94,11 @@ class Faults:
             from when the faults were set); 0: always.
         invalid_pattern: a regular expression; an order id it matches (search)
             is answered 422, every time, and never recorded.
+        capacity: requests worked on at once before it is over capacity
+            (None: unlimited; ≥ 1).
+        capacity_answer: what a request beyond the capacity gets: ``503``,
+            ``429`` (with ``Retry-After: retry_after_seconds``) or ``latency``
+            (accepted, its latency × load ÷ capacity).
     """
 
     latency_seconds: float = 0.0
@@ -104,6 +118,8 @@ class Faults:
     reject_body: str = "json"
     flap_seconds: float = 0.0
     invalid_pattern: str | None = None
+    capacity: int | None = None
+    capacity_answer: str = "503"
 
     @classmethod
     def from_mapping(cls, data: dict[str, Any], base: Faults | None = None) -> Faults:
@@ -137,6 +153,10 @@ class Faults:
         result = replace(base or cls(), **data)
         if result.reject_body not in REJECT_BODIES:
             raise ValueError(f"reject_body must be one of {', '.join(REJECT_BODIES)}")
+        if result.capacity_answer not in CAPACITY_ANSWERS:
+            raise ValueError(f"capacity_answer must be one of {', '.join(CAPACITY_ANSWERS)}")
+        if result.capacity is not None and result.capacity < 1:
+            raise ValueError("capacity must be at least 1 (or null: unlimited)")
         for f in fields(cls):
             value = getattr(result, f.name)
             if f.name.endswith("_rate") and not 0.0 <= float(value) <= 1.0:
@@ -149,9 +169,9 @@ class Faults:
 #: The type each fault setting takes from JSON (None is also allowed where the default is).
 _KINDS: dict[str, type] = {
     "status": int, "body_bytes": int, "retry_after_raw": str, "reject_body": str,
-    "invalid_pattern": str, "reject_statuses": list,
+    "invalid_pattern": str, "reject_statuses": list, "capacity": int, "capacity_answer": str,
 }
-_OPTIONAL = ("retry_after_raw", "status", "reject_statuses", "invalid_pattern")
+_OPTIONAL = ("retry_after_raw", "status", "reject_statuses", "invalid_pattern", "capacity")
 
 
 def _check_type(name: str, value: Any) -> None:
@@ -178,6 +198,8 @@ _NON_NEGATIVE = ("latency_seconds", "latency_jitter_seconds", "retry_after_secon
                  "hang_seconds", "body_bytes", "flap_seconds")
 #: The styles of a rejection's body (:attr:`Faults.reject_body`).
 REJECT_BODIES = ("json", "json_ids", "html", "text")
+#: What a request beyond the capacity gets (:attr:`Faults.capacity_answer`).
+CAPACITY_ANSWERS = ("503", "429", "latency")
 _BASE62 = string.ascii_letters + string.digits
 
 
@@ -205,14 +227,22 @@ class ReferenceProvider:
         #: (time.monotonic() of the answer, HTTP status) of every answer sent with
         #: a status (rate and pause tests read it; hangs and resets are not in it).
         self.answers: list[tuple[float, int]] = []
+        #: Keyed requests being worked on now, and the most at once since the reset.
+        self.concurrent = 0
+        self.max_concurrent = 0
+        #: (time.monotonic() of the arrival, load it found, itself included) of
+        #: every keyed request (GET /loads).
+        self.loads: list[tuple[float, int]] = []
 
     def reset(self) -> None:
-        """Forget every receipt and counter."""
+        """Forget every receipt and counter (the requests being worked on stay counted)."""
         self.receipts.clear()
         self.in_progress.clear()
         self.stats.clear()
         self.request_log.clear()
         self.answers.clear()
+        self.loads.clear()
+        self.max_concurrent = self.concurrent
 
     def _rejects(self, key: str) -> bool:
         digest = hashlib.sha256(key.encode("utf-8", "surrogatepass")).digest()
@@ -241,6 +271,26 @@ class ReferenceProvider:
             order_id = str(body["order_id"])
         except (ValueError, KeyError, TypeError):
             return self._answer(400, {"error": "body must be JSON with order_id"})
+        load = self.concurrent + 1
+        self.loads.append((time.monotonic(), load))
+        self.max_concurrent = max(self.max_concurrent, load)
+        if f.capacity is not None and load > f.capacity and f.capacity_answer != "latency":
+            self.stats["over_capacity"] += 1
+            if f.capacity_answer == "429":
+                retry_after = f.retry_after_raw or f"{f.retry_after_seconds:g}"
+                return self._answer(429, {"error": "over capacity, slow down"},
+                                    {"Retry-After": retry_after})
+            return self._answer(503, {"error": "over capacity"})
+        self.concurrent += 1
+        try:
+            return await self._process(request, f, key, order_id, load)
+        finally:
+            self.concurrent -= 1
+
+    async def _process(self, request: web.Request, f: Faults, key: str, order_id: str,
+                       load: int) -> web.StreamResponse:
+        """The rest of a keyed POST once it is being worked on (*load*: the requests
+        worked on at its arrival, itself included)."""
         if f.invalid_pattern is not None and re.search(f.invalid_pattern, order_id):
             self.stats["invalid_orders"] += 1
             return self._rejection(422, f"order {order_id} cannot receive a receipt")
@@ -260,6 +310,9 @@ class ReferenceProvider:
         self.in_progress.add(key)
         try:
             delay = f.latency_seconds + self.rng.uniform(0, f.latency_jitter_seconds)
+            if f.capacity is not None and load > f.capacity:  # capacity_answer "latency"
+                self.stats["over_capacity"] += 1
+                delay *= load / f.capacity
             if delay > 0:
                 await asyncio.sleep(delay)
             answer = {"receipt_id": hashlib.sha256(key.encode("utf-8", "surrogatepass"))
@@ -328,6 +381,9 @@ class ReferenceProvider:
         data["receipts"] = len(self.receipts)
         data.setdefault("duplicates_suppressed", 0)
         data.setdefault("requests", 0)
+        data["concurrent"] = self.concurrent
+        data["max_concurrent"] = self.max_concurrent
+        data.setdefault("over_capacity", 0)
         data["faults"] = asdict(self.faults)
         return data
 
@@ -348,6 +404,9 @@ class ReferenceProvider:
 
         async def answers(_: web.Request) -> web.Response:
             return web.json_response(self.answers)
+
+        async def loads(_: web.Request) -> web.Response:
+            return web.json_response(self.loads)
 
         async def healthz(_: web.Request) -> web.Response:
             return web.json_response({"status": "ok"})
@@ -374,6 +433,7 @@ class ReferenceProvider:
         app.router.add_get("/stats", stats)
         app.router.add_get("/requests", requests_log)
         app.router.add_get("/answers", answers)
+        app.router.add_get("/loads", loads)
         app.router.add_get("/healthz", healthz)
         app.router.add_put("/faults", put_faults)
         app.router.add_post("/reset", reset)

@@ -325,6 +325,7 @@ async def run_worker(settings: Settings, deliverer: Deliverer | None = None) -> 
             "metrics_port": runtime.metrics_port,
             "rate_limit_per_second": settings.provider_rate_limit_per_second,
             "admission_control": settings.admission_control,
+            "adaptive_concurrency": settings.adaptive_concurrency,
             "synchronous_commit": "role setting" if settings.pgbouncer else (
                 settings.synchronous_commit),
             "event_loop": event_loop_name(),

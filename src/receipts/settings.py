@@ -27,7 +27,7 @@ from pydantic import (
 )
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
-from receipts import __version__, admission, flow, retry
+from receipts import __version__, admission, capacity, flow, retry
 
 # The DSN helpers live in receipts.dsn; the `as` names are re-exported for existing callers.
 from receipts.dsn import MASK as MASK
@@ -237,6 +237,24 @@ class Settings(BaseSettings):
         default=admission.MAX_RATE_PER_SECOND, gt=0, le=10_000_000,
         description="Admission control's ceiling and starting limit (jobs/s per worker).",
     )
+    adaptive_concurrency: bool = Field(
+        default=False,
+        description="Adapt each worker's limit on deliveries in flight to the provider's "
+                    "answers (AIMD: +1 per round trip of calm answers, x0.7 on a 429, a 5xx, "
+                    "a timeout or rising latency); a new worker starts at the fleet's mean "
+                    "limit, and the KEDA signal stops adding pods the limits cannot use. "
+                    "Off: the slots alone bound deliveries, as before (docs/scaling.md).",
+    )
+    adaptive_concurrency_floor: int = Field(
+        default=capacity.FLOOR, ge=1, le=10_000,
+        description="Adaptive concurrency never limits a worker below this many "
+                    "deliveries in flight.",
+    )
+    adaptive_concurrency_ceiling: int = Field(
+        default=capacity.CEILING, ge=1, le=10_000,
+        description="Adaptive concurrency never allows a worker more than this many "
+                    "deliveries in flight (nor more than its slots).",
+    )
     outage_window_seconds: float = Field(
         default=flow.WINDOW_SECONDS, gt=0, le=3_600,
         description="Outage detection looks at each job's latest answer over this window.",
@@ -418,6 +436,11 @@ class Settings(BaseSettings):
             raise ValueError(
                 "RECEIPTS_ADMISSION_MAX_RATE_PER_SECOND must be at least "
                 "RECEIPTS_ADMISSION_MIN_RATE_PER_SECOND"
+            )
+        if self.adaptive_concurrency_ceiling < self.adaptive_concurrency_floor:
+            raise ValueError(
+                "RECEIPTS_ADAPTIVE_CONCURRENCY_CEILING must be at least "
+                "RECEIPTS_ADAPTIVE_CONCURRENCY_FLOOR"
             )
         if self.retry_cap_seconds < self.retry_base_seconds:
             raise ValueError(

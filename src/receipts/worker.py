@@ -33,6 +33,11 @@ Shape (docs/design.md §4, §11):
   known), and a claim that ran out of tokens sleeps until the next ones.
 * Claims start at the waker's watermark (:meth:`Wakeups.claim_bound`), not
   at the ready index's first entry.
+* Adaptive concurrency (off by default, ``RECEIPTS_ADAPTIVE_CONCURRENCY``): a
+  claim takes no more than ``min(slots, limit) - in flight``, the limit an
+  AIMD rule adapts to the provider's answers (:mod:`receipts.capacity`),
+  started at the fleet's mean limit from the heartbeat rows. It sits beside
+  the rate limit, ``Retry-After`` and the pause, and replaces none of them.
 * Admission control (off by default, ``RECEIPTS_ADMISSION_CONTROL``): claims
   also spend a local token bucket whose rate an AIMD limiter adapts to the
   latency of a small durable commit (the commit probe),
@@ -58,6 +63,7 @@ from collections.abc import Iterable
 from datetime import datetime
 
 from receipts.admission import AdmissionController, AdmissionPolicy
+from receipts.capacity import CapacityPolicy, ConcurrencyLimit, starting_limit
 from receipts.completion import Completer
 from receipts.db import commits_asynchronously, statement_deadline
 from receipts.delivery import Deliverer
@@ -111,6 +117,14 @@ def admission_policy(settings: Settings) -> AdmissionPolicy:
                            max_rate=settings.admission_max_rate_per_second)
 
 
+def capacity_policy(settings: Settings) -> CapacityPolicy:
+    """The :class:`CapacityPolicy` the settings describe: the ceiling is also the slots
+    (a limit above them could never be reached, so never measured)."""
+    ceiling = min(settings.adaptive_concurrency_ceiling, settings.concurrency)
+    return CapacityPolicy(floor=min(settings.adaptive_concurrency_floor, ceiling),
+                          ceiling=ceiling)
+
+
 def flow_policy(settings: Settings) -> FlowPolicy:
     """The :class:`FlowPolicy` the settings describe."""
     return FlowPolicy(
@@ -149,6 +163,11 @@ class Worker:
         )
         self.admission = AdmissionController(admission_policy(settings)) if (
             settings.admission_control) else None
+        #: Adaptive concurrency (RECEIPTS_ADAPTIVE_CONCURRENCY): the AIMD limit on
+        #: deliveries in flight; None when off (the slots alone bound them). It
+        #: starts at the floor; :meth:`run` moves it to the fleet's mean first.
+        self.capacity = ConcurrencyLimit(capacity_policy(settings)) if (
+            settings.adaptive_concurrency) else None
         self.completer = Completer(queue, metrics, lease_seconds=settings.lease_seconds,
                                    watch_durability=commits_asynchronously(settings, "worker"),
                                    worker=socket.gethostname()[:100])
@@ -210,6 +229,29 @@ class Worker:
         """Deliveries in progress."""
         return len(self._inflight)
 
+    def concurrency_limit(self) -> int | None:
+        """The adaptive limit on deliveries in flight now; None when adaptation is off."""
+        return None if self.capacity is None else self.capacity.allowed()
+
+    async def join_fleet_limit(self) -> None:
+        """Start the adaptive limit at the fleet's mean per-pod limit (the live
+        heartbeat rows'), or leave it at the floor when none is known or the
+        database does not answer (it is never started at the ceiling)."""
+        capacity = self.capacity
+        if capacity is None:
+            return
+        mean: float | None = None
+        read = getattr(self.queue, "fleet_concurrency_limit", None)
+        if read is not None:
+            try:
+                mean = await read()
+            except QueueError as exc:
+                log.debug("fleet_limit_unread", extra={"error": str(exc)})
+        capacity.limit = starting_limit(capacity.policy, mean)
+        self.metrics.concurrency_limit.set(capacity.allowed())
+        log.info("concurrency_limit_started", extra={
+            "limit": capacity.allowed(), "fleet_mean": None if mean is None else round(mean, 2)})
+
     def is_ready(self) -> bool:
         """True while the database answered this worker's last statement and it is not wedged."""
         return self._db_ok and self.completer.healthy and self.is_alive()
@@ -258,6 +300,7 @@ class Worker:
         this second).
         """
         self.completer.start()
+        await self.join_fleet_limit()
         helpers = [asyncio.create_task(self._stats_loop(), name="queue-stats")]
         if self.admission is not None:
             helpers.append(asyncio.create_task(self._admission_loop(), name="commit-probe"))
@@ -288,6 +331,10 @@ class Worker:
         backoff = OUTAGE_BACKOFF_FIRST_SECONDS
         backlog_limit = max(self.settings.concurrency, self.completer.max_batch)
         while not self._stop.is_set():
+            if self.capacity is not None and (hold := self.capacity.hold_seconds()) > 0:
+                # The provider refused a request just now: one round trip without claims.
+                await self._sleep(hold, wakeable=False)
+                continue
             free = self._free_slots()
             if free <= 0:
                 await self._wait_for_slot()
@@ -295,7 +342,7 @@ class Worker:
             if self.completer.backlog >= backlog_limit:
                 await self._wait_for_writes(backlog_limit)
                 continue
-            if free < self._claim_min and self._backlogged and self._inflight:
+            if free < self._linger_min() and self._backlogged and self._inflight:
                 # A claim statement costs the same CPU for 1 job as for 40: let
                 # a few more slots free up (at most CLAIM_LINGER_SECONDS).
                 await self._gather_slots()
@@ -316,11 +363,15 @@ class Worker:
 
     def _free_slots(self) -> int:
         """Slots free for a claim now: fewer while the gate sees unexplained rejections
-        (:meth:`ProviderGate.inflight_cap`); may be ≤ 0 (a confirmation takes a slot
-        without a claim)."""
-        free = self.settings.concurrency - len(self._inflight)
+        (:meth:`ProviderGate.inflight_cap`) and, with adaptive concurrency, never more
+        than its limit less the deliveries in flight (min(slots, limit) - in flight);
+        may be ≤ 0 (a confirmation takes a slot without a claim)."""
+        inflight = len(self._inflight)
+        free = self.settings.concurrency - inflight
+        if self.capacity is not None:
+            free = min(free, self.capacity.allowed() - inflight)
         most = self.gate.inflight_cap()
-        return free if most is None else min(free, most - len(self._inflight))
+        return free if most is None else min(free, most - inflight)
 
     async def step(self, free: int) -> tuple[float, bool] | None:
         """One turn of the claim loop with *free* slots: claim, start deliveries.
@@ -474,15 +525,27 @@ class Worker:
             task = asyncio.create_task(self._deliver(attempt))
             self._inflight.add(task)
             task.add_done_callback(self._delivery_done)
+        if self.capacity is not None:
+            self.capacity.on_send(len(self._inflight))
         return result
 
     def _delivery_done(self, task: asyncio.Task[None]) -> None:
         self._inflight.discard(task)
         self._slot_freed.set()
-        if self.settings.concurrency - len(self._inflight) >= self._claim_min:
+        free = self.settings.concurrency - len(self._inflight)
+        if self.capacity is not None:
+            free = min(free, self.capacity.allowed() - len(self._inflight))
+        if free >= self._linger_min():
             self._enough_free.set()
         if not task.cancelled() and task.exception() is not None:
             log.error("delivery_crashed", exc_info=task.exception())
+
+    def _linger_min(self) -> int:
+        """The batch worth lingering for: ``_claim_min``, or a tenth of the adaptive
+        limit when that is smaller (≥ 1)."""
+        if self.capacity is None:
+            return self._claim_min
+        return max(1, min(self._claim_min, self.capacity.allowed() // 10))
 
     async def _wait_for_slot(self) -> None:
         self._slot_freed.clear()
@@ -531,10 +594,27 @@ class Worker:
         if histogram is None:  # a reason outside the enum (a deliverer's own string)
             histogram = self.metrics.delivery_duration.labels(outcome.reason)
         histogram.observe(took)
+        if self.capacity is not None:
+            self._adapt(outcome, took, sent_at)
         if self.record_all or outcome.verdict is not Verdict.DELIVERED or job.attempt > 1:
             self.completer.record(AttemptRecord.of(job, outcome, duration_seconds=took,
                                                    worker=self.name))
         await self.flow.judge(attempt, outcome, sent_at=sent_at, confirming=confirming)
+
+    def _adapt(self, outcome: Outcome, took: float, sent_at: float) -> None:
+        """Feed the adaptive limit one delivery's answer (round trip *took*, seconds)."""
+        capacity = self.capacity
+        assert capacity is not None
+        before = capacity.allowed()
+        signal = capacity.observe(outcome.reason, rtt_seconds=took, sent_at=sent_at)
+        if signal is not None:
+            self.metrics.concurrency_decreases.labels(signal).inc()
+        now = capacity.allowed()
+        if now != before:
+            self.metrics.concurrency_limit.set(now)
+            if signal is not None:
+                log.debug("concurrency_limit_decreased", extra={
+                    "limit": now, "signal": signal, "reason": str(outcome.reason)})
 
     def _confirm(self, attempt: Attempt) -> None:
         """Send a first strike's job again, in its lease: the confirmation."""

@@ -43,6 +43,7 @@ def scaled_rules(scale: float) -> str:
     sets = [f"alerts.{key}={seconds(minutes * 60)}" for key, minutes in {
         "queueLagFor": 5, "providerPausedFor": 15, "providerRejectingFor": 10,
         "manualPauseGrace": 15, "manualPauseMaxFor": 240, "rateLimitSaturatedFor": 15,
+        "providerAtCapacityFor": 10,
         "databaseNotReadyFor": 5, "expiredLeasesFor": 10, "workersDownFor": 5,
         "xminHorizonFor": 15, "ratioWindow": 30}.items()]
     sets += [f"alerts.{key}={round(value / scale)}" for key, value in {

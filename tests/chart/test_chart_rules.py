@@ -64,6 +64,7 @@ REQUIRED_ALERTS = {
     "ReceiptsProviderRejecting",  # paused because the provider rejects nearly everything
     "ReceiptsManualPauseLong",  # an operator's pause outlasting its expected time (info)
     "ReceiptsRateLimitSaturated",  # the provider's rate limit caps deliveries for long
+    "ReceiptsProviderAtCapacity",  # adaptive concurrency held at the provider's capacity
     "ReceiptsDatabaseNotReady",  # workers whose database is unready
     "ReceiptsQueueStatsStale",  # queue gauges frozen (which silences the queue alerts)
     "ReceiptsExpiredLeasesNotRecovered",  # expired leases not being recovered

@@ -738,8 +738,10 @@ def exercises(role: Role) -> dict[str, Callable[[], Awaitable[Any]]]:
         "prune": lambda: q.prune(retention_seconds=1e9, batch=1),
         "heartbeat": lambda: q.heartbeat(
             tag=new_tag(), pod="role-test", pid=1, version="0", slots=0, inflight=0,
-            claimed_total=0, uptime_seconds=0.0, since_claim_seconds=None, stopped=True),
+            claimed_total=0, uptime_seconds=0.0, since_claim_seconds=None, stopped=True,
+            concurrency_limit=3),
         "forget_workers": lambda: q.forget_workers(seconds=1e9),
+        "fleet_concurrency_limit": lambda: q.fleet_concurrency_limit(),
         # the operator's statements (sql/operations.sql)
         "state_counts": lambda: ops.state_counts(),
         "oldest_failed": lambda: ops.oldest_failed(),

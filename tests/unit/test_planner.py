@@ -222,3 +222,18 @@ def test_the_planners_cpu_per_delivery_is_the_benchs_latest_figure() -> None:
     capacity = json.loads(latest.read_text())["summary"]["capacity"]
     measured_us = capacity["worker_cpu_us_per_http_delivery"]["median"]
     assert measured_us == pytest.approx(HTTP_DELIVERY_CPU_SECONDS * 1e6, abs=0.5)
+
+
+def test_a_provider_capacity_says_the_rate_it_allows_and_turns_adaptation_on(capsys) -> None:
+    p = plan(500, 0.2, provider_capacity=60)
+    assert p.provider_rate == pytest.approx(300) and p.capacity_pods == math.ceil(60 / 125) + 1
+    values = yaml.safe_load(helm_values(p))
+    assert values["config"]["adaptiveConcurrency"] is True
+    assert "the rate is above it" in describe(p)
+    assert "adaptiveConcurrency" not in helm_values(plan(500, 0.2))  # not given: as before
+    assert "provider " not in describe(plan(500, 0.2))
+    assert main(["plan", "--rate", "100", "--latency", "0.2", "--provider-capacity", "60"]) == 0
+    out = capsys.readouterr().out
+    assert "60 requests at once allow 300.0 receipts/s" in out and "above it" not in out
+    with pytest.raises(PlanError):
+        plan(100, 0.2, provider_capacity=0)

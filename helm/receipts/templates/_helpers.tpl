@@ -194,6 +194,9 @@ RECEIPTS_POLL_INTERVAL_SECONDS: {{ $c.pollIntervalSeconds | toString | quote }}
 RECEIPTS_CLAIM_BATCH_MAX: {{ $c.claimBatchMax | int | quote }}
 RECEIPTS_METRICS_PORT: {{ .Values.metrics.port | int | quote }}
 RECEIPTS_LOG_LEVEL: {{ $c.logLevel | quote }}
+RECEIPTS_ADAPTIVE_CONCURRENCY: {{ $c.adaptiveConcurrency | toString | quote }}
+RECEIPTS_ADAPTIVE_CONCURRENCY_FLOOR: {{ $c.adaptiveConcurrencyFloor | int | quote }}
+RECEIPTS_ADAPTIVE_CONCURRENCY_CEILING: {{ $c.adaptiveConcurrencyCeiling | int | quote }}
 RECEIPTS_POOL_MAX_SIZE: {{ $c.poolMaxSize | int | quote }}
 RECEIPTS_LISTEN_NOTIFY: {{ and $c.listenNotify (not $c.pgbouncer) | toString | quote }}
 RECEIPTS_PGBOUNCER: {{ $c.pgbouncer | toString | quote }}
@@ -333,6 +336,13 @@ fleet keeps the pods that hold them and asks for no more, and at least 1 while j
 so one pod stays to see the pause end. Each count stops at maxReplicas × target: more
 would not change KEDA's answer, and the statement's cost stays bounded by it. Tables are
 qualified with config.databaseSchema when it is set (else KEDA's DSN's search_path applies).
+With config.adaptiveConcurrency, while a live pod's adaptive limit (its receipt_workers row,
+heard within 60 s) is below the most a pod may have in flight (most: the slots or
+config.adaptiveConcurrencyCeiling, the smaller), the provider holds the fleet back: the value
+is capped at (ceil(sum of the live pods' limits, each at most most, / most) +
+autoscaling.keda.capacityHeadroomPods) × target, so KEDA asks for no more pods than the
+limits can use plus the headroom, however deep the backlog. No live limits (an idle fleet,
+scaled to zero, adaptation off in the pods): no cap.
 */}}
 {{- define "receipts.kedaQuery" -}}
 {{- $target := include "receipts.kedaTarget" . | int -}}
@@ -355,9 +365,23 @@ WITH flow AS (
     LIMIT {{ $cap }}
   ) AS b
 )
+{{- if .Values.config.adaptiveConcurrency }}
+{{- $most := min $slots (.Values.config.adaptiveConcurrencyCeiling | int) }}, fleet AS (
+  SELECT sum(least(concurrency_limit, {{ $most }})) AS lim, bool_or(concurrency_limit < {{ $most }}) AS held
+  FROM {{ $s }}receipt_workers
+  WHERE seen_at > statement_timestamp() - interval '60 seconds' AND stopped_at IS NULL
+    AND concurrency_limit IS NOT NULL
+)
+SELECT CASE WHEN flow.paused THEN greatest((busy.n * {{ $target }} + {{ sub $slots 1 }}) / {{ $slots }}, due.n)
+            WHEN fleet.held THEN least(due.n + busy.n,
+              (ceil(fleet.lim / {{ $most }}.0)::bigint + {{ .Values.autoscaling.keda.capacityHeadroomPods | int }}) * {{ $target }})
+            ELSE due.n + busy.n END
+FROM flow, due, busy, fleet
+{{- else }}
 SELECT CASE WHEN flow.paused THEN greatest((busy.n * {{ $target }} + {{ sub $slots 1 }}) / {{ $slots }}, due.n)
             ELSE due.n + busy.n END
 FROM flow, due, busy
+{{- end }}
 {{- end }}
 
 {{/*

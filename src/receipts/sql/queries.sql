@@ -604,19 +604,28 @@ FROM ready AS r, running AS n, failed AS f, discarded AS d;
 -- from the first heartbeat; stopped is sent once, by a draining worker.
 INSERT INTO {schema}.receipt_workers AS w
   (tag, pod, pid, version, slots, inflight, claimed_total, started_at, seen_at,
-   last_claim_at, stopped_at)
+   last_claim_at, stopped_at, concurrency_limit)
 VALUES (%(tag)s, left(%(pod)s, 100), %(pid)s, left(%(version)s, 40), %(slots)s, %(inflight)s,
         %(claimed_total)s,
         statement_timestamp() - make_interval(secs => %(uptime_seconds)s),
         statement_timestamp(),
         statement_timestamp() - make_interval(secs => %(since_claim_seconds)s),
-        CASE WHEN %(stopped)s THEN statement_timestamp() END)
+        CASE WHEN %(stopped)s THEN statement_timestamp() END, %(concurrency_limit)s)
 ON CONFLICT (tag) DO UPDATE
 SET pod = excluded.pod, pid = excluded.pid, version = excluded.version,
     slots = excluded.slots, inflight = excluded.inflight,
     claimed_total = excluded.claimed_total, seen_at = excluded.seen_at,
     last_claim_at = coalesce(excluded.last_claim_at, w.last_claim_at),
-    stopped_at = excluded.stopped_at;
+    stopped_at = excluded.stopped_at, concurrency_limit = excluded.concurrency_limit;
+
+-- name: fleet_concurrency_limit
+-- The mean adaptive concurrency limit of the workers heard within the last
+-- minute that report one (migration 0011), and how many do: where a starting
+-- worker's limit begins (receipts.capacity). NULL mean: none reports one.
+SELECT avg(concurrency_limit)::float8, count(concurrency_limit)
+FROM {schema}.receipt_workers
+WHERE seen_at > statement_timestamp() - interval '60 seconds' AND stopped_at IS NULL
+  AND concurrency_limit IS NOT NULL;
 
 -- name: forget_workers
 -- Heartbeat rows not seen for %(seconds)s (a starting worker runs this once).

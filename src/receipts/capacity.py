@@ -1,0 +1,223 @@
+"""Adaptive concurrency: a per-pod AIMD limit on deliveries in flight (pure, no I/O).
+
+The fleet autoscales on queue depth; the provider's capacity is what really
+bounds delivery. This module finds that capacity from the provider's own
+answers and keeps a pod's concurrent requests within its share of it.
+
+The rule (:class:`ConcurrencyLimit`), per answer:
+
+* **Overload** (429, 5xx, a timeout, a connection lost or refused): multiply
+  the limit by ``backoff`` (0.7 by default) at once, but only for an answer
+  to a request *sent after* the last decrease, so one episode of overload
+  (all the requests already in flight when it began) costs one decrease: no
+  more than one per round trip.
+* **Latency**: answers are grouped in windows of about one round trip's
+  worth (as many answers as the limit, at least ``min_window``). A window
+  whose mean round-trip time is above ``slow_factor`` × the baseline (the
+  lowest window mean seen, drifting up slowly so a provider that got slower
+  for good is not held against it forever) is a decrease too, with the same
+  once-per-round-trip guard: a provider queueing requests says so by
+  slowing down before it starts refusing them.
+* **Increase**: a window with no overload, a mean within ``calm_factor`` ×
+  the baseline, and the limit actually reached (the pod was held by the
+  limit, not by its backlog) adds 1: additive increase, one per round trip.
+
+The limit stays within [``floor``, ``ceiling``]; the worker claims no more
+than ``min(slots, limit) - in flight``. After any overload answer the pod
+also claims nothing for one round trip (the baseline; :meth:`ConcurrencyLimit.hold_seconds`):
+a refused request frees its slot at once, and a pod at its floor would
+otherwise refill it at once, again and again, into a provider that is full
+(TCP's retransmission timer plays that part when the window cannot shrink).
+
+Why AIMD rather than a gradient or Vegas limiter alone: pods do not talk to
+each other about the provider. Additive increase with multiplicative
+decrease is the rule under which independent senders sharing one
+bottleneck, each seeing only its own answers, converge to equal shares of
+it and stay near its capacity (Chiu and Jain's argument behind TCP
+congestion control): every decrease shrinks the larger shares by more,
+every increase grows all shares alike. So the fleet needs no shared row
+written per claim or per delivery: each pod only reports its limit in its
+heartbeat (for the autoscaler and the fleet mean a new pod starts from),
+never on the hot path. The latency guard borrows the gradient limiters'
+signal so that a provider that slows down rather than refuses is backed
+off from too; 429/503 answers and timeouts remain the primary signal.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from receipts.model import Reason
+
+#: Default floor of the limit (deliveries in flight per pod).
+FLOOR = 1
+#: Default ceiling of the limit (deliveries in flight per pod; the slots cap it too).
+CEILING = 64
+
+#: Bounds of the pause in claims after an overload answer (one baseline round trip), s.
+HOLD_MIN_SECONDS, HOLD_MAX_SECONDS = 0.01, 5.0
+#: The signals of a decrease (``receipts_concurrency_limit_decreases_total{signal}``).
+OVERLOAD, LATENCY = "overload", "latency"
+#: Answers that say the provider is overloaded: the limit shrinks.
+OVERLOAD_REASONS = frozenset({Reason.RATE_LIMITED, Reason.PROVIDER_5XX, Reason.TIMEOUT,
+                              Reason.CONNECTION_LOST, Reason.CONNECT_ERROR})
+#: Answers the provider gave at its normal pace: their round trip is a latency sample.
+ANSWERED_REASONS = frozenset({Reason.DELIVERED, Reason.REJECTED, Reason.IN_PROGRESS})
+
+
+@dataclass(frozen=True, slots=True)
+class CapacityPolicy:
+    """The AIMD limiter's constants.
+
+    Attributes:
+        floor: the lowest limit (≥ 1), deliveries in flight.
+        ceiling: the highest limit (≥ floor), deliveries in flight.
+        backoff: the factor of a multiplicative decrease, in (0, 1).
+        slow_factor: a window whose mean round trip exceeds this × the baseline
+            is a decrease (> calm_factor).
+        calm_factor: a window may increase the limit only when its mean round
+            trip is within this × the baseline (≥ 1).
+        min_window: the fewest answers in a window (≥ 1).
+        baseline_drift: how much the baseline round trip may rise per second (a
+            fraction; 0.005: × 2 in about 2.3 minutes), so a provider that got
+            slower for good is re-learnt, but a fleet that loads the provider
+            for minutes does not make its own queueing the new normal.
+    """
+
+    floor: int = FLOOR
+    ceiling: int = CEILING
+    backoff: float = 0.7
+    slow_factor: float = 2.0
+    calm_factor: float = 1.25
+    min_window: int = 32
+    baseline_drift: float = 0.005
+
+    def __post_init__(self) -> None:
+        if not 1 <= self.floor <= self.ceiling:
+            raise ValueError("need 1 <= floor <= ceiling")
+        if not 0 < self.backoff < 1:
+            raise ValueError("backoff must be in (0, 1)")
+        if not 1 <= self.calm_factor < self.slow_factor:
+            raise ValueError("need 1 <= calm_factor < slow_factor")
+        if self.min_window < 1 or self.baseline_drift < 0:
+            raise ValueError("min_window must be >= 1 and baseline_drift >= 0")
+
+
+def starting_limit(policy: CapacityPolicy, fleet_mean: float | None) -> float:
+    """Where a new pod's limit starts: the fleet's mean per-pod limit (read from the
+    live heartbeat rows) within [floor, ceiling], or the floor when none is known.
+
+    A pod that starts at the ceiling beside a fleet held at the provider's
+    capacity would send a burst of overload; starting at the mean joins the
+    fleet at its current share.
+    """
+    if fleet_mean is None or not math.isfinite(fleet_mean):
+        return float(policy.floor)
+    return float(min(policy.ceiling, max(policy.floor, fleet_mean)))
+
+
+class ConcurrencyLimit:
+    """One pod's AIMD limit on deliveries in flight (see the module doc).
+
+    Args:
+        policy: the constants.
+        initial: the starting limit (:func:`starting_limit`); clamped to
+            [floor, ceiling]. None: the floor.
+        clock: monotonic seconds (tests pass their own).
+
+    Not thread-safe: one event loop feeds it.
+    """
+
+    def __init__(self, policy: CapacityPolicy, *, initial: float | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        self.policy = policy
+        self.limit = starting_limit(policy, initial)
+        self._clock = clock
+        #: Monotonic time of the last decrease: answers to requests sent before it
+        #: are part of the episode it already answered.
+        self.decreased_at = -math.inf
+        #: The lowest window mean round trip seen (drifting up), seconds; None: none yet.
+        self.baseline: float | None = None
+        self._baseline_at = clock()
+        self.decreases = 0
+        self.increases = 0
+        #: Monotonic time until which the pod claims nothing (after an overload answer).
+        self.hold_until = -math.inf
+        self._reset_window()
+
+    def _reset_window(self) -> None:
+        self._count = 0
+        self._rtt_sum = 0.0
+        self._peak = 0
+        self._first_sent = math.inf
+
+    def allowed(self) -> int:
+        """Deliveries this pod may have in flight now (the limit, rounded down; ≥ 1)."""
+        return max(1, int(self.limit))
+
+    def hold_seconds(self) -> float:
+        """Seconds the pod must still wait before claiming (0 when it may claim now)."""
+        return max(0.0, self.hold_until - self._clock())
+
+    def on_send(self, inflight: int) -> None:
+        """Note *inflight* deliveries (after starting some): the window saw this load."""
+        self._peak = max(self._peak, inflight)
+
+    def observe(self, reason: Reason | str, *, rtt_seconds: float,
+                sent_at: float) -> str | None:
+        """Feed one finished delivery: its *reason*, round trip (seconds) and the
+        monotonic time it was sent. Other reasons (auth, internal errors) say
+        nothing about load and are ignored.
+
+        Returns the signal of a decrease it caused (``overload`` or ``latency``),
+        else None.
+        """
+        if reason in OVERLOAD_REASONS:
+            rtt = self.baseline if self.baseline is not None else rtt_seconds
+            if not math.isfinite(rtt):
+                rtt = HOLD_MAX_SECONDS
+            self.hold_until = max(self.hold_until, self._clock() + min(
+                HOLD_MAX_SECONDS, max(HOLD_MIN_SECONDS, rtt)))
+            if sent_at >= self.decreased_at:
+                self._decrease()
+                return OVERLOAD
+            return None
+        if reason not in ANSWERED_REASONS or not math.isfinite(rtt_seconds) or rtt_seconds < 0:
+            return None
+        self._count += 1
+        self._rtt_sum += rtt_seconds
+        self._first_sent = min(self._first_sent, sent_at)
+        if self._count >= max(self.policy.min_window, self.allowed()):
+            return self._close_window()
+        return None
+
+    def _close_window(self) -> str | None:
+        p = self.policy
+        mean = self._rtt_sum / self._count
+        base = self.baseline
+        if base is None or mean < base:
+            self.baseline = mean
+        else:
+            elapsed = max(0.0, self._clock() - self._baseline_at)
+            self.baseline = min(mean, base * (1 + p.baseline_drift) ** elapsed)
+        self._baseline_at = self._clock()
+        if base is not None and mean > p.slow_factor * base:
+            if self._first_sent >= self.decreased_at:
+                self._decrease()
+                return LATENCY
+        elif ((base is None or mean <= p.calm_factor * base) and self._peak >= self.allowed()
+              and self.limit < p.ceiling):
+            self.limit = min(float(p.ceiling), self.limit + 1)
+            self.increases += 1
+        self._reset_window()
+        return None
+
+    def _decrease(self) -> None:
+        p = self.policy
+        self.limit = max(float(p.floor), self.limit * p.backoff)
+        self.decreased_at = self._clock()
+        self.decreases += 1
+        self._reset_window()
