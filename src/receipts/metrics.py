@@ -200,6 +200,12 @@ class Metrics:
             "(0 while it is off; compare receipts_inflight_deliveries).",
             registry=r,
         )
+        self.concurrency_ceiling = Gauge(
+            "receipts_concurrency_ceiling",
+            "The highest limit adaptive concurrency may reach on this worker: the smaller of "
+            "its ceiling setting and its slots (0 while it is off).",
+            registry=r,
+        )
         self.concurrency_decreases = Counter(
             "receipts_concurrency_limit_decreases",
             "Multiplicative decreases of the adaptive concurrency limit, by signal: overload "

@@ -271,6 +271,10 @@ def helm_values(p: Plan) -> str:
     pods = max(p.pods_for_cpu, p.pods_for_slots)
     millicores = max(100, math.ceil(p.worker_cpu_cores / pods * 1000 / 50) * 50)
     adaptive = "" if p.provider_capacity is None else "  adaptiveConcurrency: true\n"
+    if adaptive:
+        # The limit never exceeds its ceiling (default 64): one below the slots would leave
+        # slots unused, so the plan sets it to the slots.
+        adaptive += f"  adaptiveConcurrencyCeiling: {p.concurrency}\n"
     return (
         "config:\n"
         f"  concurrency: {p.concurrency}\n"

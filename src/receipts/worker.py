@@ -249,8 +249,15 @@ class Worker:
                 log.debug("fleet_limit_unread", extra={"error": str(exc)})
         capacity.limit = starting_limit(capacity.policy, mean)
         self.metrics.concurrency_limit.set(capacity.allowed())
+        self.metrics.concurrency_ceiling.set(capacity.policy.ceiling)
         log.info("concurrency_limit_started", extra={
-            "limit": capacity.allowed(), "fleet_mean": None if mean is None else round(mean, 2)})
+            "limit": capacity.allowed(), "fleet_mean": None if mean is None else round(mean, 2),
+            "ceiling": capacity.policy.ceiling})
+        if self.settings.adaptive_concurrency_ceiling < self.settings.concurrency:
+            # Slots above the ceiling can never be used: say so once, loudly.
+            log.warning("concurrency_ceiling_below_slots", extra={
+                "ceiling": self.settings.adaptive_concurrency_ceiling,
+                "slots": self.settings.concurrency})
 
     def is_ready(self) -> bool:
         """True while the database answered this worker's last statement and it is not wedged."""

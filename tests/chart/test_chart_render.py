@@ -730,3 +730,15 @@ def test_every_values_key_has_a_comment_above_it() -> None:
         if stripped:
             comment = []
     assert not missing, "keys without a comment above them:\n" + "\n".join(missing)
+
+
+@pytest.mark.parametrize(("sets", "message"), [
+    (("config.adaptiveConcurrencyFloor=50", "config.adaptiveConcurrencyCeiling=10"),
+     "config.adaptiveConcurrencyFloor (50) must be <= config.adaptiveConcurrencyCeiling (10)"),
+    (("config.adaptiveConcurrencyFloor=null",), "must be set, each at least 1"),
+])
+def test_adaptive_concurrency_bounds_every_pod_would_refuse_are_refused(
+        sets: tuple[str, ...], message: str) -> None:
+    result = template((), sets)
+    assert result.returncode != 0
+    assert message in result.stderr

@@ -229,6 +229,10 @@ def test_a_provider_capacity_says_the_rate_it_allows_and_turns_adaptation_on(cap
     assert p.provider_rate == pytest.approx(300) and p.capacity_pods == math.ceil(60 / 125) + 1
     values = yaml.safe_load(helm_values(p))
     assert values["config"]["adaptiveConcurrency"] is True
+    # The ceiling follows the slots, so that no slot of the plan is left unused (64 is the
+    # default ceiling; this plan has more slots than that).
+    assert values["config"]["adaptiveConcurrencyCeiling"] == values["config"]["concurrency"]
+    assert values["config"]["concurrency"] > 64
     assert "the rate is above it" in describe(p)
     assert "adaptiveConcurrency" not in helm_values(plan(500, 0.2))  # not given: as before
     assert "provider " not in describe(plan(500, 0.2))

@@ -243,15 +243,16 @@ ReceiptsManualPauseLong (severity info) says when it has lasted alerts.manualPau
         {{- end }}
     - alert: ReceiptsProviderAtCapacity
       # Adaptive concurrency (config.adaptiveConcurrency; receipts_concurrency_limit is 0
-      # while it is off) holds the fleet below its slots, the fleet keeps its limits full
-      # (averaged over 5m: one scrape catches deliveries between two answers), and the
-      # backlog grew over the window: the provider is the bottleneck.
+      # while it is off) holds the fleet below its ceiling (the smaller of the ceiling
+      # setting and the slots: slots above the ceiling say nothing of the provider), the
+      # fleet keeps its limits full (averaged over 5m: one scrape catches deliveries between
+      # two answers), and the backlog grew over the window: the provider is the bottleneck.
       expr: |-
         sum by (namespace, job) (avg_over_time(receipts_inflight_deliveries{ {{- $s -}} }[5m]))
           >= 0.8 * sum by (namespace, job) (avg_over_time(receipts_concurrency_limit{ {{- $s -}} }[5m]))
         and on (namespace, job) sum by (namespace, job) (receipts_concurrency_limit{ {{- $s -}} }) > 0
         and on (namespace, job) sum by (namespace, job) (receipts_concurrency_limit{ {{- $s -}} })
-          < sum by (namespace, job) (receipts_concurrency_slots{ {{- $s -}} })
+          < sum by (namespace, job) (receipts_concurrency_ceiling{ {{- $s -}} })
         and on (namespace, job) delta(max by (namespace, job) (receipts_ready_jobs{ {{- $s -}} })[{{ $a.providerAtCapacityFor }}:1m]) > 0
         and on (namespace, job) max by (namespace, job) (receipts_ready_jobs{ {{- $s -}} })
       for: {{ $a.providerAtCapacityFor }}
@@ -262,7 +263,7 @@ ReceiptsManualPauseLong (severity info) says when it has lasted alerts.manualPau
         summary: The provider's capacity has held deliveries for {{ $a.providerAtCapacityFor }} while the backlog grew.
         description: >-
           Adaptive concurrency in {{`{{ $labels.namespace }}`}} has held the workers below
-          their slots, their limits full, for {{ $a.providerAtCapacityFor }}, and due jobs kept
+          their ceiling, their limits full, for {{ $a.providerAtCapacityFor }}, and due jobs kept
           growing: the provider takes no more concurrent requests. More pods will not help
           (the KEDA signal stops asking for them); the backlog drains at the provider's pace.
         {{- with $runbook }}

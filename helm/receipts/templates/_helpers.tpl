@@ -426,6 +426,14 @@ Checks of value combinations; included by every workload template, renders nothi
 {{- if lt (include "receipts.terminationGracePeriodSeconds" . | int) $minGrace }}
 {{- fail (printf "worker.terminationGracePeriodSeconds (%v) is below %d: the worker's stop budget is %v s (in-flight deliveries min(config.shutdownGraceSeconds, config.deliveryTimeoutSeconds) + ack flush max(5, min(config.shutdownGraceSeconds, 30)) + pool close 5) and 5 s are added for the signal and the exit; Kubernetes would kill a worker that is still draining. Leave it empty (null) or set at least %d." .Values.worker.terminationGracePeriodSeconds $minGrace (include "receipts.stopBudgetSeconds" .) $minGrace) }}
 {{- end }}
+{{- $floor := .Values.config.adaptiveConcurrencyFloor | int }}
+{{- $ceiling := .Values.config.adaptiveConcurrencyCeiling | int }}
+{{- if or (lt $floor 1) (lt $ceiling 1) }}
+{{- fail "config.adaptiveConcurrencyFloor and config.adaptiveConcurrencyCeiling must be set, each at least 1 (every pod checks them at start)." }}
+{{- end }}
+{{- if gt $floor $ceiling }}
+{{- fail (printf "config.adaptiveConcurrencyFloor (%v) must be <= config.adaptiveConcurrencyCeiling (%v): every pod would refuse to start." .Values.config.adaptiveConcurrencyFloor .Values.config.adaptiveConcurrencyCeiling) }}
+{{- end }}
 {{- if .Values.autoscaling.enabled }}
 {{- if gt (.Values.autoscaling.minReplicas | int) (.Values.autoscaling.maxReplicas | int) }}
 {{- fail (printf "autoscaling.minReplicas (%v) must be <= autoscaling.maxReplicas (%v)." .Values.autoscaling.minReplicas .Values.autoscaling.maxReplicas) }}
