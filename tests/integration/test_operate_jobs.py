@@ -125,3 +125,30 @@ def test_bad_usage_exits_2_and_unknown_jobs_exit_1(dsn: str) -> None:
         assert err.strip(), args
     code, _, err = _jobs(dsn, "show", "no-such-order")
     assert code == 1 and "no job with id or order id 'no-such-order'" in err
+
+
+@pytest.mark.slow
+def test_held_rejections_sent_again_stay_one_group_until_something_decides_them(
+        dsn: str) -> None:
+    """`jobs retry --held` while the fleet is paused must not hide the jobs from a later
+    `jobs discard --held`: they keep their mark; only their time moves."""
+    enqueue_many(dsn, ["held-1", "held-2", "held-3", "other-1"])
+    fetch_rows(dsn, "UPDATE receipt_jobs SET run_at = run_at + interval '1 hour',"
+                    " last_error = 'held rejection: 422 {\"id\": \"r-' || order_id || '\"}'"
+                    " WHERE order_id LIKE 'held-%%' RETURNING 1")
+    code, out, err = _jobs(dsn, "retry", "--held")
+    assert code == 0 and "3 held rejection(s) due now" in out, err
+    code, out, _ = _jobs(dsn, "list", "--held", "--json")
+    rows = json.loads(out)
+    assert sorted(r["order_id"] for r in rows) == ["held-1", "held-2", "held-3"]
+    assert all(r["last_error"].startswith("held rejection: 422 ") for r in rows)
+    (due,) = fetch_rows(dsn, "SELECT count(*) FROM receipt_jobs WHERE order_id LIKE 'held-%%'"
+                             " AND run_at <= statement_timestamp()")
+    assert due == (3,)
+    code, out, _ = _jobs(dsn, "retry", "--held")  # already due: nothing more to do
+    assert code == 0 and "0 held rejection(s) due now" in out
+    code, out, _ = _jobs(dsn, "discard", "--held")
+    assert code == 0 and "3 held rejection(s) discarded" in out
+    assert fetch_rows(dsn, "SELECT order_id, state FROM receipt_jobs ORDER BY order_id") == [
+        ("held-1", "discarded"), ("held-2", "discarded"), ("held-3", "discarded"),
+        ("other-1", "ready")]

@@ -623,19 +623,21 @@ WHERE j.id = t.id AND j.state = 'ready'
 RETURNING j.id;
 
 -- name: held_retry
--- Send at most %(batch)s held rejections again now: run_at = now, last_error
--- prefixed 'manual retry after: ' (so they leave the group until held again).
--- Attempts are unchanged (held rejections gave theirs back).
+-- Send at most %(batch)s held rejections again now: run_at = now. last_error is
+-- kept, so they stay in the group (a paused fleet may not send them for a
+-- while, and the operator must still be able to discard them) until they are
+-- delivered, failed on evidence, or held again. Attempts are unchanged (held
+-- rejections gave theirs back).
 WITH target AS MATERIALIZED (
   SELECT j.id FROM {schema}.receipt_jobs AS j
   WHERE j.state = 'ready' AND starts_with(j.last_error, 'held rejection: ')
+    AND j.run_at > statement_timestamp()
   ORDER BY j.run_at, j.id
   LIMIT %(batch)s
   FOR UPDATE OF j SKIP LOCKED
 )
 UPDATE {schema}.receipt_jobs AS j
-SET run_at = statement_timestamp(),
-    last_error = 'manual retry after: ' || j.last_error
+SET run_at = statement_timestamp()
 FROM target AS t
 WHERE j.id = t.id AND j.state = 'ready'
 RETURNING j.id;
