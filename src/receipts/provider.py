@@ -136,6 +136,9 @@ class Faults:
         if unknown:
             raise ValueError(f"unknown fault setting(s): {', '.join(sorted(unknown))}")
         data = dict(data)
+        if isinstance(data.get("capacity_answer"), int) and not isinstance(
+                data["capacity_answer"], bool):
+            data["capacity_answer"] = str(data["capacity_answer"])  # 429 as the CLI takes it
         for name, value in data.items():
             _check_type(name, value)
         if data.get("status") is not None and not 100 <= data["status"] <= 599:
@@ -157,12 +160,16 @@ class Faults:
             raise ValueError(f"capacity_answer must be one of {', '.join(CAPACITY_ANSWERS)}")
         if result.capacity is not None and result.capacity < 1:
             raise ValueError("capacity must be at least 1 (or null: unlimited)")
+        if result.capacity is not None and result.capacity > _MAXIMA["capacity"]:
+            raise ValueError(f"capacity must be at most {_MAXIMA['capacity']:,}")
         for f in fields(cls):
             value = getattr(result, f.name)
             if f.name.endswith("_rate") and not 0.0 <= float(value) <= 1.0:
                 raise ValueError(f"{f.name} must be between 0 and 1")
-            if f.name in _NON_NEGATIVE and not float(value) >= 0:
-                raise ValueError(f"{f.name} must not be negative")
+            if f.name in _NON_NEGATIVE:
+                most = _MAXIMA[f.name]
+                if not (math.isfinite(float(value)) and 0 <= float(value) <= most):
+                    raise ValueError(f"{f.name} must be a number from 0 to {most:,}")
         return result
 
 
@@ -196,6 +203,13 @@ def _check_type(name: str, value: Any) -> None:
 
 _NON_NEGATIVE = ("latency_seconds", "latency_jitter_seconds", "retry_after_seconds",
                  "hang_seconds", "body_bytes", "flap_seconds")
+#: The largest value each bounded setting takes: an hour of latency or hanging, a day of
+#: Retry-After or flapping, a 64 MiB body, a million requests at once.
+_MAXIMA: dict[str, float] = {
+    "latency_seconds": 3600, "latency_jitter_seconds": 3600, "hang_seconds": 3600,
+    "retry_after_seconds": 86_400, "flap_seconds": 86_400, "body_bytes": 64 * 1024 * 1024,
+    "capacity": 1_000_000,
+}
 #: The styles of a rejection's body (:attr:`Faults.reject_body`).
 REJECT_BODIES = ("json", "json_ids", "html", "text")
 #: What a request beyond the capacity gets (:attr:`Faults.capacity_answer`).

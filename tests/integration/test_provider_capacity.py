@@ -55,10 +55,15 @@ async def test_the_capacity_changes_while_it_runs_and_null_lifts_it(provider):
 
 @pytest.mark.parametrize("faults", [
     {"capacity": 0}, {"capacity": 1.5}, {"capacity": "4"}, {"capacity": True},
-    {"capacity_answer": "500"}, {"capacity_answer": 503}])
+    {"capacity_answer": "500"}, {"capacity_answer": 500}, {"capacity_answer": True},
+    {"capacity": 10**20}, {"body_bytes": 10**10}, {"latency_seconds": 1e308}])
 def test_bad_capacity_settings_are_refused(faults):
     with pytest.raises(ValueError):
         Faults.from_mapping(faults)
+
+
+def test_the_answer_beyond_capacity_may_be_given_as_a_number_as_on_the_command_line():
+    assert Faults.from_mapping({"capacity_answer": 429}).capacity_answer == "429"
 
 
 async def test_put_faults_takes_a_capacity_and_refuses_a_bad_one(provider):
