@@ -878,7 +878,8 @@ def build_parser() -> argparse.ArgumentParser:
         "reject_statuses (a list of 4xx), reject_body (json, json_ids, html, text),\n"
         "flap_seconds, invalid_pattern, capacity (requests at once; null: unlimited),\n"
         "capacity_answer (503, 429, latency). A bad value is refused with 400.\n"
-        "docs/operations.md.\n")
+        "GET /stats: requests, receipts, concurrent and max_concurrent requests; GET /loads:\n"
+        "the load each request found (the last 100,000). More in docs/operations.md.\n")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on")
     p.add_argument("--port", type=_port, default=8080, help="port to listen on")
     p.add_argument("--latency-ms", type=float, default=0.0, help="added latency per request")

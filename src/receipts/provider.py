@@ -53,7 +53,7 @@ import random
 import re
 import string
 import time
-from collections import Counter
+from collections import Counter, deque
 from dataclasses import asdict, dataclass, fields, replace
 from datetime import UTC, datetime
 from typing import Any
@@ -201,6 +201,8 @@ def _check_type(name: str, value: Any) -> None:
         raise ValueError(f"{name} must be {what}")
 
 
+#: How many requests' loads ``GET /loads`` keeps (the most recent).
+LOADS_KEPT = 100_000
 _NON_NEGATIVE = ("latency_seconds", "latency_jitter_seconds", "retry_after_seconds",
                  "hang_seconds", "body_bytes", "flap_seconds")
 #: The largest value each bounded setting takes: an hour of latency or hanging, a day of
@@ -246,7 +248,9 @@ class ReferenceProvider:
         self.max_concurrent = 0
         #: (time.monotonic() of the arrival, load it found, itself included) of
         #: every keyed request (GET /loads).
-        self.loads: list[tuple[float, int]] = []
+        #: (monotonic time, load) of the most recent requests (bounded: a long run keeps
+        #: the last LOADS_KEPT).
+        self.loads: deque[tuple[float, int]] = deque(maxlen=LOADS_KEPT)
 
     def reset(self) -> None:
         """Forget every receipt and counter (the requests being worked on stay counted)."""
@@ -420,7 +424,7 @@ class ReferenceProvider:
             return web.json_response(self.answers)
 
         async def loads(_: web.Request) -> web.Response:
-            return web.json_response(self.loads)
+            return web.json_response(list(self.loads))
 
         async def healthz(_: web.Request) -> web.Response:
             return web.json_response({"status": "ok"})
