@@ -198,6 +198,10 @@ class FlowPolicy:
             ``suspect_streak`` rejections in a row (module doc).
         suspect_streak: rejections answered in a row, no acceptance among them,
             that start the pace before any is unexplained.
+        outage_quiet_seconds: with adaptive concurrency (None: off), an outage
+            is declared only after this long with no acceptance answered: a
+            provider that refuses some requests but accepts others is at its
+            capacity, not down, and the limit (receipts.capacity) answers that.
         held_retry_seconds: first delay of a held rejection's retry; it doubles
             each time this pod holds the same job again (≤ 30 s).
     """
@@ -216,6 +220,7 @@ class FlowPolicy:
     probe_jobs: int = 5
     suspect_sends_per_second: float = 20.0
     suspect_streak: int = 50
+    outage_quiet_seconds: float | None = None
     held_retry_seconds: float = 1.0
 
 
@@ -395,6 +400,11 @@ class Evidence:
         *answered_at* (strictly after it)."""
         return self._sent.any_in(answered_at, answered_at + within, low_open=True)
 
+    def answered_since(self, since: float) -> bool:
+        """True when an acceptance was answered at or after *since* (within the
+        ``keep_seconds`` kept)."""
+        return self._answered.any_in(since, math.inf)
+
     def near(self, low: float, high: float) -> bool:
         """True when an acceptance's request was sent in [*low*, *high*]."""
         return self._sent.any_in(low, high)
@@ -426,8 +436,9 @@ class ProviderGate:
         self._clock = clock
         self._rng = rng or random.Random()
         self.detector = OutageDetector(policy, clock)
-        self.evidence = Evidence(keep_seconds=4 * policy.bracket_seconds
-                                 + policy.rejecting_after_seconds)
+        self.evidence = Evidence(keep_seconds=max(
+            4 * policy.bracket_seconds + policy.rejecting_after_seconds,
+            policy.outage_quiet_seconds or 0.0))
         self.reason: PauseReason | None = None
         self._resume_at = 0.0  # monotonic: when a probe may be tried
         #: The jobs of the probe this pod runs (not answered yet), or empty.
@@ -778,6 +789,9 @@ class ProviderGate:
         if self.paused:
             return None
         if self.detector.observe(job_id, failed=True) is PauseReason.OUTAGE:
+            quiet = self.policy.outage_quiet_seconds
+            if quiet is not None and self.evidence.answered_since(self._now() - quiet):
+                return None  # others accepted just now: at capacity, not down
             self.detector.reset()
             return PauseReason.OUTAGE, self._jitter(self.policy.outage_pause_seconds)
         return None

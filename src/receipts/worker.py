@@ -94,6 +94,8 @@ STOP_CLAIM_SECONDS = 1.0
 PAUSE_RECHECK_SECONDS = 5.0
 WATCHDOG_SLACK_SECONDS = 10.0
 OUTAGE_BACKOFF_FIRST_SECONDS = 0.1
+#: With adaptive concurrency: seconds with no acceptance before failures make an outage.
+OUTAGE_QUIET_SECONDS = 5.0
 #: Backoff cap after a claim the database refused (an error in the statement).
 OUTAGE_BACKOFF_MAX_SECONDS = 30.0
 #: Backoff cap while the database cannot be reached: each such claim already
@@ -135,6 +137,9 @@ def flow_policy(settings: Settings) -> FlowPolicy:
         auth_pause_seconds=settings.auth_pause_seconds,
         pause_max_seconds=settings.pause_max_seconds,
         retry_after_max_seconds=settings.retry_after_max_seconds,
+        # With adaptive concurrency an overloaded provider that still accepts some
+        # requests is the limit's to answer, not the outage pause's.
+        outage_quiet_seconds=OUTAGE_QUIET_SECONDS if settings.adaptive_concurrency else None,
     )
 
 

@@ -3,6 +3,7 @@ evidence, systemic rejection, pauses, probes, refunds and held verdicts."""
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import random
 import uuid
@@ -490,3 +491,26 @@ def test_a_long_run_of_rejections_starts_the_pace_before_the_bracket_can_explain
     assert g.suspect_allowance(32)[0] == 0
     accept(g, clock.now)  # one acceptance ends the streak
     assert g.suspect_allowance(32) == (32, 0.0)
+
+
+def test_with_adaptive_concurrency_an_outage_waits_for_acceptances_to_stop():
+    """A provider at its capacity refuses most requests of a pod at its floor but still
+    accepts some: that is the limit's to answer. Only a provider silent for
+    outage_quiet_seconds is down."""
+    clock = Clock()
+    g = ProviderGate(dataclasses.replace(POLICY, outage_quiet_seconds=5.0), clock=clock,
+                     rng=random.Random(1))
+    accept(g, clock.now)
+    for _ in range(30):  # refused 30 times in 3 s, accepted once among them
+        clock.now += 0.1
+        assert g.judge(uuid.uuid4(), outcome(503)).pause is None
+    accept(g, clock.now)
+    clock.now += 4.9
+    assert g.judge(uuid.uuid4(), outcome(503)).pause is None
+    clock.now += 0.2  # five seconds without an acceptance: down
+    reason, _ = g.judge(uuid.uuid4(), outcome(503)).pause  # type: ignore[misc]
+    assert reason is PauseReason.OUTAGE
+    # Off (the default): the same answers pause as soon as they make an outage.
+    plain = gate(Clock())
+    accept(plain, 1000.0)
+    assert any(plain.judge(uuid.uuid4(), outcome(503)).pause for _ in range(5))
