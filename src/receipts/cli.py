@@ -390,8 +390,10 @@ def check_jobs(args: argparse.Namespace) -> None:
     args.since_at = _parse_since(getattr(args, "since", None))
     args.uuids = None
     if getattr(args, "held", False) and args.jobs_command == "list" and (
-            args.since is not None or args.state != "failed"):
+            args.since is not None or args.state is not None):
         raise UsageError("--held lists the held rejections only: no --state or --since")
+    if args.jobs_command == "list" and args.state is None:
+        args.state = "failed"
     if args.jobs_command == "pause":
         try:
             args.pause_seconds = fleet.parse_duration(args.duration)
@@ -811,8 +813,8 @@ def build_parser() -> argparse.ArgumentParser:
     action("stats", "counts by state, lag, age of the oldest undelivered job, oldest failed")
     j = action("list", "list jobs in a state, newest first")
     j.add_argument("--state", choices=["ready", "running", "done", "failed", "discarded"],
-                   default="failed",
-                   help="the state to list")
+                   default=None,
+                   help="the state to list (default: failed)")
     j.add_argument("--limit", type=_positive_int, default=50, help="at most this many jobs")
     j.add_argument("--since", metavar="TIME",
                    help="only jobs finished (or created, while unfinished) at or after this "

@@ -96,6 +96,7 @@ def test_version_prints_the_installed_version() -> None:
     ["jobs", "discard", "--held", "--since", "2099-01-01"],
     ["jobs", "discard", "--held", "--failed"],
     ["jobs", "list", "--held", "--state", "done"],
+    ["jobs", "list", "--held", "--state", "failed"],
     ["jobs", "list", "--held", "--since", "2099-01-01"],
     ["jobs", "retry", "--held", "--all-failed"],
 ])
