@@ -95,6 +95,16 @@ class Heartbeat:
                 log.debug("heartbeat_failed", extra={"error": str(exc)})
             return False
         self.beats += 1
+        read = getattr(self.queue, "fleet_concurrency_limit", None)
+        if self.worker.capacity is not None and read is not None:
+            # Adaptive concurrency shares its increase among the live pods: count them
+            # (the fallback when no waker announces the fleet; receipts.capacity).
+            try:
+                _, count = await read()
+            except QueueError as exc:
+                log.debug("fleet_limit_unread", extra={"error": str(exc)})
+            else:
+                self.worker.fleet_heard = max(1, count)
         return True
 
     async def run(self) -> None:

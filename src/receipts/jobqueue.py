@@ -506,12 +506,12 @@ class JobQueue:
                                         else max(0.0, since_claim_seconds)),
                 "stopped": stopped, "concurrency_limit": concurrency_limit})
 
-    async def fleet_concurrency_limit(self) -> float | None:
+    async def fleet_concurrency_limit(self) -> tuple[float | None, int]:
         """The mean adaptive limit of the live workers that report one (heard within
-        60 s), deliveries in flight per pod; None when none does."""
+        60 s), deliveries in flight per pod (None when none does), and how many do."""
         rows = await self._rows(self._q("fleet_concurrency_limit"), {})
         mean, count = rows[0]
-        return None if not count else float(mean)
+        return (None if not count else float(mean)), int(count or 0)
 
     async def forget_workers(self, *, seconds: float) -> int:
         """Delete heartbeat rows not seen for *seconds*; returns how many."""

@@ -231,9 +231,14 @@ class Wakeups:
 
     def fleet_size(self) -> int:
         """The pods the last fresh announcement named (1 when none is known)."""
+        return self.announced_size() or 1
+
+    def announced_size(self) -> int | None:
+        """The pods the waker's last announcement named, when it is fresh (heard
+        within :data:`SILENT_SECONDS`); None when there is none."""
         if self.shares and self._clock() - self.shares_at < SILENT_SECONDS:
             return max(1, len(self.shares))
-        return 1
+        return None
 
     def member_age(self) -> float | None:
         """Seconds since this pod's member lock was taken, or, before its LISTEN

@@ -63,7 +63,7 @@ from collections.abc import Iterable
 from datetime import datetime
 
 from receipts.admission import AdmissionController, AdmissionPolicy
-from receipts.capacity import CapacityPolicy, ConcurrencyLimit, starting_limit
+from receipts.capacity import CapacityPolicy, ConcurrencyLimit
 from receipts.completion import Completer
 from receipts.db import commits_asynchronously, statement_deadline
 from receipts.delivery import Deliverer
@@ -173,6 +173,9 @@ class Worker:
         #: starts at the floor; :meth:`run` moves it to the fleet's mean first.
         self.capacity = ConcurrencyLimit(capacity_policy(settings)) if (
             settings.adaptive_concurrency) else None
+        #: The live pods heard through the heartbeat rows, this one included
+        #: (:meth:`capacity_peers` when no waker announcement is fresh).
+        self.fleet_heard = 1
         self.completer = Completer(queue, metrics, lease_seconds=settings.lease_seconds,
                                    watch_durability=commits_asynchronously(settings, "worker"),
                                    worker=socket.gethostname()[:100])
@@ -234,6 +237,14 @@ class Worker:
         """Deliveries in progress."""
         return len(self._inflight)
 
+    def capacity_peers(self) -> int:
+        """The pods sharing the provider, this one included (≥ 1), for the adaptive
+        limit's shared increase: the waker's fresh fleet announcement (each second),
+        else the live heartbeat rows that report a limit (every heartbeat)."""
+        if self.wakeups is not None and (n := self.wakeups.announced_size()) is not None:
+            return n
+        return max(1, self.fleet_heard)
+
     def concurrency_limit(self) -> int | None:
         """The adaptive limit on deliveries in flight now; None when adaptation is off."""
         return None if self.capacity is None else self.capacity.allowed()
@@ -249,10 +260,11 @@ class Worker:
         read = getattr(self.queue, "fleet_concurrency_limit", None)
         if read is not None:
             try:
-                mean = await read()
+                mean, count = await read()
+                self.fleet_heard = count + 1  # the others, and this pod
             except QueueError as exc:
                 log.debug("fleet_limit_unread", extra={"error": str(exc)})
-        capacity.limit = starting_limit(capacity.policy, mean)
+        capacity.join(mean)
         self.metrics.concurrency_limit.set(capacity.allowed())
         self.metrics.concurrency_ceiling.set(capacity.policy.ceiling)
         log.info("concurrency_limit_started", extra={
@@ -618,6 +630,7 @@ class Worker:
         capacity = self.capacity
         assert capacity is not None
         before = capacity.allowed()
+        capacity.peers = self.capacity_peers()
         signal = capacity.observe(outcome.reason, rtt_seconds=took, sent_at=sent_at)
         if signal is not None:
             self.metrics.concurrency_decreases.labels(signal).inc()

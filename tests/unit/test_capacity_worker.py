@@ -16,8 +16,8 @@ class FleetQueue(FakeQueue):
         super().__init__()
         self.mean = mean
 
-    async def fleet_concurrency_limit(self) -> float | None:
-        return self.mean
+    async def fleet_concurrency_limit(self) -> tuple[float | None, int]:
+        return self.mean, 0 if self.mean is None else 3
 
 
 async def test_a_new_pod_starts_at_the_floor_and_claims_within_its_limit():
@@ -41,6 +41,10 @@ async def test_a_new_pod_starts_at_the_fleets_mean_limit():
     async with Loop(queue, deliverer, concurrency=8, adaptive_concurrency=True) as loop:
         await until(lambda: deliverer.in_flight == 3)
         assert loop.worker.concurrency_limit() == 3
+        # It joined the fleet's share: it does not search, and it shares its increase
+        # with the three pods the heartbeat rows report (no waker announcement here).
+        assert loop.worker.capacity is not None and not loop.worker.capacity.searching
+        assert loop.worker.capacity_peers() == 4
         deliverer.release.set()
     assert deliverer.most_in_flight == 3
 
