@@ -7,9 +7,18 @@ tests/acceptance/test_waker_fleet.py.
 
 from __future__ import annotations
 
+import json
+
 from receipts.enqueue import NOTIFY_CHANNEL
 from receipts.metrics import Metrics
-from receipts.waker import LEFT_SUFFIX, SILENT_SECONDS, WAKER_CHANNEL, Wakeups, lock_key
+from receipts.waker import (
+    FLEET_CHANNEL,
+    LEFT_SUFFIX,
+    SILENT_SECONDS,
+    WAKER_CHANNEL,
+    Wakeups,
+    lock_key,
+)
 from tests.conftest import make_settings
 
 
@@ -68,3 +77,19 @@ def test_every_notification_on_the_ready_channel_wakes_the_claim_loop():
     wakeups.hear(NOTIFY_CHANNEL, "")
     wakeups.hear(WAKER_CHANNEL, "public")  # a heartbeat is not a wake-up
     assert len(woken) == 2
+
+
+def test_the_fleets_size_comes_from_a_fresh_announcement_of_this_queue_only():
+    """Adaptive concurrency shares its increase among the pods the waker names
+    (receipts.capacity): a stale, foreign or garbled announcement names nobody."""
+    wakeups, clock, _ = pod()
+    assert wakeups.announced_size() is None and wakeups.fleet_size() == 1
+    shares = {"a1": 0.25, "b2": 0.25, "c3": 0.25, "d4": 0.25}
+    wakeups.hear(FLEET_CHANNEL, json.dumps({"schema": "shop", "shares": shares}))
+    assert wakeups.announced_size() is None
+    wakeups.hear(FLEET_CHANNEL, "{not json")
+    assert wakeups.announced_size() is None
+    wakeups.hear(FLEET_CHANNEL, json.dumps({"schema": "public", "shares": shares}))
+    assert wakeups.announced_size() == 4 and wakeups.fleet_size() == 4
+    clock.now += SILENT_SECONDS + 0.1
+    assert wakeups.announced_size() is None and wakeups.fleet_size() == 1
