@@ -167,8 +167,9 @@ class Plan:
 
     @property
     def capacity_pods(self) -> int | None:
-        """The most pods the capped KEDA signal asks for while the provider holds the
-        fleet at its capacity: ceil(capacity ÷ slots per pod) + 1 (the headroom pod)."""
+        """The most pods the capped signal (KEDA's, or the external-metric HPA's recording
+        rule) asks for while the provider holds the fleet at its capacity:
+        ceil(capacity ÷ slots per pod) + 1 (the headroom pod)."""
         if self.provider_capacity is None:
             return None
         return math.ceil(self.provider_capacity / self.concurrency) + 1
@@ -351,7 +352,8 @@ def _provider_lines(p: Plan) -> list[str]:
         return []
     lines = [f"provider           {p.provider_capacity:,g} requests at once allow "
              f"{p.provider_rate:,.1f} receipts/s at {p.latency_seconds:g} s; adaptive "
-             "concurrency on: with KEDA, a fleet the provider holds asks for at most "
+             "concurrency on: with KEDA, or the HPA on the external metric (the chart's "
+             "recording rule), a fleet the provider holds asks for at most "
              f"{p.capacity_pods} pods (ceil({p.provider_capacity:,g} / {p.concurrency}) + 1)"]
     if p.release_rate > p.provider_rate:
         lines.append(f"                   the rate is above it: backlogs drain at "

@@ -301,6 +301,21 @@ def test_the_hpa_can_scale_on_the_queue_through_an_external_metric() -> None:
     assert by_kind(docs, "ScaledObject") == []
 
 
+def test_the_notes_give_the_external_metric_s_adapter_rule() -> None:
+    values = ("-f", str(CHART / "ci" / "hpa-external-values.yaml"))
+    notes = _notes(*values, "--set", "config.adaptiveConcurrency=true")
+    series = "namespace_job:receipts_jobs_due_or_in_flight:capped"
+    assert f"metricsQuery: max by (namespace, job) ({series}{{<<.LabelMatchers>>}})" in notes
+    assert "name: {as: receipts_jobs_due_or_in_flight}" in notes
+    assert "capped\n  at what the pods' adaptive limits can use" in notes
+    # Without prometheus-operator the group must be added by hand; the notes say how.
+    assert "--show-only templates/prometheusrule.yaml" in notes
+    notes = _notes(*values, "--set", "prometheusOperator.enabled=true")
+    assert "prometheusrule.yaml" not in notes and "adaptive limits" not in notes
+    for citation in ("docs/", ".md"):
+        assert citation not in notes, citation
+
+
 # ------------------------------------------------------------------- NOTES
 
 

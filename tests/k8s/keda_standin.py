@@ -7,7 +7,11 @@ serves the same API: each GET runs the query the chart renders into the ScaledOb
 postgresql trigger (``receipts.kedaQuery``: jobs due plus jobs in flight) on the test's
 PostgreSQL and returns the count. The chart's external-metric HPA
 (``autoscaling.hpa.metric=external``) then scales the Deployment as KEDA's would, with the
-same target per pod.
+same target per pod. In production that HPA reads the PromQL recording rule of the chart's
+PrometheusRule (``receipts.externalMetricRules``), which computes the same signal, and the
+same adaptive-concurrency cap, from the workers' gauges; there is no Prometheus in the test
+cluster, so the stand-in runs the SQL, whose cap ``tests/chart/test_chart_capacity.py``
+checks on PostgreSQL (and the PromQL rule's with promtool).
 
 It serves HTTPS (the aggregator insists) with a certificate the cluster script made; the
 APIService skips verifying it (``insecureSkipTLSVerify``), as a test-only shortcut.

@@ -239,5 +239,6 @@ def test_a_provider_capacity_says_the_rate_it_allows_and_turns_adaptation_on(cap
     assert main(["plan", "--rate", "100", "--latency", "0.2", "--provider-capacity", "60"]) == 0
     out = capsys.readouterr().out
     assert "60 requests at once allow 300.0 receipts/s" in out and "above it" not in out
+    assert "the HPA on the external metric" in out  # both autoscaling paths are capped
     with pytest.raises(PlanError):
         plan(100, 0.2, provider_capacity=0)

@@ -385,6 +385,69 @@ FROM flow, due, busy
 {{- end }}
 
 {{/*
+The external-metric HPA's signal (autoscaling.hpa.metric external) in PromQL over the
+workers' gauges, the KEDA query's counterpart: due ready jobs (receipts_ready_jobs, the
+same on every pod: max) + deliveries in flight (summed over pods), by namespace and job.
+Absent while the workers' queue statistics are stale (the HPA then holds). With
+config.adaptiveConcurrency, while a live pod's limit (receipts_concurrency_limit, 0 while
+adaptation is off in it) is below the most a pod may have in flight (most: the slots or
+config.adaptiveConcurrencyCeiling, the smaller), the value is capped as KEDA's is, at
+(ceil(sum of the live limits, each at most most, / most) + autoscaling.keda.capacityHeadroomPods)
+× target: the HPA asks for no more pods than the limits can use plus the headroom, however
+deep the backlog. A pod is live while Prometheus scrapes it (its series go stale when its
+target goes). Pass a dict with "ctx" (root) and "matchers" (the label matchers, e.g.
+job="receipts", or prometheus-adapter's <<.LabelMatchers>>).
+*/}}
+{{- define "receipts.externalMetricExpr" -}}
+{{- $m := .matchers -}}
+{{- $c := .ctx.Values.config -}}
+{{- $due := printf "max by (namespace, job) (receipts_ready_jobs{%s})" $m -}}
+{{- $sum := printf "%s\n+ sum by (namespace, job) (receipts_inflight_deliveries{%s})" $due $m -}}
+{{- if $c.adaptiveConcurrency -}}
+{{- $most := min ($c.concurrency | int) ($c.adaptiveConcurrencyCeiling | int) -}}
+{{- $limit := printf "receipts_concurrency_limit{%s} > 0" $m -}}
+min by (namespace, job) (
+  label_replace(
+    {{ $sum | nindent 4 | trim }},
+    "bound", "jobs", "", "")
+  or
+  label_replace(
+    (ceil(sum by (namespace, job) (clamp_max({{ $limit }}, {{ $most }})) / {{ $most }}) + {{ .ctx.Values.autoscaling.keda.capacityHeadroomPods | int }}) * {{ include "receipts.kedaTarget" .ctx }}
+    and on (namespace, job) count by (namespace, job) ({{ $limit }} < {{ $most }})
+    and on (namespace, job) {{ $due }},
+    "bound", "capacity", "", "")
+)
+{{- else -}}
+{{ $sum }}
+{{- end -}}
+{{- end }}
+
+{{/*
+Name of the series the recording rule of receipts.externalMetricRules records, which the
+External metrics adapter serves as autoscaling.hpa.externalMetric.name.
+*/}}
+{{- define "receipts.externalMetricSeries" -}}
+namespace_job:receipts_jobs_due_or_in_flight:capped
+{{- end }}
+
+{{/*
+The recording rule group of the external-metric HPA, as rule-file groups (nothing unless
+the chart renders that HPA): receipts.externalMetricExpr over this release's series
+(receipts.alertSelector). The chart's PrometheusRule carries it, so a `helm upgrade`
+that changes the slots, the utilisation, the ceiling or adaptation updates the cap.
+*/}}
+{{- define "receipts.externalMetricRules" -}}
+{{- $a := .Values.autoscaling -}}
+{{- if and $a.enabled (not $a.keda.enabled) (eq $a.hpa.metric "external") }}
+- name: receipts-autoscaling
+  rules:
+    - record: {{ include "receipts.externalMetricSeries" . }}
+      expr: |-
+        {{- include "receipts.externalMetricExpr" (dict "ctx" . "matchers" (include "receipts.alertSelector" .)) | nindent 8 }}
+{{- end }}
+{{- end }}
+
+{{/*
 nodeSelector, tolerations and affinity of a pod. Pass a dict with "ctx" (root) and "pod"
 (the component's values): a key left null there takes the worker's value.
 */}}
