@@ -72,7 +72,7 @@ def test_a_fleet_with_adaptive_concurrency_holds_the_provider_near_its_capacity(
           f"{delivered:.0f} receipts/s of the {allowed:.0f}/s C allows; limits at 90 % "
           f"{limits}; fleet pauses {pauses:g}; heartbeat limits {reported}; 90 % in {took:.1f}s")
     assert p95 <= 1.3 * CAPACITY, (p95, mean_load)
-    assert refused <= 0.08, refused  # measured 2.1 %
+    assert refused <= 0.04, refused  # measured 0.7 % (2.1-2.5 % before the increase was shared)
     assert delivered >= 0.6 * allowed, delivered  # measured 0.91
     assert all(1 <= n <= 16 for n in limits) and sum(limits) <= 3 * CAPACITY, limits
     assert reported and all(1 <= n <= 16 for n in reported), reported
