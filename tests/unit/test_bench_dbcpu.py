@@ -5,8 +5,18 @@ from __future__ import annotations
 import pytest
 
 from bench import dbcpu
-from bench.soak import (CHECKOUT, RECOVERY, REPORT, SAMPLING, client_class, cpu_vs_baseline,
-                        phase_cost, statement_class, statements_between, verdict)
+from bench.soak import (
+    CHECKOUT,
+    RECOVERY,
+    REPORT,
+    SAMPLING,
+    client_class,
+    cpu_vs_baseline,
+    phase_cost,
+    statement_class,
+    statements_between,
+    verdict,
+)
 from receipts.statements import statements
 
 
