@@ -17,8 +17,8 @@ and its classes add up to the whole server's CPU between them
   the postmaster's ``cutime``/``cstime`` when it is reaped; when every
   process seen to vanish in that interval was of one class, the class gets
   it, otherwise it is ``ended between samples``;
-* a backend that ended before its ``application_name`` was seen is
-  ``backend (unidentified)``.
+* a child that ended before its title or ``application_name`` was read is
+  ``unidentified (ended young)``.
 
 Linux ``/proc`` only: elsewhere every mark is empty.
 """
@@ -40,8 +40,8 @@ BGWRITER = "bgwriter"
 OTHER_BACKGROUND = "other background"
 #: CPU of processes that ended between two samples and could not be given a class.
 ENDED = "ended between samples"
-#: A client backend whose application_name was never seen (it ended first).
-UNIDENTIFIED = "backend (unidentified)"
+#: A child whose title or application_name was never read (it ended first).
+UNIDENTIFIED = "unidentified (ended young)"
 
 _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 
@@ -49,18 +49,18 @@ _TICK = os.sysconf("SC_CLK_TCK") if hasattr(os, "sysconf") else 100
 def process_class(title: str) -> str | None:
     """The class of a PostgreSQL process from its title (``/proc/PID/cmdline``).
 
-    ``None`` for a client backend (its class comes from its ``application_name``);
-    otherwise :data:`AUTOVACUUM` (``autovacuum worker``), :data:`CHECKPOINTER`,
+    ``None`` for a client backend (its class comes from its ``application_name``)
+    and for a title not yet set (a child just forked still shows the
+    postmaster's command line: read it again later); otherwise
+    :data:`AUTOVACUUM` (``autovacuum worker``), :data:`CHECKPOINTER`,
     :data:`WALWRITER`, :data:`BGWRITER` (``background writer``), or
     :data:`OTHER_BACKGROUND` (the autovacuum launcher, I/O workers, the logical
-    replication launcher, WAL summarizer, background workers…). A title that
-    is not a ``postgres:`` one (the postmaster's own command line) is
-    :data:`OTHER_BACKGROUND`. A ``cluster_name`` prefix (``postgres: 18/main:
-    checkpointer``) is allowed.
+    replication launcher, WAL summarizer, background workers…). A
+    ``cluster_name`` prefix (``postgres: 18/main: checkpointer``) is allowed.
     """
     words = title.split()
     if not words or words[0] != "postgres:":
-        return OTHER_BACKGROUND
+        return None
     rest = " ".join(words[1:])
     if len(words) > 2 and words[1].endswith(":"):  # a cluster_name
         rest = " ".join(words[2:])
@@ -199,7 +199,13 @@ class CpuBreakdown:
             else:
                 seen[2] = stat[1]
         if self._pending:
-            found = self._identify(list(self._pending))
+            for pid in list(self._pending):
+                title = _title(pid)  # a child just forked had the postmaster's title
+                cls = process_class(title)
+                if cls is not None:
+                    self._procs[pid][0] = cls
+                    del self._pending[pid]
+            found = self._identify(list(self._pending)) if self._pending else {}
             for pid, app in found.items():
                 self._procs[pid][0] = self.classify(app)
                 del self._pending[pid]

@@ -29,7 +29,8 @@ from receipts.statements import statements
     ("postgres: autovacuum launcher", dbcpu.OTHER_BACKGROUND),
     ("postgres: io worker 0", dbcpu.OTHER_BACKGROUND),
     ("postgres: logical replication launcher", dbcpu.OTHER_BACKGROUND),
-    ("/usr/lib/postgresql/18/bin/postgres -D /tmp/data", dbcpu.OTHER_BACKGROUND),
+    # A child just forked, before it sets its title: read again later.
+    ("/usr/lib/postgresql/18/bin/postgres -D /tmp/data", None),
     ("postgres: postgres soak 127.0.0.1(37074) idle", None),
     ("postgres: 18/main: app shop [local] INSERT", None),
 ])
