@@ -64,11 +64,13 @@ the jobs that failed for good equal the orders), then judges
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -396,6 +398,32 @@ def statement_class(query: str) -> str:
     return "workers"
 
 
+_LITERALS = re.compile(r"%\(\w+\)s|\$\d+|'[^']*'|\b\d+\b")
+
+
+def _shape(text: str) -> str:
+    return " ".join(_LITERALS.sub("?", text).split())
+
+
+@functools.cache
+def _known_statements() -> tuple[tuple[str, str], ...]:
+    from receipts.statements import statements
+
+    return tuple((name, _shape(text)) for name, text in statements().items())
+
+
+def statement_name(query: str) -> str:
+    """The receipts statement (:func:`receipts.statements.statements`' name) a
+    ``pg_stat_statements`` text (maybe cut short) is, else :func:`bench.bill.kind_of`'s
+    kind; constants and parameters are ignored."""
+    shape = _shape(query)
+    if len(shape) >= 20:
+        for name, known in _known_statements():
+            if known.startswith(shape) or shape.startswith(known):
+                return name
+    return kind_of(query)
+
+
 def group_of(cpu_class: str) -> str:
     """A breakdown class's statement class (``worker N…`` → ``workers``)."""
     return "workers" if cpu_class.startswith("worker ") else cpu_class
@@ -405,7 +433,7 @@ def statement_totals(conn: psycopg.Connection[Any]) -> dict[tuple[Any, ...], dic
     """Every ``pg_stat_statements`` entry of the database so far, by (userid, queryid, toplevel)."""
     rows = conn.execute(
         "SELECT /* bench */ userid, queryid, toplevel, calls, total_exec_time, rows, wal_bytes,"
-        " left(query, 120) FROM pg_stat_statements WHERE dbid = (SELECT oid FROM pg_database"
+        " left(query, 200) FROM pg_stat_statements WHERE dbid = (SELECT oid FROM pg_database"
         " WHERE datname = current_database())").fetchall()
     return {(u, q, t): {"calls": int(c), "exec_ms": float(e), "rows": int(r), "wal_bytes": int(w),
                         "query": str(text)} for u, q, t, c, e, r, w, text in rows}
@@ -948,6 +976,13 @@ def cost_lines(doc: dict[str, Any]) -> list[str]:
     for cls, row in q["statements_vs_cpu"].items():
         lines.append(f"    {cls:<20} CPU {row['cpu_us']:>8.1f}  exec {row['exec_us']:>8.1f}  "
                      f"gap {row['gap_us']:>8.1f}  ({row['calls_per_order']} statements)")
+    n = max(q["orders"], 1)
+    lines.append("  queue phase statements (pg_stat_statements): calls and exec µs per order")
+    for st in doc.get("statements", [])[:12]:
+        text = " ".join(st["query"].split())[:48]
+        lines.append(f"    {st['calls'] / n:>7.3f} {st['exec_ms'] * 1000 / n:>8.1f} µs  "
+                     f"{statement_class(st['query']):<9} {statement_name(st['query']):<16} "
+                     f"{text}")
     return lines
 
 

@@ -14,6 +14,7 @@ from bench.soak import (
     cpu_vs_baseline,
     phase_cost,
     statement_class,
+    statement_name,
     statements_between,
     verdict,
 )
@@ -123,3 +124,15 @@ def test_the_verdict_judges_the_queue_against_three_times_the_baseline():
 def test_a_run_without_a_baseline_is_not_judged_on_it():
     v = verdict(_doc(1500.0, None))
     assert v["cpu_vs_baseline"]["ok"] is None and v["ok"] is True
+
+
+@pytest.mark.parametrize("name", ["claim", "ack", "waker_probe", "waker_sweep"])
+def test_a_statement_as_pg_stat_statements_shows_it_is_named(name):
+    import itertools
+    import re
+
+    numbers = itertools.count(1)
+    text = re.sub(r"%\(\w+\)s", lambda _: f"${next(numbers)}", statements()[name])
+    text = re.sub(r"'ready'", "$99", text)[:200]  # constants become parameters; cut short
+    assert statement_name(text) == name
+    assert statement_name("INSERT INTO bench_orders (id, total_cents) VALUES ($1, $2)") == "other"
