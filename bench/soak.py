@@ -28,6 +28,28 @@ the shipped migrations' own settings), and for the whole run:
 ``--hold-first-seconds`` and ``--hold-seconds`` shorten the holds for a
 short run (e.g. 5 minutes with a 2-minute hold from the second minute).
 
+**The baseline** (``--baseline-seconds``, 5 minutes; 0: none) comes first, on
+the same server and database, at the same rate, before the workers are
+released and before recovery or any hold starts: the same checkout
+transaction on the same kind of connection, minus the enqueue (BEGIN, the
+order's insert, COMMIT). It runs first rather than after the drain so that
+nothing of the queue is left to bill to it (the drain's autovacuum debt,
+idle workers' probes, retention's deletes); its ``bench_orders`` is the
+smaller, so its insert is if anything the cheaper and the ratio errs high.
+The database's whole CPU per order (``/proc``, every PostgreSQL process) of
+the queue phase (release of the workers → end of the drain, per order
+enqueued) over the baseline's is judged against :data:`CPU_VS_BASELINE_LIMIT`.
+
+**The CPU breakdown** (:mod:`bench.dbcpu`, ``/proc`` read every 0.1 s) splits
+each phase's database CPU per order by process: the checkout's backend, each
+worker's pool backends (``worker N``) and its LISTEN session, where the
+fleet's elected waker runs (``worker N listen/waker``), ``receipts recover``'s
+backends, the reporting query's, the soak's own sampling, autovacuum
+workers, the checkpointer, the WAL writer, the background writer and the
+other background processes; next to the ``pg_stat_statements`` execution
+time of the same classes' statements, so the gap (parse, plan, protocol,
+commit, waiting for a core) shows.
+
 Every ``--sample-seconds`` (10 s) it records claim p50/p99 (every claim of
 every worker, timed in the worker process), checkout p50/p99, table and index
 sizes, dead tuples, ``receipt_flow``'s row versions (``pageinspect``), the
@@ -42,11 +64,13 @@ the jobs that failed for good equal the orders), then judges
 from __future__ import annotations
 
 import argparse
+import functools
 import itertools
 import json
 import math
 import os
 import random
+import re
 import statistics
 import subprocess
 import sys
@@ -60,6 +84,8 @@ from typing import Any
 
 import psycopg
 
+from bench import dbcpu
+from bench.bill import kind_of
 from bench.pg import Bench
 from bench.procs import ROOT, Children, Provider
 from bench.scenarios import percentile, receipts_argv
@@ -72,6 +98,11 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "soak"
 #: autovacuum on), plus pg_stat_statements for the statement totals.
 SERVER_SETTINGS = {"shared_preload_libraries": "'pg_stat_statements'"}
 TABLES = ("receipt_jobs", "receipt_attempts", "receipt_flow")
+#: The target: the queue phase's database CPU per order ≤ this × the baseline's.
+CPU_VS_BASELINE_LIMIT = 3.0
+#: Classes of the CPU breakdown that are the soak's clients (see :func:`client_class`).
+CHECKOUT, RECOVERY, REPORT, SAMPLING = ("checkout", "recovery", "reporting query",
+                                        "soak sampling")
 
 
 @dataclass
@@ -102,6 +133,8 @@ class SoakPlan:
     #: never binds; 0: none).
     rate_limit: float | None = None
     drain_timeout_seconds: float = 900.0
+    #: The checkout stream without the queue, before the workers start (0: none).
+    baseline_seconds: float = 300.0
     seed: int = 1
 
     @property
@@ -111,12 +144,13 @@ class SoakPlan:
 
     @classmethod
     def smoke(cls) -> SoakPlan:
-        """Two minutes, every phase shrunk (the test suite's run): a hold of 20 s
-        at 45 s and 90 s, retention 30 s, recovery every 10 s, retries from 1 s."""
+        """Two minutes, every phase shrunk (the test suite's run): a 15 s baseline,
+        a hold of 20 s at 45 s and 90 s, retention 30 s, recovery every 10 s,
+        retries from 1 s."""
         return cls(hours=2 / 60, rate=20.0, retention_seconds=30.0, recover_every_seconds=10.0,
                    hold_first_seconds=45.0, hold_every_seconds=45.0, hold_seconds=20.0,
                    sample_seconds=3.0, hold_recovery_seconds=5.0, retry_base_seconds=1.0,
-                   drain_timeout_seconds=240.0)
+                   drain_timeout_seconds=240.0, baseline_seconds=15.0)
 
     def holds(self) -> list[tuple[float, float]]:
         """(start, end) of each held snapshot, seconds from the start."""
@@ -133,13 +167,19 @@ class SoakPlan:
 
 @dataclass
 class Orders:
-    """The Poisson stream of checkout transactions (a thread)."""
+    """The Poisson stream of checkout transactions (a thread).
+
+    *enqueue* False: the baseline's checkout, the same transaction without the
+    receipt's job (BEGIN, the order's insert, COMMIT); *prefix*: the order ids'.
+    """
 
     dsn: str
     rate: float
     seconds: float
     seed: int
     stop: threading.Event
+    enqueue: bool = True
+    prefix: str = "soak"
     latencies: list[tuple[float, float]] = field(default_factory=list)  # (unix time, ms)
     enqueued: int = 0
     errors: int = 0
@@ -159,13 +199,14 @@ class Orders:
                     self.stop.wait(delay)
                 else:
                     self.max_behind_seconds = max(self.max_behind_seconds, -delay)
-                order = f"soak-{self.enqueued}"
+                order = f"{self.prefix}-{self.enqueued}"
                 start = time.perf_counter()
                 try:
                     with conn.transaction():
                         conn.execute("INSERT INTO bench_orders (id, total_cents) VALUES (%s, %s)",
                                      (order, 1999))
-                        enqueue(conn, order)
+                        if self.enqueue:
+                            enqueue(conn, order)
                 except psycopg.Error:
                     self.errors += 1
                     continue
@@ -186,6 +227,7 @@ class Recovery:
 
     def run(self) -> None:
         env = {**os.environ, "PYTHONPATH": str(ROOT / "src"), "RECEIPTS_DATABASE_URL": self.dsn,
+               "RECEIPTS_APPLICATION_NAME": RECOVERY_APP,
                "RECEIPTS_RETENTION_DAYS": repr(self.retention_seconds / 86_400.0),
                "RECEIPTS_LOG_LEVEL": "WARNING"}
         while not self.stop.wait(self.every):
@@ -215,7 +257,8 @@ class Holds:
                 return
             with psycopg.connect(self.dsn, application_name="bench-report") as conn:
                 conn.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
-                conn.execute("SELECT count(*), max(created_at) FROM receipt_jobs")
+                conn.execute("SELECT /* soak report */ count(*), max(created_at)"
+                             " FROM receipt_jobs")
                 began = time.time()
                 self.stop.wait(max(0.0, self.t0 + end - time.monotonic()))
                 conn.execute("COMMIT")
@@ -264,43 +307,190 @@ def sample_database(conn: psycopg.Connection[Any]) -> dict[str, Any]:
     """One reading of the database: sizes, dead tuples, flow row versions, xmin, WAL, queue."""
     out: dict[str, Any] = {}
     for name, heap, idx, live, dead, vacuums in conn.execute(
-            "SELECT c.relname, pg_relation_size(c.oid), pg_indexes_size(c.oid), s.n_live_tup,"
-            " s.n_dead_tup, s.autovacuum_count FROM pg_class AS c JOIN pg_stat_user_tables AS s"
-            " ON s.relid = c.oid WHERE c.relname = ANY(%s)", (list(TABLES),)).fetchall():
+            "SELECT /* bench */ c.relname, pg_relation_size(c.oid), pg_indexes_size(c.oid),"
+            " s.n_live_tup, s.n_dead_tup, s.autovacuum_count FROM pg_class AS c"
+            " JOIN pg_stat_user_tables AS s ON s.relid = c.oid WHERE c.relname = ANY(%s)",
+            (list(TABLES),)).fetchall():
         out[f"{name}_heap_bytes"] = int(heap)
         out[f"{name}_index_bytes"] = int(idx)
         out[f"{name}_live"] = int(live)
         out[f"{name}_dead"] = int(dead)
         out[f"{name}_autovacuums"] = int(vacuums)
     for name, size in conn.execute(
-            "SELECT indexrelid::regclass::text, pg_relation_size(indexrelid) FROM pg_index"
-            " WHERE indrelid = 'receipt_jobs'::regclass").fetchall():
+            "SELECT /* bench */ indexrelid::regclass::text, pg_relation_size(indexrelid)"
+            " FROM pg_index WHERE indrelid = 'receipt_jobs'::regclass").fetchall():
         out[f"index:{name}"] = int(size)
     versions, dead_versions = _one(conn, (
-        "SELECT count(*) FILTER (WHERE lp_flags = 1),"
+        "SELECT /* bench */ count(*) FILTER (WHERE lp_flags = 1),"
         " count(*) FILTER (WHERE lp_flags = 1 AND t_xmax <> '0'::xid)"
         " FROM generate_series(0, (pg_relation_size('receipt_flow') / 8192)::int - 1) AS b,"
         " heap_page_items(get_raw_page('receipt_flow', b))"))
     out["flow_row_versions"] = int(versions)
     out["flow_row_versions_updated"] = int(dead_versions)
     xmin_age, xact_age = _one(conn, (
-        "SELECT coalesce(max(age(backend_xmin)), 0),"
+        "SELECT /* bench */ coalesce(max(age(backend_xmin)), 0),"
         " coalesce(max(extract(epoch FROM now() - xact_start)), 0)::float8"
         " FROM pg_stat_activity WHERE datname = current_database() AND pid <> pg_backend_pid()"))
     out["xmin_age"] = int(xmin_age)
     out["oldest_xact_seconds"] = float(xact_age)
-    out["wal_lsn"] = int(_one(conn, "SELECT pg_current_wal_lsn() - '0/0'")[0])
+    out["wal_lsn"] = int(_one(conn, "SELECT /* bench */ pg_current_wal_lsn() - '0/0'")[0])
     due, ready, lag = _one(conn, (
-        "SELECT count(*) FILTER (WHERE run_at <= now()), count(*),"
+        "SELECT /* bench */ count(*) FILTER (WHERE run_at <= now()), count(*),"
         " coalesce(extract(epoch FROM now() - min(run_at) FILTER (WHERE run_at <= now())), 0)"
         "::float8 FROM receipt_jobs WHERE state = 'ready'"))
     running, expired = _one(conn, (
-        "SELECT count(*), count(*) FILTER (WHERE lease_until <= now()) FROM receipt_jobs"
-        " WHERE state = 'running'"))
-    failed = _one(conn, "SELECT count(*) FROM receipt_jobs WHERE state = 'failed'")[0]
+        "SELECT /* bench */ count(*), count(*) FILTER (WHERE lease_until <= now())"
+        " FROM receipt_jobs WHERE state = 'running'"))
+    failed = _one(conn, "SELECT /* bench */ count(*) FROM receipt_jobs WHERE state = 'failed'")[0]
     out.update(ready_due=int(due), ready=int(ready), lag_seconds=float(lag),
                running=int(running), expired=int(expired), failed=int(failed))
     return out
+
+
+#: The ``application_name`` prefix of worker *i*'s sessions (``soak-w0-worker``, ``-listen``…).
+WORKER_APP = "soak-w{}"
+#: ``receipts recover``'s (``soak-recovery-recover``).
+RECOVERY_APP = "soak-recovery"
+
+
+def client_class(app: str) -> str:
+    """The CPU breakdown's class of a client backend, from its ``application_name``.
+
+    ``soak-wN-listen`` → ``worker N listen/waker`` (the LISTEN session, where
+    the elected waker probes and sweeps); ``soak-wN-…`` (the pool, the start-up
+    check) → ``worker N``; ``soak-recovery…`` → :data:`RECOVERY`;
+    ``bench-checkout`` → :data:`CHECKOUT`; ``bench-report`` → :data:`REPORT`;
+    any other ``bench-…`` (the sampler, the breakdown's own lookups) →
+    :data:`SAMPLING`; anything else ``other client``.
+    """
+    if app.startswith("soak-w"):
+        worker, _, role = app[len("soak-w"):].partition("-")
+        return f"worker {worker} listen/waker" if role == "listen" else f"worker {worker}"
+    if app.startswith(RECOVERY_APP):
+        return RECOVERY
+    if app == "bench-checkout":
+        return CHECKOUT
+    if app == "bench-report":
+        return REPORT
+    if app.startswith("bench-"):
+        return SAMPLING
+    return "other client"
+
+
+def statement_class(query: str) -> str:
+    """Which client class a ``pg_stat_statements`` entry belongs to (:func:`client_class`'s
+    names; ``workers`` for all workers together).
+
+    The soak's own statements carry ``/* bench */``, the reporting query's
+    ``/* soak report */``; the order's insert, the enqueue and BEGIN/COMMIT are
+    the checkout's; recovery's are found by :func:`bench.bill.kind_of`; every
+    other statement is the workers'.
+    """
+    if "/* soak report */" in query:
+        return REPORT
+    kind = kind_of(query)
+    if kind == "bench":
+        return SAMPLING
+    if "bench_orders" in query or kind in ("enqueue", "transaction"):
+        return CHECKOUT
+    if kind == "recovery":
+        return RECOVERY
+    return "workers"
+
+
+_LITERALS = re.compile(r"%\(\w+\)s|\$\d+|'[^']*'|\b\d+\b")
+
+
+def _shape(text: str) -> str:
+    return " ".join(_LITERALS.sub("?", text).split())
+
+
+@functools.cache
+def _known_statements() -> tuple[tuple[str, str], ...]:
+    from receipts.statements import statements
+
+    return tuple((name, _shape(text)) for name, text in statements().items())
+
+
+def statement_name(query: str) -> str:
+    """The receipts statement (:func:`receipts.statements.statements`' name) a
+    ``pg_stat_statements`` text (maybe cut short) is, else :func:`bench.bill.kind_of`'s
+    kind; constants and parameters are ignored."""
+    shape = _shape(query)
+    if len(shape) >= 20:
+        for name, known in _known_statements():
+            if known.startswith(shape) or shape.startswith(known):
+                return name
+    return kind_of(query)
+
+
+def group_of(cpu_class: str) -> str:
+    """A breakdown class's statement class (``worker N…`` → ``workers``)."""
+    return "workers" if cpu_class.startswith("worker ") else cpu_class
+
+
+def statement_totals(conn: psycopg.Connection[Any]) -> dict[tuple[Any, ...], dict[str, Any]]:
+    """Every ``pg_stat_statements`` entry of the database so far, by (userid, queryid, toplevel)."""
+    rows = conn.execute(
+        "SELECT /* bench */ userid, queryid, toplevel, calls, total_exec_time, rows, wal_bytes,"
+        " left(query, 200) FROM pg_stat_statements WHERE dbid = (SELECT oid FROM pg_database"
+        " WHERE datname = current_database())").fetchall()
+    return {(u, q, t): {"calls": int(c), "exec_ms": float(e), "rows": int(r), "wal_bytes": int(w),
+                        "query": str(text)} for u, q, t, c, e, r, w, text in rows}
+
+
+def statements_between(before: dict[tuple[Any, ...], dict[str, Any]],
+                       after: dict[tuple[Any, ...], dict[str, Any]]) -> list[dict[str, Any]]:
+    """Each statement's calls, exec ms, rows and WAL bytes between two
+    :func:`statement_totals`, most exec time first (statements not called left out)."""
+    out = []
+    for key, a in after.items():
+        b = before.get(key, {})
+        row = {k: a[k] - b.get(k, 0) for k in ("calls", "exec_ms", "rows", "wal_bytes")}
+        if row["calls"] > 0:
+            out.append({**row, "exec_ms": round(row["exec_ms"], 3), "query": a["query"]})
+    return sorted(out, key=lambda r: -r["exec_ms"])
+
+
+def phase_cost(cpu: dict[str, float], whole_seconds: float, statements: Sequence[dict[str, Any]],
+               orders: int, wal_bytes: int) -> dict[str, Any]:
+    """One phase's database bill per order: the whole server's CPU (µs), the
+    breakdown by class (µs, :mod:`bench.dbcpu`), WAL (bytes), and per
+    statement class its ``pg_stat_statements`` exec time beside its backends' CPU
+    (µs per order; ``gap_us`` = CPU − exec: parse, plan, protocol, commit…)."""
+    n = max(orders, 1)
+    by_group: dict[str, dict[str, float]] = {}
+    for cls, seconds in cpu.items():
+        g = by_group.setdefault(group_of(cls), {"cpu_us": 0.0, "exec_us": 0.0, "calls": 0.0})
+        g["cpu_us"] += seconds / n * 1e6
+    for st in statements:
+        g = by_group.setdefault(statement_class(st["query"]),
+                                {"cpu_us": 0.0, "exec_us": 0.0, "calls": 0.0})
+        g["exec_us"] += st["exec_ms"] * 1000 / n
+        g["calls"] += st["calls"] / n
+    clients = {k: {"cpu_us": round(v["cpu_us"], 1), "exec_us": round(v["exec_us"], 1),
+                   "gap_us": round(v["cpu_us"] - v["exec_us"], 1),
+                   "calls_per_order": round(v["calls"], 3)}
+               for k, v in by_group.items() if v["calls"] or k in (
+                   CHECKOUT, "workers", RECOVERY, SAMPLING, REPORT)}
+    return {"orders": orders, "db_cpu_us_per_order": round(whole_seconds / n * 1e6, 1),
+            "breakdown_us_per_order": dbcpu.per_order_us(cpu, orders),
+            "breakdown_total_us": round(sum(cpu.values()) / n * 1e6, 1),
+            "wal_bytes_per_order": round(wal_bytes / n, 1),
+            "statements_vs_cpu": dict(sorted(clients.items(), key=lambda kv: -kv[1]["cpu_us"]))}
+
+
+def cpu_vs_baseline(doc: dict[str, Any], limit: float = CPU_VS_BASELINE_LIMIT) -> dict[str, Any]:
+    """The target: the queue phase's whole database CPU per order ≤ *limit* × the
+    baseline's (``ok`` None when the run had no baseline)."""
+    cost = doc.get("cost", {})
+    queue = cost.get("queue", {}).get("db_cpu_us_per_order")
+    base = cost.get("baseline", {}).get("db_cpu_us_per_order")
+    ratio = dbcpu.cpu_ratio(queue, base)
+    if ratio is None:
+        return {"ok": None, "reason": "no baseline (--baseline-seconds 0)", "limit": limit}
+    return {"ok": ratio <= limit, "ratio": ratio, "limit": limit, "queue_us": queue,
+            "baseline_us": base}
 
 
 def _p(values: Sequence[float], q: float) -> float | None:
@@ -397,7 +587,9 @@ def verdict(doc: dict[str, Any]) -> dict[str, Any]:
     * claim p99 during each held snapshot ≤ 3 × before it;
     * nothing lost or stuck: orders = distinct receipts delivered + jobs failed
       for good, nothing ready or running at the end, and no lease left expired
-      for two samples in a row.
+      for two samples in a row;
+    * the database's whole CPU per order ≤ 3 × the baseline's
+      (:func:`cpu_vs_baseline`; not judged when the run had none).
     """
     plan = doc["plan"]
     samples = doc["samples"]
@@ -425,8 +617,11 @@ def verdict(doc: dict[str, Any]) -> dict[str, Any]:
     out["nothing_lost"] = {"ok": lost == 0 and not end_state.get("left") and not stuck_expired,
                            "lost": lost, "left_at_end": end_state.get("left"),
                            "expired_leases_seen_twice": stuck_expired}
+    out["cpu_vs_baseline"] = cpu_vs_baseline(doc)
     judged = [c["ok"] for group in ("sizes", "latency", "holds") for c in out[group]]
     judged.append(out["nothing_lost"]["ok"])
+    if out["cpu_vs_baseline"]["ok"] is not None:  # not judged without a baseline
+        judged.append(out["cpu_vs_baseline"]["ok"])
     out["ok"] = all(v is True for v in judged)
     return out
 
@@ -527,6 +722,46 @@ def claim_counts(claims: Sequence[tuple[float, float, int]], delivered: int) -> 
             "empty_claim_share": round(empty / max(len(claims), 1), 3)}
 
 
+def baseline_phase(dsn: str, plan: SoakPlan,
+                   conn: psycopg.Connection[Any]) -> tuple[Orders, list[dict[str, Any]]]:
+    """The checkout stream without the queue for ``plan.baseline_seconds`` (see the
+    module doc), sampled as the queue phase is (:func:`sample_database` on *conn*
+    every ``sample_seconds``); returns the stream and its samples (checkout p50/p99)."""
+    orders = Orders(dsn, plan.rate, plan.baseline_seconds, plan.seed + 1000, threading.Event(),
+                    enqueue=False, prefix="base")
+    thread = threading.Thread(target=orders.run, daemon=True)
+    t0 = time.monotonic()
+    thread.start()
+    samples: list[dict[str, Any]] = []
+    seen = 0
+    next_at = t0
+    while thread.is_alive():
+        next_at += plan.sample_seconds
+        thread.join(max(0.0, next_at - time.monotonic()))
+        sample_database(conn)
+        chk = [lat for _, lat in orders.latencies[seen:]]
+        seen = len(orders.latencies)
+        samples.append({"t": round(time.monotonic() - t0, 1), "orders": len(chk),
+                        "checkout_p50_ms": _p(chk, 50), "checkout_p99_ms": _p(chk, 99)})
+    return orders, samples
+
+
+def _mark(bench: Bench, breakdown: dbcpu.CpuBreakdown | None,
+          conn: psycopg.Connection[Any]) -> dict[str, Any]:
+    """The readings a phase's bill is the difference of."""
+    return {"cpu": bench.server_cpu_seconds(), "by_class": breakdown.mark() if breakdown else {},
+            "wal": int(_one(conn, "SELECT /* bench */ pg_current_wal_lsn() - '0/0'")[0]),
+            "statements": statement_totals(conn)}
+
+
+def _phase(a: dict[str, Any], b: dict[str, Any], orders: Orders) -> dict[str, Any]:
+    cost = phase_cost(dbcpu.between(a["by_class"], b["by_class"]), b["cpu"] - a["cpu"],
+                      statements_between(a["statements"], b["statements"]), orders.enqueued,
+                      b["wal"] - a["wal"])
+    lat = [ms for _, ms in orders.latencies]
+    return {**cost, "checkout_p50_ms": _p(lat, 50), "checkout_p99_ms": _p(lat, 99)}
+
+
 def run(plan: SoakPlan, out_dir: Path, *, log: Any = print) -> dict[str, Any]:
     """One soak (see the module doc); returns the document also written as ``soak.json``."""
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -535,6 +770,7 @@ def run(plan: SoakPlan, out_dir: Path, *, log: Any = print) -> dict[str, Any]:
     started = datetime.now(UTC)
     provider = None
     children = None
+    breakdown = None
     threads: list[threading.Thread] = []
     try:
         dsn = bench.server.create_database("soak")
@@ -555,21 +791,30 @@ def run(plan: SoakPlan, out_dir: Path, *, log: Any = print) -> dict[str, Any]:
         argvs = [receipts_argv(dsn, concurrency=plan.slots, batch=100, provider_url=provider.url,
                                claim_log=str(path), metrics_port=port,
                                retry_base_seconds=plan.retry_base_seconds,
-                               rate_limit=limit or None)
-                 for path, port in zip(logs, ports, strict=True)]
-        children = Children(argvs, ports=ports)
+                               rate_limit=limit or None, app_name=WORKER_APP.format(i))
+                 for i, (path, port) in enumerate(zip(logs, ports, strict=True))]
+        children = Children(argvs, ports=ports)  # started, not yet connected: they wait for go
         claim_logs = ClaimLogs(logs)
-        children.go()
-        t0 = time.monotonic()
-        wall0 = time.time()
-        orders = Orders(dsn, plan.rate, plan.seconds, plan.seed, stop)
-        recovery = Recovery(dsn, plan.retention_seconds, plan.recover_every_seconds, stop)
-        holds = Holds(dsn, plan.holds(), t0, stop)
-        for target in (orders.run, recovery.run, holds.run):
-            threads.append(threading.Thread(target=target, daemon=True))
-            threads[-1].start()
+        server_pid = bench.server_pid()
+        if server_pid is not None:
+            breakdown = dbcpu.CpuBreakdown(server_pid, dsn, client_class).start()
         samples: list[dict[str, Any]] = []
         with psycopg.connect(dsn, autocommit=True, application_name="bench-sampler") as conn:
+            base_orders = None
+            if plan.baseline_seconds > 0:
+                log(f"soak: baseline, {plan.baseline_seconds:g} s of checkouts without the queue")
+                base_start = _mark(bench, breakdown, conn)
+                base_orders, base_samples = baseline_phase(dsn, plan, conn)
+            queue_start = _mark(bench, breakdown, conn)
+            children.go()
+            t0 = time.monotonic()
+            wall0 = time.time()
+            orders = Orders(dsn, plan.rate, plan.seconds, plan.seed, stop)
+            recovery = Recovery(dsn, plan.retention_seconds, plan.recover_every_seconds, stop)
+            holds = Holds(dsn, plan.holds(), t0, stop)
+            for target in (orders.run, recovery.run, holds.run):
+                threads.append(threading.Thread(target=target, daemon=True))
+                threads[-1].start()
             prev: dict[str, Any] | None = None
             seen_orders = 0
             next_at = t0
@@ -612,11 +857,18 @@ def run(plan: SoakPlan, out_dir: Path, *, log: Any = print) -> dict[str, Any]:
                         f"ready={row['ready']} running={row['running']} "
                         f"claim p99={row['claim_p99_ms']} ms load={os.getloadavg()[0]:.2f}")
             left = samples[-1]["ready"] + samples[-1]["running"]
-            statements = conn.execute(
-                "SELECT calls, total_exec_time, rows, wal_bytes, left(query, 120)"
-                " FROM pg_stat_statements WHERE dbid = (SELECT oid FROM pg_database WHERE"
-                " datname = current_database()) ORDER BY total_exec_time DESC LIMIT 25"
-            ).fetchall()
+            queue_end = _mark(bench, breakdown, conn)
+        cost: dict[str, Any] = {"queue": _phase(queue_start, queue_end, orders)}
+        baseline: dict[str, Any] = {"seconds": plan.baseline_seconds}
+        if base_orders is not None:
+            cost["baseline"] = _phase(base_start, queue_start, base_orders)
+            baseline.update(orders=base_orders.enqueued, errors=base_orders.errors,
+                            max_behind_seconds=round(base_orders.max_behind_seconds, 3),
+                            samples=base_samples)
+        cost["ratio"] = dbcpu.cpu_ratio(cost["queue"]["db_cpu_us_per_order"],
+                                        cost.get("baseline", {}).get("db_cpu_us_per_order"))
+        cost["breakdown"] = {"interval_seconds": breakdown.interval if breakdown else None,
+                             "samples": breakdown.samples if breakdown else 0}
         failures = _scrape_total(children, "receipts_failures_total")
         stale = _scrape_total(children, "receipts_stale_acks_total")
         stats = provider.stats()
@@ -645,12 +897,16 @@ def run(plan: SoakPlan, out_dir: Path, *, log: Any = print) -> dict[str, Any]:
                 **claim_counts(claim_logs.claims, delivered),
                 "wal_bytes_per_job": round(wal / max(delivered, 1), 1),
             },
-            "statements": [{"calls": int(c), "exec_ms": float(e), "rows": int(r),
-                            "wal_bytes": int(w), "query": str(q)}
-                           for c, e, r, w, q in statements],
+            # The queue phase's (workers released → drain over), most exec time first.
+            "statements": statements_between(queue_start["statements"],
+                                             queue_end["statements"])[:25],
+            "baseline": baseline,
+            "cost": cost,
         }
     finally:
         stop.set()
+        if breakdown is not None:
+            breakdown.close()
         for thread in threads:
             thread.join(10)
         if children is not None:
@@ -690,7 +946,44 @@ def summary(doc: dict[str, Any]) -> str:
         lines.append(f"  held snapshot {c['hold']}: claim p99 {c.get('p99_before_ms')} -> "
                      f"{c.get('p99_during_ms')} ms ({c.get('ratio')}×) ok={c['ok']}")
     lines.append(f"  nothing lost or stuck: {v['nothing_lost']}")
+    lines += cost_lines(doc)
     return "\n".join(lines)
+
+
+def cost_lines(doc: dict[str, Any]) -> list[str]:
+    """The baseline against the queue phase: CPU per order, its breakdown, statements."""
+    cost = doc.get("cost")
+    if not cost:
+        return []
+    q, b = cost["queue"], cost.get("baseline", {})
+    check = doc.get("verdict", {}).get("cpu_vs_baseline", {})
+    lines = [f"  database CPU per order: baseline (no queue, {b.get('orders', 0):,} orders) "
+             f"{b.get('db_cpu_us_per_order')} µs, queue phase ({q['orders']:,} orders) "
+             f"{q['db_cpu_us_per_order']} µs: {cost.get('ratio')}× (≤ {CPU_VS_BASELINE_LIMIT:g}) "
+             f"ok={check.get('ok')}",
+             f"  WAL per order: baseline {b.get('wal_bytes_per_order')} B, queue "
+             f"{q['wal_bytes_per_order']} B; checkout p50/p99: baseline "
+             f"{b.get('checkout_p50_ms')}/{b.get('checkout_p99_ms')} ms, queue "
+             f"{q['checkout_p50_ms']}/{q['checkout_p99_ms']} ms",
+             f"  CPU µs per order by process{'':22}{'baseline':>10}{'queue':>10}"]
+    qb, bb = q["breakdown_us_per_order"], b.get("breakdown_us_per_order", {})
+    for cls in sorted(set(qb) | set(bb), key=lambda c: -qb.get(c, 0.0)):
+        lines.append(f"    {cls:<52}{bb.get(cls, 0.0):>10.1f}{qb.get(cls, 0.0):>10.1f}")
+    lines.append(f"    {'(sum of the classes)':<52}{b.get('breakdown_total_us', 0.0):>10.1f}"
+                 f"{q['breakdown_total_us']:>10.1f}")
+    lines.append("  queue phase per order: backends' CPU vs their statements' exec time "
+                 "(pg_stat_statements), µs")
+    for cls, row in q["statements_vs_cpu"].items():
+        lines.append(f"    {cls:<20} CPU {row['cpu_us']:>8.1f}  exec {row['exec_us']:>8.1f}  "
+                     f"gap {row['gap_us']:>8.1f}  ({row['calls_per_order']} statements)")
+    n = max(q["orders"], 1)
+    lines.append("  queue phase statements (pg_stat_statements): calls and exec µs per order")
+    for st in doc.get("statements", [])[:12]:
+        text = " ".join(st["query"].split())[:48]
+        lines.append(f"    {st['calls'] / n:>7.3f} {st['exec_ms'] * 1000 / n:>8.1f} µs  "
+                     f"{statement_class(st['query']):<9} {statement_name(st['query']):<16} "
+                     f"{text}")
+    return lines
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -707,18 +1000,21 @@ def main(argv: list[str] | None = None) -> int:
                    help="when the first held snapshot starts, seconds (default 2400)")
     p.add_argument("--hold-seconds", type=float,
                    help="how long each snapshot is held (default 600)")
+    p.add_argument("--baseline-seconds", type=float,
+                   help="checkouts without the queue before the workers start, seconds "
+                        "(default 300; --smoke: 15; 0: none)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT,
                    help=f"folder for soak.json and the PNGs (default {DEFAULT_OUT})")
     args = p.parse_args(argv)
     plan = SoakPlan.smoke() if args.smoke else SoakPlan()
     for name in ("hours", "rate", "workers", "retention_seconds", "rate_limit",
-                 "hold_first_seconds", "hold_seconds"):
+                 "hold_first_seconds", "hold_seconds", "baseline_seconds"):
         value = getattr(args, name)
         if value is not None:
             setattr(plan, name, value)
-    if plan.hours <= 0 or plan.rate <= 0 or plan.workers < 1:
-        print("python -m bench.soak: --hours, --rate and --workers must be positive",
-              file=sys.stderr)
+    if plan.hours <= 0 or plan.rate <= 0 or plan.workers < 1 or plan.baseline_seconds < 0:
+        print("python -m bench.soak: --hours, --rate and --workers must be positive, "
+              "--baseline-seconds not negative", file=sys.stderr)
         return 2
     doc = run(plan, args.out, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(summary(doc))

@@ -1,4 +1,5 @@
-"""The soak runs end to end in its 2-minute form: nothing lost, a verdict, plots."""
+"""The soak runs end to end in its 2-minute form: nothing lost, a verdict, plots, the
+no-queue baseline and the CPU breakdown."""
 
 from __future__ import annotations
 
@@ -43,6 +44,30 @@ def test_the_two_minute_soak_loses_nothing_and_judges_every_target(tmp_path):
                 "xmin_age", "wal_mb_per_second"):
         assert key in sample
     assert max(s["xmin_age"] for s in doc["samples"]) > 0, "the held snapshot shows as xmin age"
+
+    # The baseline (15 s of checkouts without the queue) against the queue phase.
+    cost, baseline = doc["cost"], doc["baseline"]
+    assert baseline["orders"] > 100 and baseline["errors"] == 0
+    assert cost["baseline"]["db_cpu_us_per_order"] > 0 and cost["ratio"] > 0
+    assert verdict["cpu_vs_baseline"]["ok"] in (True, False)
+    for phase in ("baseline", "queue"):
+        split = cost[phase]["breakdown_us_per_order"]
+        assert cost[phase]["breakdown_total_us"] == pytest.approx(
+            cost[phase]["db_cpu_us_per_order"], rel=0.1), "the classes add up to the whole"
+        assert split["checkout"] > 0
+    before = cost["baseline"]["breakdown_us_per_order"]
+    assert not any(v for k, v in before.items() if k.startswith("worker") or k == "recovery"), \
+        "nothing of the queue runs in the baseline"
+    after = cost["queue"]["breakdown_us_per_order"]
+    assert after["worker 0"] > 0 and after["worker 1"] > 0
+    workers = cost["queue"]["statements_vs_cpu"]["workers"]
+    assert workers["exec_us"] > 0 and workers["cpu_us"] > 0
+    # BEGIN, the order's insert, COMMIT; the queue phase adds the enqueue.
+    assert cost["baseline"]["statements_vs_cpu"]["checkout"]["calls_per_order"] == \
+        pytest.approx(3, abs=0.05)
+    assert cost["queue"]["statements_vs_cpu"]["checkout"]["calls_per_order"] == \
+        pytest.approx(4, abs=0.05)
+    assert "database CPU per order: baseline" in result.stdout
 
     for name in ("latency", "storage", "health"):
         png = tmp_path / f"soak-{name}.png"
