@@ -96,7 +96,10 @@ from receipts.migrate import apply_migrations
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "soak"
 #: The soak's server: the defaults (checkpoint_timeout 5 min, max_wal_size 1 GB,
 #: autovacuum on), plus pg_stat_statements for the statement totals.
-SERVER_SETTINGS = {"shared_preload_libraries": "'pg_stat_statements'"}
+SERVER_SETTINGS = {"shared_preload_libraries": "'pg_stat_statements'",
+                   # Planning time per statement too (``plan_ms``, ``plans``): a
+                   # statement planned afresh on every call pays it outside its exec time.
+                   "pg_stat_statements.track_planning": "on"}
 TABLES = ("receipt_jobs", "receipt_attempts", "receipt_flow")
 #: The target: the queue phase's database CPU per order ≤ this × the baseline's.
 CPU_VS_BASELINE_LIMIT = 3.0
@@ -433,22 +436,26 @@ def statement_totals(conn: psycopg.Connection[Any]) -> dict[tuple[Any, ...], dic
     """Every ``pg_stat_statements`` entry of the database so far, by (userid, queryid, toplevel)."""
     rows = conn.execute(
         "SELECT /* bench */ userid, queryid, toplevel, calls, total_exec_time, rows, wal_bytes,"
-        " left(query, 200) FROM pg_stat_statements WHERE dbid = (SELECT oid FROM pg_database"
-        " WHERE datname = current_database())").fetchall()
+        " plans, total_plan_time, left(query, 200) FROM pg_stat_statements"
+        " WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())"
+    ).fetchall()
     return {(u, q, t): {"calls": int(c), "exec_ms": float(e), "rows": int(r), "wal_bytes": int(w),
-                        "query": str(text)} for u, q, t, c, e, r, w, text in rows}
+                        "plans": int(pl), "plan_ms": float(pt), "query": str(text)}
+            for u, q, t, c, e, r, w, pl, pt, text in rows}
 
 
 def statements_between(before: dict[tuple[Any, ...], dict[str, Any]],
                        after: dict[tuple[Any, ...], dict[str, Any]]) -> list[dict[str, Any]]:
-    """Each statement's calls, exec ms, rows and WAL bytes between two
+    """Each statement's calls, exec ms, rows, WAL bytes, plans and plan ms between two
     :func:`statement_totals`, most exec time first (statements not called left out)."""
     out = []
     for key, a in after.items():
         b = before.get(key, {})
-        row = {k: a[k] - b.get(k, 0) for k in ("calls", "exec_ms", "rows", "wal_bytes")}
+        row = {k: a.get(k, 0) - b.get(k, 0)
+               for k in ("calls", "exec_ms", "rows", "wal_bytes", "plans", "plan_ms")}
         if row["calls"] > 0:
-            out.append({**row, "exec_ms": round(row["exec_ms"], 3), "query": a["query"]})
+            out.append({**row, "exec_ms": round(row["exec_ms"], 3),
+                        "plan_ms": round(row["plan_ms"], 3), "query": a["query"]})
     return sorted(out, key=lambda r: -r["exec_ms"])
 
 
