@@ -15,8 +15,9 @@ from datetime import UTC, datetime, timedelta
 
 import psycopg
 import pytest
+from psycopg import sql
 
-from receipts.db import make_pool
+from receipts.db import ListenSession, connection_kwargs, make_pool
 from receipts.enqueue import NOTIFY_CHANNEL, enqueue
 from receipts.jobqueue import JobQueue
 from receipts.metrics import Metrics
@@ -301,3 +302,26 @@ async def test_a_back_dated_job_below_the_watermark_is_swept_and_claimed(dsn, me
     took = await until(lambda: any("old" in p.claimed for p in members), "the old job claimed")
     assert took < 1.0
     assert FLEET_CHANNEL == "receipts_fleet"
+
+
+async def test_the_wakers_session_plans_its_probe_once_not_on_every_call(dsn):
+    """The probe runs every 70 ms with a parameter in each index condition: left to the
+    plan cache it is planned afresh each time (a custom plan). The LISTEN session asks
+    for the generic plan, so after psycopg prepares it no probe is planned again. Other
+    sessions keep the server's choice."""
+    settings = make_settings(dsn)
+    wakeups = Wakeups(settings, Metrics(), lambda: None)
+    session = await ListenSession.open(settings)
+    try:
+        for _ in range(12):
+            await wakeups.probe(session)
+        rows = await session.fetchall(sql.SQL(
+            "SELECT generic_plans, custom_plans FROM pg_prepared_statements"
+            " WHERE statement LIKE %(probe)s"), {"probe": "WITH tail AS%"})
+        (mode,) = await session.fetchall(sql.SQL("SHOW plan_cache_mode"), {})
+    finally:
+        await session.close()
+    assert len(rows) == 1 and rows[0][1] == 0 and rows[0][0] >= 6, rows
+    assert mode == ("force_generic_plan",)
+    with psycopg.connect(settings.dsn, **connection_kwargs(settings, "worker")) as conn:
+        assert conn.execute("SHOW plan_cache_mode").fetchone() == ("auto",)
