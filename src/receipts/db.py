@@ -39,15 +39,20 @@ DEADLINE_SLACK_SECONDS = 5.0
 #: Operator commands, the review page and migrations always commit durably.
 ASYNC_COMMIT_ROLES = frozenset({"worker", "recover", "listen"})
 #: Roles whose sessions use PostgreSQL's generic plan for every prepared statement
-#: (``plan_cache_mode=force_generic_plan``). The LISTEN session runs the waker's probe
-#: every 70 ms; every one of its index conditions takes a parameter, so the plan
-#: cache keeps choosing a custom plan and plans it afresh on each call (measured on
-#: PostgreSQL 15: 34 custom plans of 34, 1.8 ms a probe; generic: 0.6 ms). Its
-#: generic plan is the same index scans (``EXPLAIN (GENERIC_PLAN)``). At 50 orders/s
-#: that planning was most of the waker's database CPU, about 360 µs per order.
-#: The worker's pool keeps the planner's choice: a claim's bind LIMIT makes a
-#: generic plan a bitmap scan of the whole due part (docs/design.md §10).
-GENERIC_PLAN_ROLES = frozenset({"listen"})
+#: (``plan_cache_mode=force_generic_plan``): the worker's pool and its LISTEN session,
+#: whose few statements run many times a second. psycopg prepares a statement on its
+#: fifth run; the server's plan cache then keeps planning a custom plan on every call
+#: when it judges that cheaper than the generic one, as it does for statements whose
+#: index conditions all take parameters. Measured on PostgreSQL 15: the waker's probe
+#: (every 70 ms) was planned afresh 34 times of 34, 1.8 ms a probe against 0.6 ms
+#: with the generic plan; the ack 25 of 25. At 50 orders/s that planning was most of
+#: the waker session's database CPU (about 360 µs per order) and much of the workers'.
+#: Each statement's generic plan is the index scans its comment names (``EXPLAIN
+#: (GENERIC_PLAN)``; ``tests/integration/test_wakeups.py`` holds the probe to it): the
+#: claim's batch size is a literal, not a parameter, so that its generic plan stays on
+#: the ready index (docs/design.md §10). Recovery, operator and checkout sessions
+#: keep the server's choice: their statements run once a minute or once an order.
+GENERIC_PLAN_ROLES = frozenset({"worker", "listen"})
 #: How long one of the pool's reconnection attempts keeps retrying, seconds.
 #: psycopg_pool doubles the wait between tries (1, 2, 4 s…) with no cap but
 #: this window, so after a long outage its next try could be minutes away (a

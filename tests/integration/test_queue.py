@@ -286,3 +286,31 @@ async def test_the_dsn_options_such_as_a_search_path_are_kept(server):
         assert fetch_rows(dsn, "SELECT count(*) FROM shop.receipt_jobs") == [(1,)]
     finally:
         server.drop_database(dsn)
+
+
+async def test_the_workers_claim_and_ack_are_planned_once_per_session(settings):
+    """On the worker's pool every prepared statement uses its generic plan
+    (receipts.db.GENERIC_PLAN_ROLES): left to the plan cache, the ack was planned afresh
+    on every call. The claim's batch size is a literal, one prepared statement per
+    size, so its generic plan stays on the ready index."""
+    with psycopg.connect(settings.dsn) as conn:
+        for n in range(60):
+            enqueue(conn, f"plan-{n}")
+    pool = make_pool(settings, "worker", max_size=1)
+    await pool.open(wait=True, timeout=10)
+    try:
+        queue = JobQueue(pool, lease_seconds=30, max_attempts=5)
+        for _ in range(20):
+            result = await queue.claim(3)
+            assert len(result.attempts) == 3
+            await queue.ack([(a.job.id, a.job.token) for a in result.attempts])
+        async with pool.connection() as conn:
+            cur = await conn.execute(
+                "SELECT generic_plans, custom_plans, statement LIKE 'UPDATE%%'"
+                " FROM pg_prepared_statements")
+            plans = await cur.fetchall()
+    finally:
+        await pool.close()
+    # Prepared on the fifth run: 15 runs of each on its generic plan, none planned anew.
+    assert sorted((g, c) for g, c, _ in plans) == [(15, 0), (15, 0)], plans
+    assert {is_ack for _, _, is_ack in plans} == {True, False}

@@ -306,9 +306,9 @@ async def test_a_back_dated_job_below_the_watermark_is_swept_and_claimed(dsn, me
 
 async def test_the_wakers_session_plans_its_probe_once_not_on_every_call(dsn):
     """The probe runs every 70 ms with a parameter in each index condition: left to the
-    plan cache it is planned afresh each time (a custom plan). The LISTEN session asks
-    for the generic plan, so after psycopg prepares it no probe is planned again. Other
-    sessions keep the server's choice."""
+    plan cache it is planned afresh each time (a custom plan). The LISTEN session (and
+    the worker's pool) ask for the generic plan, so after psycopg prepares it no probe
+    is planned again. Recovery, operator and checkout sessions keep the server's choice."""
     settings = make_settings(dsn)
     wakeups = Wakeups(settings, Metrics(), lambda: None)
     session = await ListenSession.open(settings)
@@ -323,5 +323,7 @@ async def test_the_wakers_session_plans_its_probe_once_not_on_every_call(dsn):
         await session.close()
     assert len(rows) == 1 and rows[0][1] == 0 and rows[0][0] >= 6, rows
     assert mode == ("force_generic_plan",)
-    with psycopg.connect(settings.dsn, **connection_kwargs(settings, "worker")) as conn:
-        assert conn.execute("SHOW plan_cache_mode").fetchone() == ("auto",)
+    for role, expected in (("worker", "force_generic_plan"), ("recover", "auto"),
+                           ("jobs", "auto"), ("enqueue", "auto"), ("ui", "auto")):
+        with psycopg.connect(settings.dsn, **connection_kwargs(settings, role)) as conn:
+            assert conn.execute("SHOW plan_cache_mode").fetchone() == (expected,), role
