@@ -81,7 +81,9 @@ PROCESSES = (1, 4, 16)
 _KINDS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
     (kind, re.compile(pattern, re.IGNORECASE | re.DOTALL)) for kind, pattern in (
         ("bench", r"/\* bench \*/|^\s*SELECT count\(\*\) FROM pg_stat_activity"),
-        ("claim", r"candidate AS \(.*claimed AS \("),
+        # (pg_stat_statements texts may be cut short: the claim's opening names it too)
+        ("claim", r"candidate AS \(.*claimed AS \(|^\s*WITH flow AS (MATERIALIZED )?\("
+                  r"\s*SELECT \S*receipts_pause_reason\("),
         ("ack", r"^\s*UPDATE \S*receipt_jobs AS j\s+SET state = \S+,\s+lease_token = \S+,"
                 r"\s+lease_until = \S+,\s+last_token = a\.token"),
         ("reschedule", r"^\s*WITH r AS \("),

@@ -74,3 +74,10 @@ def test_slope_needs_three_points():
 ])
 def test_the_bill_names_what_each_queue_statement_is_for(name, kind):
     assert kind_of(statements()[name]) == kind
+
+
+@pytest.mark.parametrize("name", ["claim", "claim_limited"])
+def test_the_bill_names_a_claim_from_its_first_200_characters(name):
+    """pg_stat_statements' text as a report reads it may be cut short (the soak keeps
+    200 characters): the claim's opening still names it."""
+    assert kind_of(statements()[name].replace("{limit}", "3")[:200]) == "claim"
