@@ -203,7 +203,8 @@ def plan(rate: float, latency_seconds: float, *,
     fleet finds the capacity by itself and KEDA stops adding pods it cannot
     use (docs/scaling.md). Raises
     :class:`PlanError` for a rate, latency, ceiling or CPU figure that is not
-    a positive finite number, or a utilisation outside (0, 1].
+    a positive finite number, a provider capacity that is not a whole number of
+    requests, or a utilisation outside (0, 1].
     """
     _check("--rate", rate, upper=10_000_000)
     _check("--latency", latency_seconds, upper=3_600)
@@ -211,6 +212,9 @@ def plan(rate: float, latency_seconds: float, *,
     _check("--cpu-per-delivery", cpu_per_delivery_seconds * 1e6, upper=1_000_000)
     if provider_capacity is not None:
         _check("--provider-capacity", provider_capacity, upper=10_000_000)
+        if provider_capacity != int(provider_capacity):
+            raise PlanError("--provider-capacity counts requests at once: a whole number, "
+                            f"not {provider_capacity:g}")
     if not (math.isfinite(utilisation) and 0 < utilisation <= 1):
         raise PlanError(f"--utilisation must be above 0 and at most 1, not {utilisation:g}")
 
@@ -358,4 +362,10 @@ def _provider_lines(p: Plan) -> list[str]:
     if p.release_rate > p.provider_rate:
         lines.append(f"                   the rate is above it: backlogs drain at "
                      f"{p.provider_rate:,.1f}/s whatever the pods (ask the provider for more)")
+    if p.min_replicas > p.provider_capacity:
+        # Each pod keeps at least its floor (1) in flight: more pods than the capacity
+        # overload the provider whatever their limits say.
+        lines.append(f"                   minReplicas {p.min_replicas} is above it: each pod "
+                     "keeps at least one request in flight (the limit's floor), so that many "
+                     "pods overload it; run fewer or ask the provider for more")
     return lines

@@ -242,3 +242,15 @@ def test_a_provider_capacity_says_the_rate_it_allows_and_turns_adaptation_on(cap
     assert "the HPA on the external metric" in out  # both autoscaling paths are capped
     with pytest.raises(PlanError):
         plan(100, 0.2, provider_capacity=0)
+
+
+def test_a_provider_capacity_is_a_whole_number_and_one_below_min_replicas_is_named(
+        capsys) -> None:
+    for bad in ("1.5", "0", "-1", "nan", "1e12"):
+        assert main(["plan", "--rate", "10", "--latency", "0.2",
+                     "--provider-capacity", bad]) == 2, bad
+        assert "--provider-capacity" in capsys.readouterr().err
+    # Each pod keeps its floor (1) in flight: two pods overload a provider of capacity 1.
+    tight = describe(plan(10, 0.2, provider_capacity=1))
+    assert "minReplicas 2 is above it" in tight
+    assert "minReplicas 2 is above it" not in describe(plan(10, 0.2, provider_capacity=2))
