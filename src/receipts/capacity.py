@@ -211,12 +211,11 @@ class ConcurrencyLimit:
         nothing about load and are ignored.
 
         Returns the signal of a decrease it caused (``overload`` or ``latency``),
-        else None.
+        else None (also when the limit was already at its floor).
         """
         if reason in OVERLOAD_REASONS:
             signal = None
-            if sent_at >= self.decreased_at:
-                self._decrease()
+            if sent_at >= self.decreased_at and self._decrease():
                 signal = OVERLOAD
             if self.limit < self.policy.floor + 1:  # at the floor: it cannot shrink
                 rtt = self.baseline if self.baseline is not None else rtt_seconds
@@ -245,8 +244,7 @@ class ConcurrencyLimit:
             self.baseline = min(mean, base * (1 + p.baseline_drift) ** elapsed)
         self._baseline_at = self._clock()
         if base is not None and mean > p.slow_factor * base:
-            if self._first_sent >= self.decreased_at:
-                self._decrease()
+            if self._first_sent >= self.decreased_at and self._decrease():
                 return LATENCY
         elif ((base is None or mean <= p.calm_factor * base) and self._peak >= self.allowed()
               and self.limit < p.ceiling):
@@ -256,10 +254,17 @@ class ConcurrencyLimit:
         self._reset_window()
         return None
 
-    def _decrease(self) -> None:
+    def _decrease(self) -> bool:
+        """Multiply the limit by the backoff (not below the floor) and open a new
+        episode; True when the limit went down (at the floor it cannot, and that
+        is no decrease to count)."""
         p = self.policy
+        before = self.limit
         self.limit = max(float(p.floor), self.limit * p.backoff)
         self.decreased_at = self._clock()
-        self.decreases += 1
         self.searching = False
         self._reset_window()
+        if self.limit < before:
+            self.decreases += 1
+            return True
+        return False

@@ -199,9 +199,13 @@ class FlowPolicy:
         suspect_streak: rejections answered in a row, no acceptance among them,
             that start the pace before any is unexplained.
         outage_quiet_seconds: with adaptive concurrency (None: off), an outage
-            is declared only after this long with no acceptance answered: a
-            provider that refuses some requests but accepts others is at its
-            capacity, not down, and the limit (receipts.capacity) answers that.
+            is declared only after this pod has seen failures for this long with
+            no acceptance among them: a provider that refuses some requests but
+            accepts others is at its capacity, not down, and the limit
+            (receipts.capacity) answers that. The time counts from the first
+            failure after the last acceptance, so a pod that just joined, or one
+            that was idle, does not take a full provider's first refusals for
+            an outage.
         held_retry_seconds: first delay of a held rejection's retry; it doubles
             each time this pod holds the same job again (≤ 30 s).
     """
@@ -457,6 +461,9 @@ class ProviderGate:
         self._suspect_sends: deque[float] = deque()
         #: Rejections answered since the last acceptance answered.
         self._streak = 0
+        #: When the first provider failure since the last acceptance was answered
+        #: (monotonic; None: none since): the quiet rule of an outage counts from it.
+        self._failing_since: float | None = None
 
     def _now(self) -> float:
         return self._clock()  # type: ignore[operator,no-any-return]
@@ -653,6 +660,7 @@ class ProviderGate:
     def _accepted(self, sent: float, answered: float) -> None:
         self.evidence.add(sent, answered)
         self._streak = 0
+        self._failing_since = None
         if self._unexplained:
             # An acceptance explains the rejections sent up to a bracket after it.
             limit = sent + self.policy.bracket_seconds
@@ -788,10 +796,16 @@ class ProviderGate:
                 return PauseReason.RETRY_AFTER, seconds
         if self.paused:
             return None
+        now = self._now()
+        if self._failing_since is None:
+            self._failing_since = now
         if self.detector.observe(job_id, failed=True) is PauseReason.OUTAGE:
             quiet = self.policy.outage_quiet_seconds
-            if quiet is not None and self.evidence.answered_since(self._now() - quiet):
-                return None  # others accepted just now: at capacity, not down
+            if quiet is not None and (now - self._failing_since < quiet
+                                      or self.evidence.answered_since(now - quiet)):
+                # Accepted just now, or failing for less than that: at capacity (or a
+                # pod that just joined a full provider), not down.
+                return None
             self.detector.reset()
             return PauseReason.OUTAGE, self._jitter(self.policy.outage_pause_seconds)
         return None

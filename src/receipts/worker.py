@@ -275,6 +275,13 @@ class Worker:
             log.warning("concurrency_ceiling_below_slots", extra={
                 "ceiling": self.settings.adaptive_concurrency_ceiling,
                 "slots": self.settings.concurrency})
+        if self.settings.adaptive_concurrency_floor > min(
+                self.settings.concurrency, self.settings.adaptive_concurrency_ceiling):
+            # The floor cannot be above what a pod may have in flight: it is lowered to
+            # that (capacity_policy), so the floor the operator set does not hold.
+            log.warning("concurrency_floor_above_slots", extra={
+                "floor": self.settings.adaptive_concurrency_floor,
+                "applied": capacity.policy.floor, "slots": self.settings.concurrency})
 
     def is_ready(self) -> bool:
         """True while the database answered this worker's last statement and it is not wedged."""

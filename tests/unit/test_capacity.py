@@ -272,3 +272,16 @@ def test_a_pod_that_joins_at_the_fleets_mean_does_not_search():
     assert lim.limit == 6.5 and not lim.searching
     lim.join(None)
     assert lim.limit == POLICY.floor and lim.searching
+
+
+def test_at_the_floor_an_overload_answer_is_no_decrease_but_a_hold():
+    """A limit at its floor cannot shrink: the answer is counted as no decrease (the
+    metric counts decreases of the limit), and the pod waits a round trip instead."""
+    clock = Clock()
+    lim = ConcurrencyLimit(POLICY, initial=POLICY.floor, clock=clock)
+    round_trip(lim, clock, [Reason.DELIVERED] * POLICY.min_window)
+    lim.limit = float(POLICY.floor)
+    sent = clock.now
+    clock.now += 0.001
+    assert lim.observe(Reason.PROVIDER_5XX, rtt_seconds=0.001, sent_at=sent) is None
+    assert lim.decreases == 0 and lim.limit == POLICY.floor and lim.hold_seconds() > 0

@@ -81,3 +81,14 @@ async def test_off_the_slots_alone_bound_deliveries_and_no_limit_is_reported():
         assert loop.value("receipts_concurrency_limit") == 0
         deliverer.release.set()
         await until(lambda: queue.count(JobState.DONE) == 20)
+
+
+async def test_a_floor_above_the_slots_is_lowered_to_them_and_said(caplog):
+    queue, deliverer = FakeQueue(), ScriptedDeliverer()
+    queue.add(4)
+    async with Loop(queue, deliverer, concurrency=2, adaptive_concurrency=True,
+                    adaptive_concurrency_floor=8) as loop:
+        await until(lambda: queue.count(JobState.DONE) == 4)
+        assert loop.worker.capacity is not None and loop.worker.capacity.policy.floor == 2
+    (event,) = [r for r in caplog.records if r.getMessage() == "concurrency_floor_above_slots"]
+    assert (event.floor, event.applied, event.slots) == (8, 2, 2)  # type: ignore[attr-defined]

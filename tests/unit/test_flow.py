@@ -495,8 +495,8 @@ def test_a_long_run_of_rejections_starts_the_pace_before_the_bracket_can_explain
 
 def test_with_adaptive_concurrency_an_outage_waits_for_acceptances_to_stop():
     """A provider at its capacity refuses most requests of a pod at its floor but still
-    accepts some: that is the limit's to answer. Only a provider silent for
-    outage_quiet_seconds is down."""
+    accepts some: that is the limit's to answer. Only a provider that has failed this
+    pod for outage_quiet_seconds, with no acceptance among the failures, is down."""
     clock = Clock()
     g = ProviderGate(dataclasses.replace(POLICY, outage_quiet_seconds=5.0), clock=clock,
                      rng=random.Random(1))
@@ -505,11 +505,43 @@ def test_with_adaptive_concurrency_an_outage_waits_for_acceptances_to_stop():
         clock.now += 0.1
         assert g.judge(uuid.uuid4(), outcome(503)).pause is None
     accept(g, clock.now)
-    clock.now += 4.9
-    assert g.judge(uuid.uuid4(), outcome(503)).pause is None
-    clock.now += 0.2  # five seconds without an acceptance: down
+    clock.now += 0.1
+    first = clock.now
+    while clock.now < first + 4.9:  # failing since `first`, nothing accepted
+        assert g.judge(uuid.uuid4(), outcome(503)).pause is None
+        clock.now += 0.25
+    clock.now = first + 5.1  # five seconds of failures without an acceptance: down
     reason, _ = g.judge(uuid.uuid4(), outcome(503)).pause  # type: ignore[misc]
     assert reason is PauseReason.OUTAGE
+
+
+@pytest.mark.parametrize("history", ["new", "idle"])
+def test_a_pod_new_to_a_full_provider_does_not_take_its_first_refusals_for_an_outage(history):
+    """A pod that just joined (no answer seen yet) or that was idle for minutes (its last
+    acceptance long gone) sends its first requests into a provider the fleet keeps at
+    its capacity, and they are refused: that is no outage until they have kept failing
+    for outage_quiet_seconds. (Counting from the last acceptance, the joining pod
+    paused the whole fleet for 5 s at once.)"""
+    clock = Clock()
+    g = ProviderGate(dataclasses.replace(POLICY, outage_quiet_seconds=5.0), clock=clock,
+                     rng=random.Random(1))
+    if history == "idle":
+        accept(g, clock.now)
+        clock.now += 300.0
+    start = clock.now
+    for _ in range(20):  # a burst of refusals as the pod starts
+        assert g.judge(uuid.uuid4(), outcome(503)).pause is None
+    clock.now += 0.05
+    accept(g, clock.now)  # one got through: at capacity, and the count starts again
+    paused_at = None
+    while paused_at is None and clock.now < start + 9.0:
+        clock.now += 0.2
+        if g.judge(uuid.uuid4(), outcome(503)).pause is not None:
+            paused_at = clock.now
+    # It kept failing from start + 0.25 on: down after all, five seconds later.
+    assert paused_at is not None and start + 5.2 <= paused_at <= start + 5.6, paused_at
+
+
     # Off (the default): the same answers pause as soon as they make an outage.
     plain = gate(Clock())
     accept(plain, 1000.0)
