@@ -314,6 +314,18 @@ def test_the_notes_give_the_external_metric_s_adapter_rule() -> None:
     assert "prometheusrule.yaml" not in notes and "adaptive limits" not in notes
     for citation in ("docs/", ".md"):
         assert citation not in notes, citation
+    # The operator on but its PrometheusRule off: the same advice, and the command the
+    # notes give prints the group (a trial found it failed with the rule switched off).
+    off = ("--set", "prometheusOperator.enabled=true",
+           "--set", "prometheusOperator.prometheusRule.enabled=false")
+    notes = _notes(*values, *off)
+    (advice,) = re.findall(r"--set (prometheusOperator\S+)\s+--show-only (\S+)", notes)
+    shown = helm("template", RELEASE, str(CHART), "--namespace", NAMESPACE,
+                 "-f", str(REQUIRED_VALUES), *values, *off, "--set", advice[0],
+                 "--show-only", advice[1])
+    assert shown.returncode == 0, shown.stderr
+    (rule,) = yaml.safe_load(shown.stdout)["spec"]["groups"][-1:]
+    assert rule["name"] == "receipts-autoscaling"
 
 
 # ------------------------------------------------------------------- NOTES
