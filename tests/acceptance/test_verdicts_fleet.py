@@ -52,12 +52,23 @@ def set_faults(provider: Child, **faults: object) -> None:
     provider.request("PUT", "/faults", json=faults).raise_for_status()
 
 
-def start_workers(sup: Supervisor, dsn: str, provider: Child, n: int = 2) -> list[Child]:
+#: The variants with adaptive concurrency on (``RECEIPTS_ADAPTIVE_CONCURRENCY``): each
+#: scenario's verdict must not change when every worker's limit on deliveries in flight
+#: adapts to the provider's answers (a rejection is no overload signal; a held claim is
+#: no decrease).
+ADAPTIVE = pytest.param(True, marks=LONG, id="adaptive")
+FIXED = pytest.param(False, id="fixed")
+
+
+def start_workers(sup: Supervisor, dsn: str, provider: Child, n: int = 2, *,
+                  adaptive: bool = False) -> list[Child]:
     workers = []
     for i in range(n):
         port = free_port()
         env = {"RECEIPTS_DATABASE_URL": dsn, "RECEIPTS_PROVIDER_URL": provider.url("/receipts"),
                "RECEIPTS_METRICS_PORT": str(port)}
+        if adaptive:
+            env["RECEIPTS_ADAPTIVE_CONCURRENCY"] = "true"
         workers.append(sup.start(f"worker-{i}", ["worker"], env, port=port))
     return [w.wait_healthy() for w in workers]
 
@@ -140,15 +151,18 @@ def test_the_held_rejections_are_one_group_an_operator_can_list_and_discard(dsn,
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(("statuses", "body"), [
-    ([422], "json_ids"), pytest.param([400], "html", marks=LONG),
-    pytest.param([400, 404, 422], "json", marks=LONG), pytest.param([422], "text", marks=LONG)],
-    ids=["ids-and-timestamps", "html-pages", "rotating-statuses", "text"])
+@pytest.mark.parametrize(("statuses", "body", "adaptive"), [
+    ([422], "json_ids", False), pytest.param([400], "html", False, marks=LONG),
+    pytest.param([400, 404, 422], "json", False, marks=LONG),
+    pytest.param([422], "text", False, marks=LONG),
+    pytest.param([422], "json_ids", True, marks=LONG)],
+    ids=["ids-and-timestamps", "html-pages", "rotating-statuses", "text",
+         "ids-and-timestamps-adaptive"])
 def test_a_provider_rejecting_everything_pauses_the_fleet_and_resumes_soon_after_it_heals(
-        dsn, sup, provider, statuses, body):
+        dsn, sup, provider, statuses, body, adaptive):
     enqueue_many(dsn, [f"ok-{i}" for i in range(50)])
     set_faults(provider, latency_seconds=0.01)
-    workers = start_workers(sup, dsn, provider)
+    workers = start_workers(sup, dsn, provider, adaptive=adaptive)
     until(lambda: counts(dsn)["done"] == 50, "deliveries under way", 30)
     # The provider turns while the fleet has work (enqueued after the turn: a fleet that
     # delivers faster than this test reads would otherwise have nothing left to reject).
@@ -173,14 +187,15 @@ def test_a_provider_rejecting_everything_pauses_the_fleet_and_resumes_soon_after
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("phase_seconds", [5.0, pytest.param(12.0, marks=LONG),
-                                           pytest.param(30.0, marks=LONG)])
-def test_a_flapping_provider_fails_no_valid_receipt(dsn, sup, provider, phase_seconds):
+@pytest.mark.parametrize(("phase_seconds", "adaptive"), [
+    (5.0, False), pytest.param(12.0, False, marks=LONG), pytest.param(30.0, False, marks=LONG),
+    pytest.param(5.0, True, marks=LONG)], ids=["5s", "12s", "30s", "5s-adaptive"])
+def test_a_flapping_provider_fails_no_valid_receipt(dsn, sup, provider, phase_seconds, adaptive):
     """Orders arrive at 10/s while the provider rejects everything and accepts everything
     in turns; the run spans at least two rejecting phases."""
     set_faults(provider, reject_statuses=[422], reject_body="json_ids",
                flap_seconds=phase_seconds)
-    workers = start_workers(sup, dsn, provider)
+    workers = start_workers(sup, dsn, provider, adaptive=adaptive)
     trickle = Trickle(dsn, 10.0, prefix="ok-")
     try:
         time.sleep(max(30.0, 3.5 * phase_seconds))
@@ -196,15 +211,16 @@ def test_a_flapping_provider_fails_no_valid_receipt(dsn, sup, provider, phase_se
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("invalid_share", [pytest.param(0.10, marks=LONG), 0.60,
-                                           pytest.param(0.95, marks=LONG)])
+@pytest.mark.parametrize(("invalid_share", "adaptive"), [
+    pytest.param(0.10, False, marks=LONG), (0.60, False), pytest.param(0.95, False, marks=LONG),
+    pytest.param(0.60, True, marks=LONG)], ids=["0.1", "0.6", "0.95", "0.6-adaptive"])
 def test_a_batch_of_mostly_invalid_orders_fails_them_and_stalls_no_valid_one(
-        dsn, sup, provider, invalid_share):
+        dsn, sup, provider, invalid_share, adaptive):
     """400 orders at once beside the shop's ordinary traffic (5 valid orders/s): no
     pause, each invalid order fails with its reason within 60 s, every valid one is
     delivered."""
     set_faults(provider, invalid_pattern=INVALID)
-    workers = start_workers(sup, dsn, provider)
+    workers = start_workers(sup, dsn, provider, adaptive=adaptive)
     trickle = Trickle(dsn, 5.0)
     try:
         until(lambda: counts(dsn)["done"] >= 5, "the ordinary traffic flowing", 30)
@@ -231,10 +247,12 @@ def test_a_batch_of_mostly_invalid_orders_fails_them_and_stalls_no_valid_one(
 
 
 @pytest.mark.slow
-def test_a_trickle_meets_a_provider_that_starts_rejecting_everything(dsn, sup, provider):
+@pytest.mark.parametrize("adaptive", [FIXED, ADAPTIVE])
+def test_a_trickle_meets_a_provider_that_starts_rejecting_everything(dsn, sup, provider,
+                                                                    adaptive):
     """2 orders/s over 2 pods: each pod has mostly nothing else in flight when a rejection
     comes back; none of them fails."""
-    workers = start_workers(sup, dsn, provider)
+    workers = start_workers(sup, dsn, provider, adaptive=adaptive)
     trickle = Trickle(dsn, 2.0, prefix="ok-")
     try:
         until(lambda: counts(dsn)["done"] >= 10, "the trickle flowing", 30)
