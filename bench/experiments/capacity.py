@@ -7,6 +7,11 @@ a step change of the capacity.
 503 at once, or 429, or slowed: ``--answer``) and a latency per request, and
 ``--pods`` ``receipts worker`` processes of ``--slots`` slots each, with
 ``RECEIPTS_ADAPTIVE_CONCURRENCY`` on and then off, draining a backlog longer than the run.
+``--adaptive oracle`` adds the best a static setting could do: adaptation off, and the
+slots of the fleet set to exactly C (C split as evenly as the pods allow, at least one
+each), which only someone who knew C could choose. Its throughput is what this machine's
+pods deliver with C in flight and never a refusal, so adaptive ÷ oracle is the share
+the limiter itself gives away, apart from the pods' own turnover.
 
 For each run it reports, from ``--warmup`` seconds after the first answer to the end:
 the load each request found at the provider on arrival (itself included: mean, p95,
@@ -63,10 +68,18 @@ def _keda(dsn: str, slots: int, max_replicas: int) -> tuple[int, int]:
     return max_replicas, max_replicas
 
 
+def oracle_slots(pods: int, capacity: int) -> list[int]:
+    """Slots per pod that add up to *capacity* (at least 1 each): the oracle's setting."""
+    return [max(1, capacity // pods + (1 if i < capacity % pods else 0)) for i in range(pods)]
+
+
 def run(bench: Bench, *, pods: int, capacity: int, adaptive: bool, seconds: float,
         slots: int, latency: float, warmup: float, step: bool,
-        max_replicas: int = 10, answer: str = "503") -> dict[str, Any]:
-    """One run (module doc) on a fresh database of *bench*'s server; returns its figures."""
+        max_replicas: int = 10, answer: str = "503", oracle: bool = False) -> dict[str, Any]:
+    """One run (module doc) on a fresh database of *bench*'s server; returns its figures.
+
+    *oracle*: adaptation off and the pods' slots from :func:`oracle_slots` (*slots*
+    ignored)."""
     dsn = bench.new_database("capacity")
     try:
         backlog = int(capacity / latency * (seconds + 30))
@@ -81,12 +94,13 @@ def run(bench: Bench, *, pods: int, capacity: int, adaptive: bool, seconds: floa
                 "latency_seconds": latency, "capacity": capacity,
                 "capacity_answer": answer}).raise_for_status()
             workers: list[Child] = []
+            per_pod = oracle_slots(pods, capacity) if oracle else [slots] * pods
             for i in range(pods):
                 metrics = free_port()
                 env = {"RECEIPTS_DATABASE_URL": dsn,
                        "RECEIPTS_PROVIDER_URL": provider.url("/receipts"),
                        "RECEIPTS_METRICS_PORT": str(metrics), "RECEIPTS_LOG_LEVEL": "WARNING",
-                       "RECEIPTS_CONCURRENCY": str(slots),
+                       "RECEIPTS_CONCURRENCY": str(per_pod[i]),
                        "RECEIPTS_ADAPTIVE_CONCURRENCY": "true" if adaptive else "false",
                        "RECEIPTS_RETRY_BASE_SECONDS": "0.2", "RECEIPTS_RETRY_CAP_SECONDS": "1"}
                 workers.append(sup.start(f"worker-{i}", ["worker"], env, port=metrics))
@@ -125,7 +139,8 @@ def run(bench: Bench, *, pods: int, capacity: int, adaptive: bool, seconds: floa
     last = max((t for t, s in answers if s == 201), default=first)
     refused = sum(1 for s in steady if s in (429, 503))
     result: dict[str, Any] = {
-        "pods": pods, "capacity": capacity, "adaptive": adaptive, "slots": slots,
+        "pods": pods, "capacity": capacity, "adaptive": adaptive, "oracle": oracle,
+        "slots": sum(per_pod) if oracle else slots,
         "answer": answer,
         "latency": latency, "seconds": round(ended - start, 1),
         "load_mean": statistics.fmean(arrived) if arrived else math.nan,
@@ -185,9 +200,12 @@ def _s(seconds: float | None) -> str:
 
 def _row(r: dict[str, Any]) -> str:
     c = r["capacity"]
-    return (f"| {r['pods']} | {c} | {'on' if r['adaptive'] else 'off'} | "
+    mode = "oracle" if r.get("oracle") else "on" if r["adaptive"] else "off"
+    of_oracle = (f"{r['throughput'] / r['oracle_throughput']:.2f}"
+                 if r.get("oracle_throughput") else "")
+    return (f"| {r['pods']} | {c} | {mode} | "
             f"{r['load_mean'] / c:.2f} / {r['load_p95'] / c:.2f} / {r['load_max'] / c:.2f} | "
-            f"{r['throughput']:.0f} ({r['throughput'] / r['allowed']:.2f}) | "
+            f"{r['throughput']:.0f} ({r['throughput'] / r['allowed']:.2f}) | {of_oracle} | "
             f"{100 * r['refused_share']:.1f} % of {r['answers']} | {r['pauses']:g} | "
             f"{r['keda_pods_capped']} / {r['keda_pods_uncapped']} |")
 
@@ -206,13 +224,16 @@ def main(argv: list[str] | None = None) -> int:
                         help="also a run with C halved at a third and restored at two thirds")
     parser.add_argument("--step-seconds", type=float, default=90.0,
                         help="length of the step run")
-    parser.add_argument("--adaptive", default="on,off", help="on, off or on,off")
+    parser.add_argument("--adaptive", default="on,off",
+                        help="comma-separated runs per pod count: on, off, oracle (module doc)")
     parser.add_argument("--answer", choices=("503", "429", "latency"), default="503",
                         help="what the provider answers beyond its capacity (capacity_answer)")
     parser.add_argument("--out", type=Path, help="write the figures here (JSON)")
     args = parser.parse_args(argv)
     pods = [int(p) for p in args.pods.split(",")]
-    modes = [m == "on" for m in args.adaptive.split(",")]
+    modes = args.adaptive.split(",")
+    if not modes or any(m not in ("on", "off", "oracle") for m in modes):
+        parser.error("--adaptive takes on, off and oracle, comma-separated")
     results: list[dict[str, Any]] = []
     bench = Bench()
     try:
@@ -224,20 +245,28 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _runs(bench: Bench, args: argparse.Namespace, pods: list[int], modes: list[bool],
+def _runs(bench: Bench, args: argparse.Namespace, pods: list[int], modes: list[str],
           results: list[dict[str, Any]]) -> None:
     print("| pods | C | adaptive | load mean / p95 / max (× C) | receipts/s (× C/latency) "
-          "| 429/503 | fleet pauses | KEDA pods capped / uncapped |")
-    print("|---|---|---|---|---|---|---|---|")
+          "| × oracle | 429/503 | fleet pauses | KEDA pods capped / uncapped |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    # The oracle first, so that the other rows of the pod count can be read against it.
+    ordered = sorted(modes, key=lambda m: m != "oracle")
     for n in pods:
-        for adaptive in modes:
-            r = run(bench, pods=n, capacity=args.capacity, adaptive=adaptive, seconds=args.seconds,
-                    slots=args.slots, latency=args.latency, warmup=args.warmup, step=False,
-                    answer=args.answer)
+        oracle_throughput = None
+        for mode in ordered:
+            r = run(bench, pods=n, capacity=args.capacity, adaptive=mode == "on",
+                    seconds=args.seconds, slots=args.slots, latency=args.latency,
+                    warmup=args.warmup, step=False, answer=args.answer,
+                    oracle=mode == "oracle")
+            if mode == "oracle":
+                oracle_throughput = r["throughput"]
+            elif oracle_throughput:
+                r["oracle_throughput"] = oracle_throughput
             results.append(r)
             print(_row(r), flush=True)
     if args.step:
-        for adaptive in modes:
+        for adaptive in (m == "on" for m in modes if m != "oracle"):
             r = run(bench, pods=pods[-1], capacity=args.capacity, adaptive=adaptive,
                     seconds=args.step_seconds, slots=args.slots, latency=args.latency,
                     warmup=args.warmup, step=True, answer=args.answer)

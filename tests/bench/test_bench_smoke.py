@@ -123,3 +123,17 @@ def test_the_wakeups_scenario_measures_pickup_and_an_idle_fleet(tmp_path):
     assert all(run["measured"] == run["jobs"] for run in doc["pickup"])
     assert {run["pods"] for run in doc["idle"]} == {1, 2}
     assert "idle fleet" in stdout
+
+
+def test_the_capacity_benchmarks_oracle_gives_the_fleet_exactly_the_capacity():
+    """The oracle row (``--adaptive oracle``) is a static setting with C in flight: its
+    slots add up to C, spread as evenly as the pods allow, and no pod has none."""
+    from bench.experiments.capacity import main, oracle_slots
+
+    for pods, capacity in [(1, 16), (2, 16), (3, 16), (5, 16), (16, 16), (7, 100)]:
+        slots = oracle_slots(pods, capacity)
+        assert len(slots) == pods and sum(slots) == capacity
+        assert max(slots) - min(slots) <= 1
+    assert oracle_slots(20, 16) == [1] * 20  # more pods than C: each keeps one
+    with pytest.raises(SystemExit):
+        main(["--adaptive", "on,sometimes"])
