@@ -8,7 +8,8 @@ Two checks, one line each on stdout:
 * **provider**: one ``OPTIONS`` request to ``RECEIPTS_PROVIDER_URL`` through the delivery
   client (:meth:`receipts.delivery.HttpDeliverer.reach`: its TLS settings, proxy and
   token). An HTTP answer proves the way there works (a provider need not allow
-  ``OPTIONS``: 404, 405 or 501 are answers), except: 401 and 403, the provider refuses the
+  ``OPTIONS``: 404, 405 or 501 are answers; a 404 passes with a word on the URL's path,
+  which may name no endpoint), except: 401 and 403, the provider refuses the
   token; 407, the egress proxy refuses its credentials (RFC 9110 §15.5.8); 500, 502, 503 and
   504, the provider, or a gateway on the way to it, is not serving (RFC 9110 §15.6).
 
@@ -90,6 +91,12 @@ async def check_provider(settings: Settings) -> CheckResult:
     if status in NOT_SERVING:
         return CheckResult("provider", False, f"{where}: {took}: the provider, or a gateway "
                                               "on the way to it, is not serving")
+    if status == 404:
+        # Some providers answer 404 to a method they lack; others mean the path is wrong,
+        # and every receipt POSTed there would be rejected (the fleet would pause).
+        return CheckResult("provider", True, f"{where}: reachable ({took}); check the path "
+                                             "of RECEIPTS_PROVIDER_URL: 404 may mean no "
+                                             "such endpoint, not only no OPTIONS")
     return CheckResult("provider", True, f"{where}: reachable ({took})")
 
 

@@ -78,6 +78,19 @@ async def test_a_provider_refusing_the_token_fails(dsn: str, stub) -> None:
 
 
 @pytest.mark.slow
+async def test_a_provider_answering_404_passes_with_a_word_on_the_path(dsn: str, stub) -> None:
+    async def not_found(request: web.Request) -> web.Response:
+        return web.Response(status=404)
+
+    stub.answer(not_found)
+    result = await receipts_check(dsn, stub.url)
+    assert result.returncode == 0, result.stdout + result.stderr
+    reach = result.stdout.splitlines()[1]
+    assert reach.startswith(f"provider: ok: {stub.url}: reachable (HTTP 404 in ")
+    assert "check the path of RECEIPTS_PROVIDER_URL" in reach
+
+
+@pytest.mark.slow
 async def test_an_unmigrated_database_fails_saying_what_to_run(empty_dsn: str,
                                                               provider: RunningProvider) -> None:
     result = await receipts_check(empty_dsn, provider.url)
