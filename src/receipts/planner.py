@@ -354,11 +354,17 @@ def _provider_lines(p: Plan) -> list[str]:
     """What the provider's capacity means for *p* (nothing when it was not given)."""
     if p.provider_capacity is None or p.provider_rate is None:
         return []
-    lines = [f"provider           {p.provider_capacity:,g} requests at once allow "
+    capacity = int(p.provider_capacity)
+    held = (f"a fleet the provider holds asks for at most {p.capacity_pods} pods "
+            f"(ceil({capacity:,d} / {p.concurrency}) + 1)")
+    if p.capacity_pods is not None and p.capacity_pods > p.max_replicas:
+        held = (f"it takes more than maxReplicas {p.max_replicas} pods can send "
+                f"({p.max_replicas * p.concurrency:,d} at once), so it never holds this "
+                "fleet: the limits guard a drop in its capacity")
+    lines = [f"provider           {capacity:,d} requests at once allow "
              f"{p.provider_rate:,.1f} receipts/s at {p.latency_seconds:g} s; adaptive "
              "concurrency on: with KEDA, or the HPA on the external metric (the chart's "
-             "recording rule), a fleet the provider holds asks for at most "
-             f"{p.capacity_pods} pods (ceil({p.provider_capacity:,g} / {p.concurrency}) + 1)"]
+             f"recording rule), {held}"]
     if p.release_rate > p.provider_rate:
         lines.append(f"                   the rate is above it: backlogs drain at "
                      f"{p.provider_rate:,.1f}/s whatever the pods (ask the provider for more)")

@@ -254,3 +254,14 @@ def test_a_provider_capacity_is_a_whole_number_and_one_below_min_replicas_is_nam
     tight = describe(plan(10, 0.2, provider_capacity=1))
     assert "minReplicas 2 is above it" in tight
     assert "minReplicas 2 is above it" not in describe(plan(10, 0.2, provider_capacity=2))
+
+
+def test_a_provider_capacity_beyond_the_fleets_reach_says_so_and_reads_as_a_number() -> None:
+    """10 million at once: no "1e+07", and no pod count above maxReplicas."""
+    p = plan(200, 0.2, provider_capacity=10_000_000)
+    text = describe(p)
+    assert "10,000,000 requests at once" in text and "e+07" not in text
+    assert f"more than maxReplicas {p.max_replicas} pods can send" in text
+    assert f"at most {p.capacity_pods} pods" not in text
+    held = describe(plan(200, 0.2, provider_capacity=60))
+    assert "a fleet the provider holds asks for at most" in held
