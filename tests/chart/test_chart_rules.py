@@ -443,6 +443,27 @@ def test_named_alerts_can_be_disabled() -> None:
     assert set(rules) | set(off) == set(ALERTS)
 
 
+def test_every_alert_disabled_and_nothing_to_record_renders_no_prometheus_rule() -> None:
+    """No empty ``groups: []`` object: with every alert off (and the kube-state-metrics
+    ones too) and no external-metric HPA to record for, the chart has no PrometheusRule."""
+    every = [r["alert"] for g in yaml.safe_load(KSM_RULES_FILE.read_text())["groups"]
+             for r in g["rules"]]
+    off = f"alerts.disabled={{{','.join(every)}}}"
+    result = template((), ("prometheusOperator.enabled=true", "alerts.kubeStateMetrics=true",
+                           "autoscaling.keda.enabled=true", off))
+    assert result.returncode == 0, result.stderr
+    kinds = [d["kind"] for d in yaml.safe_load_all(result.stdout) if d]
+    assert "PrometheusRule" not in kinds and "ServiceMonitor" in kinds
+    # One alert left on: the object is back, with that alert alone.
+    kept = template((), ("prometheusOperator.enabled=true", "alerts.kubeStateMetrics=true",
+                         "autoscaling.keda.enabled=true",
+                         f"alerts.disabled={{{','.join(every[1:])}}}"))
+    assert kept.returncode == 0, kept.stderr
+    result_rules = [r["alert"] for g in yaml.safe_load(rules_spec_text(kept.stdout))["groups"]
+                    for r in g["rules"]]
+    assert result_rules == [every[0]]
+
+
 def test_disabling_an_alert_the_chart_does_not_have_is_refused() -> None:
     result = template((), ("prometheusOperator.enabled=true", "alerts.disabled={ReceiptsLagHigh}"))
     assert result.returncode != 0
