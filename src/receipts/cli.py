@@ -873,6 +873,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("provider", "Run the reference receipt provider (idempotent, with fault injection).")
     p.epilog = (
+        "Receipts are POSTed to /receipts (point RECEIPTS_PROVIDER_URL at\n"
+        "http://HOST:PORT/receipts), with an Idempotency-Key header; GET /receipts lists\n"
+        "those it holds, GET /healthz answers 200 while it serves.\n"
         "While it runs, its faults change with PUT /faults (a JSON object of the settings to\n"
         "change; it answers with them all): latency_seconds, latency_jitter_seconds,\n"
         "error_rate, rate_limit_rate, retry_after_seconds, retry_after_raw, reject_rate,\n"
