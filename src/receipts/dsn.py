@@ -25,12 +25,15 @@ MASK = "***"
 
 # URI userinfo: the password runs to the *last* '@' before the path, so an
 # unencoded '@' inside a password is masked whole. Key/value: a quoted value
-# (even one missing its closing quote) or a bare word.
+# (even one missing its closing quote) or a bare word, after "password="
+# wherever it stands, also glued to what precedes it: a DSN missing the space
+# between two pairs ("host=h1password=x") reaches libpq as one host name, and
+# its errors quote that name whole.
 _DSN_PASSWORD_URI = re.compile(
     r"(?P<head>[a-z][a-z0-9+.-]*://[^:/@\s]*:)(?P<pw>[^/\s]*)@", re.I
 )
 _DSN_PASSWORD_KV = re.compile(
-    r"(?P<head>\bpassword\s*=\s*)(?P<pw>'(?:[^'\\]|\\.)*(?:'|$)|\S+)", re.I
+    r"(?P<head>password\s*=\s*)(?P<pw>'(?:[^'\\]|\\.)*(?:'|$)|\S+)", re.I
 )
 
 
@@ -64,6 +67,13 @@ def check_dsn(dsn: str) -> None:
         raise ValueError(
             "is not a valid libpq connection string (postgresql://… URI or key=value pairs)"
         ) from None
+    if "://" not in dsn:
+        for key in _GLUED_KEYS:
+            if _GLUED_PAIR.search(str(info.get(key) or "")):
+                # "host=h port=1password=x" parses as one value holding the next pairs:
+                # a missing space, whose errors would quote the password in the value.
+                raise ValueError(f"has {key}=… holding another key=value pair (a missing "
+                                 "space between two pairs?)")
     for port in str(info.get("port") or "").split(","):
         if port and not (port.isascii() and port.isdigit() and 0 < int(port) < 65_536):
             raise ValueError("has an invalid port (a number from 1 to 65535 for each host)")
@@ -74,6 +84,11 @@ def check_dsn(dsn: str) -> None:
             raise ValueError(f"has an invalid {key} {str(value)[:40]!r} "
                              f"(one of: {', '.join(allowed)})")
 
+
+#: Key/value keywords whose values never hold "word=": one that does swallowed the pairs
+#: after it (a missing space). Not password or options, where "=" is ordinary.
+_GLUED_KEYS = ("host", "hostaddr", "port", "user", "dbname", "sslmode")
+_GLUED_PAIR = re.compile(r"[A-Za-z_]+=")
 
 #: Keywords whose values libpq checks only when it connects (libpq's
 #: documentation, "Parameter Key Words"): checked here so a typo is bad

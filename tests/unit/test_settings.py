@@ -20,6 +20,10 @@ from receipts.settings import SettingsError, load_settings
         ("to postgresql://u:p@h/d failed", "to postgresql://u:***@h/d failed"),
         ("postgresql://alice:p@ss@127.0.0.1:1/x", "postgresql://alice:***@127.0.0.1:1/x"),
         ("host=h password='Sek r1t dbname=x", "host=h password=***"),
+        # A missing space: libpq quotes the whole run as a host or user name.
+        ("failed to resolve host '127.0.0.1port=1password=S3cretPW': x",
+         "failed to resolve host '127.0.0.1port=1password=*** x"),
+        ('for user "apppassword=S3cretPW"', 'for user "apppassword=***'),
     ],
 )
 def test_dsn_passwords_are_masked_in_any_text(text, expected):
@@ -155,6 +159,22 @@ def test_an_invalid_dsn_is_refused_without_any_part_of_it(bad):
     message = str(info.value)
     assert "RECEIPTS_DATABASE_URL" in message
     assert "hunter2" not in message and "se cret" not in message and "unterminated" not in message
+
+
+@pytest.mark.parametrize("dsn, key", [
+    ("host=127.0.0.1port=1password=hunter2", "host"),
+    ("host=h user=apppassword=hunter2", "user"),
+    ("host=h dbname=shopsslmode=require password=hunter2", "dbname"),
+])
+def test_a_pair_glued_to_the_one_before_is_refused_at_start(dsn, key):
+    """A missing space makes libpq read the next pairs as part of a value, and its errors
+    would quote that value, password included."""
+    with pytest.raises(SettingsError) as info:
+        load_settings(database_url=dsn)
+    assert f"{key}=… holding another key=value pair" in str(info.value)
+    assert "hunter2" not in str(info.value)
+    # "=" stays ordinary in a password and in options.
+    load_settings(database_url="host=h password='a=b' options='-c search_path=x'")
 
 
 @pytest.mark.parametrize("dsn, key", [
