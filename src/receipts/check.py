@@ -65,6 +65,9 @@ async def check_database(settings: Settings) -> CheckResult:
 async def check_provider(settings: Settings) -> CheckResult:
     """Send one ``OPTIONS`` request to the provider URL (see the module doc)."""
     where = settings.safe_provider_url
+    if not settings.provider_url:
+        return CheckResult("provider", False, "RECEIPTS_PROVIDER_URL is not set (the URL "
+                                              "receipts are POSTed to)")
     try:
         deliverer = make_deliverer(settings)
     except SettingsError as exc:

@@ -77,6 +77,13 @@ async def test_a_provider_refusing_the_token_fails(dsn: str, stub) -> None:
     assert seen["key"] == "" and seen["body"] == ""  # no receipt, no idempotency key
 
 
+async def test_an_unset_provider_url_fails_saying_so(dsn: str) -> None:
+    result = await receipts_check(dsn, "")
+    assert result.returncode == 1
+    assert result.stdout.splitlines()[1] == (
+        "provider: FAILED: RECEIPTS_PROVIDER_URL is not set (the URL receipts are POSTed to)")
+
+
 @pytest.mark.slow
 async def test_a_provider_answering_404_passes_with_a_word_on_the_path(dsn: str, stub) -> None:
     async def not_found(request: web.Request) -> web.Response:
