@@ -19,7 +19,7 @@ max, as a multiple of C), receipts per second as a share of what C allows
 (C ÷ latency), the share of 503s among all answers, the fleet pauses, and the pods
 KEDA's signal asks for at the end with the capacity cap (ceil(sum of the live pods'
 limits ÷ slots) + 1, when a limit is below the slots) and without it (the backlog
-asks for ``--max-replicas``).
+asks for the most, 10 pods).
 
 ``--step``: one more run per setting with the last pod count, C halved at a third of
 the run and restored at two thirds; prints a timeline in 2 s windows and how long the
@@ -211,7 +211,8 @@ def _row(r: dict[str, Any]) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m bench.experiments.capacity",
+                                     description=__doc__.split("\n\n")[0])
     parser.add_argument("--pods", default="1,2,4", help="pod counts, comma-separated")
     parser.add_argument("--capacity", type=int, default=16, help="the provider's capacity C")
     parser.add_argument("--seconds", type=float, default=30.0, help="length of each run")
@@ -230,10 +231,20 @@ def main(argv: list[str] | None = None) -> int:
                         help="what the provider answers beyond its capacity (capacity_answer)")
     parser.add_argument("--out", type=Path, help="write the figures here (JSON)")
     args = parser.parse_args(argv)
-    pods = [int(p) for p in args.pods.split(",")]
+    try:
+        pods = [int(p) for p in args.pods.split(",")]
+    except ValueError:
+        parser.error(f"--pods takes pod counts, comma-separated, not {args.pods!r}")
+    if any(n < 1 for n in pods):
+        parser.error("--pods: each pod count is at least 1")
+    for name in ("capacity", "seconds", "slots", "latency", "step_seconds"):
+        if not getattr(args, name) > 0:
+            parser.error(f"--{name.replace('_', '-')} must be above 0")
+    if not 0 <= args.warmup < args.seconds:
+        parser.error("--warmup must be from 0 to less than --seconds")
     modes = args.adaptive.split(",")
     if not modes or any(m not in ("on", "off", "oracle") for m in modes):
-        parser.error("--adaptive takes on, off and oracle, comma-separated")
+        parser.error(f"--adaptive takes on, off and oracle, comma-separated, not {args.adaptive!r}")
     results: list[dict[str, Any]] = []
     bench = Bench()
     try:

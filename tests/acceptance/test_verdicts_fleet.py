@@ -189,7 +189,8 @@ def test_a_provider_rejecting_everything_pauses_the_fleet_and_resumes_soon_after
 @pytest.mark.slow
 @pytest.mark.parametrize(("phase_seconds", "adaptive"), [
     (5.0, False), pytest.param(12.0, False, marks=LONG), pytest.param(30.0, False, marks=LONG),
-    pytest.param(5.0, True, marks=LONG)], ids=["5s", "12s", "30s", "5s-adaptive"])
+    pytest.param(5.0, True, marks=LONG)],
+    ids=["5s-phases", "12s-phases", "30s-phases", "5s-phases-adaptive"])
 def test_a_flapping_provider_fails_no_valid_receipt(dsn, sup, provider, phase_seconds, adaptive):
     """Orders arrive at 10/s while the provider rejects everything and accepts everything
     in turns; the run spans at least two rejecting phases."""
@@ -213,7 +214,8 @@ def test_a_flapping_provider_fails_no_valid_receipt(dsn, sup, provider, phase_se
 @pytest.mark.slow
 @pytest.mark.parametrize(("invalid_share", "adaptive"), [
     pytest.param(0.10, False, marks=LONG), (0.60, False), pytest.param(0.95, False, marks=LONG),
-    pytest.param(0.60, True, marks=LONG)], ids=["0.1", "0.6", "0.95", "0.6-adaptive"])
+    pytest.param(0.60, True, marks=LONG)],
+    ids=["10%-invalid", "60%-invalid", "95%-invalid", "60%-invalid-adaptive"])
 def test_a_batch_of_mostly_invalid_orders_fails_them_and_stalls_no_valid_one(
         dsn, sup, provider, invalid_share, adaptive):
     """400 orders at once beside the shop's ordinary traffic (5 valid orders/s): no

@@ -135,5 +135,7 @@ def test_the_capacity_benchmarks_oracle_gives_the_fleet_exactly_the_capacity():
         assert len(slots) == pods and sum(slots) == capacity
         assert max(slots) - min(slots) <= 1
     assert oracle_slots(20, 16) == [1] * 20  # more pods than C: each keeps one
-    with pytest.raises(SystemExit):
-        main(["--adaptive", "on,sometimes"])
+    for bad in (["--adaptive", "on,sometimes"], ["--pods", "abc"], ["--pods", "1,0"],
+                ["--capacity", "0"], ["--warmup", "40", "--seconds", "30"]):
+        with pytest.raises(SystemExit):
+            main(bad)  # refused before any database starts
