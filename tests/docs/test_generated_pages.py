@@ -170,3 +170,23 @@ def test_runbook_pages_show_no_raw_alert_template_text() -> None:
     for page in sorted((DOCS / "runbook").glob("*/README.md")):
         text = page.read_text()
         assert "{{" not in text and "$labels" not in text, page
+
+
+def test_the_planner_example_in_the_scaling_guide_is_what_the_planner_prints() -> None:
+    """docs/scaling.md §3: the Helm values for 2,000/s at 200 ms, and the table's memory
+    column, as `receipts plan` gives them today."""
+    import yaml
+
+    from receipts.planner import helm_values, plan
+
+    text = (DOCS / "scaling.md").read_text()
+    section = text.split("## 3. The planner", 1)[1].split("\n## 4.", 1)[0]
+    (example,) = re.findall(r"```yaml\n(.*?)```", section, re.S)
+    p = plan(2000, 0.2)
+    assert yaml.safe_load(example) == yaml.safe_load(helm_values(p))
+    for rate in (1, 40, 2000):
+        q = plan(rate, 0.2)
+        row = next(line for line in section.splitlines()
+                   if line.startswith(f"| {rate:,} | "))
+        mib = 1024 * 1024
+        assert f"| {q.memory_request_bytes // mib} / {q.memory_limit_bytes // mib} Mi |" in row
