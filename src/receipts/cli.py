@@ -71,6 +71,11 @@ _CONNECTION = ("database_url", "database_schema", "application_name", "pgbouncer
                "idle_in_transaction_timeout_seconds", "log_level")
 _RECOVERY_ONLY = ("recovery_delay_seconds", "recovery_batch_size", "retention_days",
                   "prune_batch_size", "pushgateway_url")
+# Read only by the console (`receipts ui`) and by `receipts migrate`: never by the worker.
+_OTHERS_ONLY = frozenset({"migrate_lock_timeout_seconds", "ui_host", "ui_port",
+                          "ui_admin_token", "ui_viewer_token", "ui_anonymous_read",
+                          "ui_pool_max_size", "ui_refresh_seconds", "ui_user_header",
+                          "ui_trusted_proxies"})
 # The settings each command reads; the worker reads every other one.
 COMMAND_SETTINGS: dict[str, tuple[str, ...]] = {
     "migrate": ("database_url", "database_schema", "application_name", "log_level",
@@ -90,7 +95,8 @@ def settings_for(command: str) -> list[str]:
     """Names of the :class:`Settings` fields *command* reads (the worker: all but recovery's)."""
     if command in COMMAND_SETTINGS:
         return list(COMMAND_SETTINGS[command])
-    return [name for name in Settings.model_fields if name not in _RECOVERY_ONLY]
+    return [name for name in Settings.model_fields
+            if name not in _RECOVERY_ONLY and name not in _OTHERS_ONLY]
 
 
 def _default_text(name: str) -> str:

@@ -225,6 +225,9 @@ def test_each_command_s_help_lists_the_settings_it_reads_with_defaults() -> None
     assert "RECEIPTS_CONCURRENCY" not in recover and "RECEIPTS_PROVIDER_URL" not in recover
     assert "RECEIPTS_DATABASE_URL" in migrate and "RECEIPTS_CONCURRENCY" not in migrate
     assert "RECEIPTS_LEASE_SECONDS" in worker and "[60]" in worker  # the default, from Settings
+    # The console's and the migration's own settings are theirs, not the worker's.
+    assert "RECEIPTS_UI_PORT" not in worker and "RECEIPTS_MIGRATE_LOCK" not in worker
+    assert "RECEIPTS_UI_PORT" in receipts("ui", "--help").stdout
     assert "provider" not in COMMAND_SETTINGS and "settings (environment" not in receipts(
         "provider", "--help").stdout
 
