@@ -689,7 +689,22 @@ def check_provider(args: argparse.Namespace) -> None:
         )
         args.faults = Faults.from_mapping({}, faults)
     except ValueError as exc:
-        raise UsageError(str(exc)) from None
+        text = str(exc)
+        field = text.split(" ", 1)[0]
+        flag = _PROVIDER_FLAGS.get(field)
+        raise UsageError(f"{flag}: {text}" if flag else text) from None
+
+
+#: The fault each ``provider`` option sets, so that an error names the option typed.
+_PROVIDER_FLAGS = {
+    "latency_seconds": "--latency-ms (in milliseconds; the fault is in seconds)",
+    "latency_jitter_seconds": "--jitter-ms (in milliseconds; the fault is in seconds)",
+    "error_rate": "--error-rate", "rate_limit_rate": "--rate-limit-rate",
+    "retry_after_seconds": "--retry-after", "reject_rate": "--reject-rate",
+    "timeout_rate": "--timeout-rate", "reset_rate": "--reset-rate",
+    "hang_after_headers_rate": "--hang-after-headers-rate", "hang_seconds": "--hang-seconds",
+    "capacity": "--capacity", "capacity_answer": "--capacity-answer",
+}
 
 
 def cmd_provider(settings: Settings | None, args: argparse.Namespace) -> int:

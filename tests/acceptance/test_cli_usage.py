@@ -136,6 +136,17 @@ def test_other_commands_do_not_need_a_provider_url(down: Listener) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize(("args", "named"), [
+    (["--latency-ms", "-5"], "--latency-ms (in milliseconds"),
+    (["--error-rate", "2"], "--error-rate: "),
+    (["--hang-seconds", "-1"], "--hang-seconds: "),
+])
+def test_a_bad_provider_option_is_named_as_typed(args: list[str], named: str) -> None:
+    result = receipts("provider", *args)
+    assert result.returncode == 2 and named in result.stderr, result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_help_into_a_closed_pipe_ends_quietly() -> None:
     read, write = os.pipe()
     os.close(read)  # the reader is gone before the command writes a byte
