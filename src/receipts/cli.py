@@ -330,6 +330,17 @@ def _planner_default(name: str) -> float:
     return float(getattr(planner, name))
 
 
+def _http_status(text: str) -> int:
+    """argparse type: an HTTP status code, 100 to 599 (RFC 9110 §15)."""
+    try:
+        number = int(text)
+    except ValueError:
+        number = 0
+    if not 100 <= number <= 599:
+        raise argparse.ArgumentTypeError(f"must be an HTTP status from 100 to 599, got {text!r}")
+    return number
+
+
 def _positive_int(text: str) -> int:
     """argparse type: an integer from 1 to 1,000,000."""
     try:
@@ -867,7 +878,7 @@ def build_parser() -> argparse.ArgumentParser:
     j.add_argument("--held", action="store_true",
                    help="every held rejection (see `jobs list --held`): give up on them")
     j.add_argument("--reason", help="latest attempt's reason, e.g. rejected; default: any")
-    j.add_argument("--status", type=int,
+    j.add_argument("--status", type=_http_status,
                    help="latest attempt's HTTP status, e.g. 422; default: any")
     j.add_argument("--since", metavar="TIME",
                    help="finished (ready: due) at or after this ISO 8601 time; default: any")

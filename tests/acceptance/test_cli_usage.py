@@ -99,6 +99,8 @@ def test_version_prints_the_installed_version() -> None:
     ["jobs", "list", "--held", "--state", "failed"],
     ["jobs", "list", "--held", "--since", "2099-01-01"],
     ["jobs", "retry", "--held", "--all-failed"],
+    ["jobs", "discard", "--failed", "--status", "999"],
+    ["jobs", "discard", "--failed", "--status", "4xx"],
 ])
 def test_bad_usage_is_exit_2_before_any_connection_even_with_the_database_down(
     down: Listener, args: list[str]
