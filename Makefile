@@ -54,7 +54,7 @@ bench:
 	bash bench/run.sh $(BENCH_ARGS)
 
 ## The soak (bench/README.md): hours of steady churn, plotted and judged; e.g.
-## make soak SOAK_ARGS="--hours 2" (the default), SOAK_ARGS="--smoke" for 2 minutes.
+## make soak SOAK_ARGS="--hours 2" (the default), SOAK_ARGS="--smoke" for 1 minute.
 soak:
 	bash bench/run.sh --only soak $(SOAK_ARGS)
 

@@ -1,7 +1,7 @@
 """The soak: hours of steady churn against one PostgreSQL, sampled, plotted and judged.
 
 ``python -m bench.soak --hours H`` (also ``bench/run.sh --only soak --hours H``
-and ``make soak SOAK_ARGS="--hours H"``); ``--smoke`` is the 2-minute version
+and ``make soak SOAK_ARGS="--hours H"``); ``--smoke`` is the 1-minute version
 the test suite runs. One durable embedded PostgreSQL 18 with the server's
 defaults (checkpoints every 5 min, autovacuum at its defaults; the tables carry
 the shipped migrations' own settings), and for the whole run:
@@ -147,13 +147,13 @@ class SoakPlan:
 
     @classmethod
     def smoke(cls) -> SoakPlan:
-        """Two minutes, every phase shrunk (the test suite's run): a 15 s baseline,
-        a hold of 20 s at 45 s and 90 s, retention 30 s, recovery every 10 s,
-        retries from 1 s."""
-        return cls(hours=2 / 60, rate=20.0, retention_seconds=30.0, recover_every_seconds=10.0,
-                   hold_first_seconds=45.0, hold_every_seconds=45.0, hold_seconds=20.0,
-                   sample_seconds=3.0, hold_recovery_seconds=5.0, retry_base_seconds=1.0,
-                   drain_timeout_seconds=240.0, baseline_seconds=15.0)
+        """One minute at 30 orders/s, every phase shrunk (the test suite's run): a
+        10 s baseline, a hold of 10 s at 20 s and 40 s, retention 15 s, recovery every
+        5 s, samples every 2 s, retries from 1 s."""
+        return cls(hours=1 / 60, rate=30.0, retention_seconds=15.0, recover_every_seconds=5.0,
+                   hold_first_seconds=20.0, hold_every_seconds=20.0, hold_seconds=10.0,
+                   sample_seconds=2.0, hold_recovery_seconds=3.0, retry_base_seconds=1.0,
+                   drain_timeout_seconds=240.0, baseline_seconds=10.0)
 
     def holds(self) -> list[tuple[float, float]]:
         """(start, end) of each held snapshot, seconds from the start."""
@@ -997,7 +997,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.soak",
                                 description=(__doc__ or "").splitlines()[0])
     p.add_argument("--hours", type=float, help="how long orders arrive (default 2)")
-    p.add_argument("--smoke", action="store_true", help="the 2-minute version (CI)")
+    p.add_argument("--smoke", action="store_true", help="the 1-minute version (CI)")
     p.add_argument("--rate", type=float, help="orders per second (default 50)")
     p.add_argument("--workers", type=int, help="worker processes (default 2)")
     p.add_argument("--retention-seconds", type=float, help="retention (default 1800)")
@@ -1009,7 +1009,7 @@ def main(argv: list[str] | None = None) -> int:
                    help="how long each snapshot is held (default 600)")
     p.add_argument("--baseline-seconds", type=float,
                    help="checkouts without the queue before the workers start, seconds "
-                        "(default 300; --smoke: 15; 0: none)")
+                        "(default 300; --smoke: 10; 0: none)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT,
                    help=f"folder for soak.json and the PNGs (default {DEFAULT_OUT})")
     args = p.parse_args(argv)

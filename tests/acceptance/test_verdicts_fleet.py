@@ -193,13 +193,13 @@ def test_a_provider_rejecting_everything_pauses_the_fleet_and_resumes_soon_after
     ids=["5s-phases", "12s-phases", "30s-phases", "5s-phases-adaptive"])
 def test_a_flapping_provider_fails_no_valid_receipt(dsn, sup, provider, phase_seconds, adaptive):
     """Orders arrive at 10/s while the provider rejects everything and accepts everything
-    in turns; the run spans at least two rejecting phases."""
+    in turns; the run spans at least two rejecting phases (20 s: four 5 s phases)."""
     set_faults(provider, reject_statuses=[422], reject_body="json_ids",
                flap_seconds=phase_seconds)
     workers = start_workers(sup, dsn, provider, adaptive=adaptive)
     trickle = Trickle(dsn, 10.0, prefix="ok-")
     try:
-        time.sleep(max(30.0, 3.5 * phase_seconds))
+        time.sleep(max(20.0, 3.5 * phase_seconds))
     finally:
         trickle.stop()
     set_faults(provider, reject_statuses=None, flap_seconds=0)
