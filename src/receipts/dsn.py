@@ -57,7 +57,7 @@ def check_dsn(dsn: str) -> None:
     """
     if not dsn.strip():
         raise ValueError("is empty")
-    if "://" in dsn:
+    if is_uri(dsn):
         authority = dsn.split("://", 1)[1].split("/", 1)[0].split("?", 1)[0]
         if authority.count("@") > 1:  # libpq would read the rest as a host name
             raise ValueError("has an unencoded '@' in its user or password (write it as %40)")
@@ -67,11 +67,14 @@ def check_dsn(dsn: str) -> None:
         raise ValueError(
             "is not a valid libpq connection string (postgresql://… URI or key=value pairs)"
         ) from None
-    if "://" not in dsn:
-        for key in _GLUED_KEYS:
-            if _GLUED_PAIR.search(str(info.get(key) or "")):
+    if not is_uri(dsn):
+        glued = _glued_pair()
+        for key in (*_GLUED_KEYS, *_DSN_CHOICES):
+            text = str(info.get(key) or "")
+            if glued.search(text) and not re.search(rf"(?:^|\s){key}\s*=\s*'", dsn):
                 # "host=h port=1password=x" parses as one value holding the next pairs:
                 # a missing space, whose errors would quote the password in the value.
+                # A quoted value may hold anything ("user='CN=app'").
                 raise ValueError(f"has {key}=… holding another key=value pair (a missing "
                                  "space between two pairs?)")
     for port in str(info.get("port") or "").split(","):
@@ -85,10 +88,44 @@ def check_dsn(dsn: str) -> None:
                              f"(one of: {', '.join(allowed)})")
 
 
-#: Key/value keywords whose values never hold "word=": one that does swallowed the pairs
-#: after it (a missing space). Not password or options, where "=" is ordinary.
-_GLUED_KEYS = ("host", "hostaddr", "port", "user", "dbname", "sslmode")
-_GLUED_PAIR = re.compile(r"[A-Za-z_]+=")
+#: Key/value keywords whose unquoted value holding "<libpq keyword>=" swallowed the pairs
+#: after it (a missing space); the choice keywords (_DSN_CHOICES) are checked too. Not
+#: password or options, where "=" is ordinary.
+_GLUED_KEYS = ("host", "hostaddr", "port", "user", "dbname")
+#: libpq's keywords when its own list cannot be read (PQconndefaults).
+_LIBPQ_KEYWORDS = (
+    "service", "user", "password", "passfile", "channel_binding", "connect_timeout", "dbname",
+    "host", "hostaddr", "port", "client_encoding", "options", "application_name",
+    "fallback_application_name", "keepalives", "keepalives_idle", "keepalives_interval",
+    "keepalives_count", "tcp_user_timeout", "sslmode", "sslcompression", "sslcert", "sslkey",
+    "sslpassword", "sslrootcert", "sslcrl", "sslcrldir", "sslsni", "requirepeer",
+    "require_auth", "ssl_min_protocol_version", "ssl_max_protocol_version", "gssencmode",
+    "krbsrvname", "gsslib", "gssdelegation", "replication", "target_session_attrs",
+    "load_balance_hosts",
+)
+_glued: re.Pattern[str] | None = None
+
+
+def _glued_pair() -> re.Pattern[str]:
+    """"<a libpq keyword>=" anywhere (libpq's own list, read once)."""
+    global _glued
+    if _glued is None:
+        try:
+            from psycopg import pq
+
+            words = {d.keyword.decode() for d in pq.Conninfo.get_defaults()}
+        except Exception:  # no libpq to ask: the list above
+            words = set(_LIBPQ_KEYWORDS)
+        alternatives = "|".join(sorted(map(re.escape, words), key=len, reverse=True))
+        _glued = re.compile(rf"(?:{alternatives})\s*=", re.I)
+    return _glued
+
+
+def is_uri(dsn: str) -> bool:
+    """Whether libpq reads *dsn* as a URI (``postgresql://`` or ``postgres://``) rather
+    than key/value pairs, whatever "://" a value may hold."""
+    return dsn.lstrip().lower().startswith(("postgresql://", "postgres://"))
+
 
 #: Keywords whose values libpq checks only when it connects (libpq's
 #: documentation, "Parameter Key Words"): checked here so a typo is bad
@@ -160,7 +197,7 @@ def dsn_secrets(dsn: str) -> list[str]:
     found: list[str] = []
     try:
         found.append(str(conninfo_to_dict(dsn).get("password") or ""))
-        if "://" in dsn:
+        if is_uri(dsn):
             found.append(urlsplit(dsn).password or "")
     except Exception:  # psycopg.ProgrammingError, or urlsplit's ValueError
         pass

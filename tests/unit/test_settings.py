@@ -165,6 +165,8 @@ def test_an_invalid_dsn_is_refused_without_any_part_of_it(bad):
     ("host=127.0.0.1port=1password=hunter2", "host"),
     ("host=h user=apppassword=hunter2", "user"),
     ("host=h dbname=shopsslmode=require password=hunter2", "dbname"),
+    ("host=h target_session_attrs=anypassword=hunter2", "target_session_attrs"),
+    ("host=nonexist.invalidpassword=hunter2 port=1 application_name=http://x", "host"),
 ])
 def test_a_pair_glued_to_the_one_before_is_refused_at_start(dsn, key):
     """A missing space makes libpq read the next pairs as part of a value, and its errors
@@ -173,8 +175,13 @@ def test_a_pair_glued_to_the_one_before_is_refused_at_start(dsn, key):
         load_settings(database_url=dsn)
     assert f"{key}=… holding another key=value pair" in str(info.value)
     assert "hunter2" not in str(info.value)
-    # "=" stays ordinary in a password and in options.
-    load_settings(database_url="host=h password='a=b' options='-c search_path=x'")
+    # "=" stays ordinary in a password and in options, in any quoted value, and in an
+    # unquoted one that holds no libpq keyword; "://" inside a value is no URI.
+    for dsn in ("host=h password='a=b' options='-c search_path=x'",
+                "host=127.0.0.1 port=1 user='CN=app' dbname=d", "host=h dbname='a=b'",
+                "host=/tmp/x=y port=1 dbname=d",
+                "host=h user=svc dbname=d application_name=http://a@b@c"):
+        load_settings(database_url=dsn)
 
 
 @pytest.mark.parametrize("dsn, key", [
