@@ -33,6 +33,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import signal
 import statistics
 import sys
 import time
@@ -235,17 +236,24 @@ def main(argv: list[str] | None = None) -> int:
         pods = [int(p) for p in args.pods.split(",")]
     except ValueError:
         parser.error(f"--pods takes pod counts, comma-separated, not {args.pods!r}")
-    if any(n < 1 for n in pods):
-        parser.error("--pods: each pod count is at least 1")
+    if any(not 1 <= n <= 64 for n in pods):
+        parser.error("--pods: each pod count is from 1 to 64 (worker processes on this machine)")
+    if args.capacity > 1_000_000:
+        parser.error("--capacity is at most 1,000,000 (the reference provider's own limit)")
+    if args.out is not None and not args.out.parent.is_dir():
+        parser.error(f"--out: no folder {str(args.out.parent)!r} to write into")
     for name in ("capacity", "seconds", "slots", "latency", "step_seconds"):
         if not getattr(args, name) > 0:
             parser.error(f"--{name.replace('_', '-')} must be above 0")
     if not 0 <= args.warmup < args.seconds:
         parser.error("--warmup must be from 0 to less than --seconds")
-    modes = args.adaptive.split(",")
+    modes = list(dict.fromkeys(args.adaptive.split(",")))
     if not modes or any(m not in ("on", "off", "oracle") for m in modes):
         parser.error(f"--adaptive takes on, off and oracle, comma-separated, not {args.adaptive!r}")
     results: list[dict[str, Any]] = []
+    # A SIGTERM (timeout, a CI job's end) unwinds like Ctrl-C: the finally blocks stop the
+    # provider, the workers and the database instead of leaving them to init.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     bench = Bench()
     try:
         _runs(bench, args, pods, modes, results)
