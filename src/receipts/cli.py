@@ -330,38 +330,30 @@ def _planner_default(name: str) -> float:
     return float(getattr(planner, name))
 
 
-def _http_status(text: str) -> int:
-    """argparse type: an HTTP status code, 100 to 599 (RFC 9110 §15)."""
+def _int_between(text: str, low: int, high: int, what: str) -> int:
+    """*text* as an integer from *low* to *high*; else argparse's error naming *what*."""
     try:
         number = int(text)
     except ValueError:
-        number = 0
-    if not 100 <= number <= 599:
-        raise argparse.ArgumentTypeError(f"must be an HTTP status from 100 to 599, got {text!r}")
+        number = low - 1
+    if not low <= number <= high:
+        raise argparse.ArgumentTypeError(f"must be {what} from {low} to {high}, got {text!r}")
     return number
+
+
+def _http_status(text: str) -> int:
+    """argparse type: an HTTP status code, 100 to 599 (RFC 9110 §15)."""
+    return _int_between(text, 100, 599, "an HTTP status")
 
 
 def _positive_int(text: str) -> int:
     """argparse type: an integer from 1 to 1,000,000."""
-    try:
-        number = int(text)
-    except ValueError:
-        number = 0
-    if not 1 <= number <= 1_000_000:
-        raise argparse.ArgumentTypeError(
-            f"must be an integer from 1 to 1000000, got {text!r}")
-    return number
+    return _int_between(text, 1, 1_000_000, "an integer")
 
 
 def _port(text: str) -> int:
     """argparse type: a TCP port number (1–65535)."""
-    try:
-        number = int(text)
-    except ValueError:
-        number = 0
-    if not 1 <= number <= 65_535:
-        raise argparse.ArgumentTypeError(f"must be a port from 1 to 65535, got {text!r}")
-    return number
+    return _int_between(text, 1, 65_535, "a port")
 
 
 def _seconds(minimum: float) -> Callable[[str], float]:
