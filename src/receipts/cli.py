@@ -71,11 +71,6 @@ _CONNECTION = ("database_url", "database_schema", "application_name", "pgbouncer
                "idle_in_transaction_timeout_seconds", "log_level")
 _RECOVERY_ONLY = ("recovery_delay_seconds", "recovery_batch_size", "retention_days",
                   "prune_batch_size", "pushgateway_url")
-# Read only by the console (`receipts ui`) and by `receipts migrate`: never by the worker.
-_OTHERS_ONLY = frozenset({"migrate_lock_timeout_seconds", "ui_host", "ui_port",
-                          "ui_admin_token", "ui_viewer_token", "ui_anonymous_read",
-                          "ui_pool_max_size", "ui_refresh_seconds", "ui_user_header",
-                          "ui_trusted_proxies"})
 # The settings each command reads; the worker reads every other one.
 COMMAND_SETTINGS: dict[str, tuple[str, ...]] = {
     "migrate": ("database_url", "database_schema", "application_name", "log_level",
@@ -89,6 +84,12 @@ COMMAND_SETTINGS: dict[str, tuple[str, ...]] = {
            "lease_seconds", "recovery_delay_seconds", "recovery_batch_size",
            "provider_rate_limit_per_second", "provider_burst"),
 }
+
+
+# Read only by the console (`receipts ui`, its ui_* settings) and by `receipts migrate`
+# (its lock timeout): never by the worker.
+_OTHERS_ONLY = frozenset(
+    {n for n in COMMAND_SETTINGS["ui"] if n.startswith("ui_")} | {"migrate_lock_timeout_seconds"})
 
 
 def settings_for(command: str) -> list[str]:
