@@ -17,6 +17,7 @@ import contextlib
 import itertools
 import os
 import socket
+import threading
 import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
@@ -27,6 +28,7 @@ import pytest
 from aiohttp import web
 
 from receipts.embedded import EmbeddedPostgres, free_port
+from receipts.enqueue import enqueue_many as enqueue_rows
 from receipts.migrate import apply_migrations
 from receipts.model import Job, JobState
 from receipts.provider import Faults, ReferenceProvider, serve
@@ -305,3 +307,27 @@ async def stub():
 
     yield Stub()
     await runner.cleanup()
+
+
+class Trickle:
+    """The shop's ordinary traffic: valid orders enqueued at *per_second* until stopped."""
+
+    def __init__(self, dsn: str, per_second: float, prefix: str = "ok-t") -> None:
+        self.dsn, self.per_second, self.prefix = dsn, per_second, prefix
+        self.sent = 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        start = time.monotonic()
+        with psycopg.connect(self.dsn, autocommit=True) as conn:
+            while not self._stop.is_set():
+                with conn.transaction():  # as an orders service does: with its order
+                    enqueue_rows(conn, [f"{self.prefix}{self.sent}"])
+                self.sent += 1
+                self._stop.wait(max(0.0, start + self.sent / self.per_second - time.monotonic()))
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join(timeout=5)

@@ -16,8 +16,9 @@ What it does (docs/design.md §8):
 5. waits until the queue is drained, stops everything with SIGTERM and
    prints a summary checked against the database and the provider.
 
-Exit status 0 when nothing was lost (every order's job is done or failed,
-every done job has a receipt at the provider), 1 otherwise.
+Exit status 0 when nothing was lost (every order's job is done, failed, or a
+rejection held for evidence that waits in the queue for the next orders to
+judge it; every done job has a receipt at the provider), 1 otherwise.
 """
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from receipts.db import translate
 from receipts.dsn import redact_dsn
 from receipts.embedded import EmbeddedPostgres, free_port
 from receipts.enqueue import enqueue
+from receipts.flow import HELD_PREFIX
 from receipts.migrate import apply_migrations
 from receipts.supervisor import Child, MetricSamples, Supervisor
 
@@ -120,8 +122,10 @@ def _place_orders(run: _Run, start: int, count: int, errors: list[BaseException]
 def _counts(run: _Run) -> dict[str, int]:
     with psycopg.connect(run.dsn, autocommit=True) as conn:
         rows = conn.execute(
-            "SELECT state, count(*) FROM receipt_jobs WHERE order_id LIKE %s GROUP BY state",
-            (run.run_id + "-%",),
+            "SELECT state, count(*) FROM receipt_jobs WHERE order_id LIKE %s GROUP BY state"
+            " UNION ALL SELECT 'held', count(*) FROM receipt_jobs WHERE order_id LIKE %s"
+            " AND state IN ('ready', 'running') AND starts_with(last_error, %s)",
+            (run.run_id + "-%", run.run_id + "-%", HELD_PREFIX),
         ).fetchall()
         lag = conn.execute(
             "SELECT coalesce(extract(epoch FROM statement_timestamp() - min(run_at)), 0)"
@@ -261,7 +265,9 @@ def _demo(run: _Run) -> bool:
     deadline = time.monotonic() + DRAIN_TIMEOUT_SECONDS
     while time.monotonic() < deadline:
         counts = _counts(run)
-        if counts.get("ready", 0) + counts.get("running", 0) == 0:
+        # A rejection held for evidence (no other order accepted around it) waits for
+        # the next orders to judge it: the demo's have all been delivered by then.
+        if counts.get("ready", 0) + counts.get("running", 0) - counts.get("held", 0) <= 0:
             break
         time.sleep(0.25)
     elapsed = time.monotonic() - started
@@ -348,7 +354,8 @@ def _summary(run: _Run, elapsed: float, scraped: list[MetricSamples],
     keys = {v["order_id"] for k, v in provider_receipts.items() if k.startswith("receipt:")}
     ours = {k for k in keys if k.startswith(run.run_id + "-")}
     done_without_receipt = len(done_orders - ours)
-    lost = sum(n for state, n in states.items() if state not in ("done", "failed"))
+    held = _counts(run).get("held", 0)
+    lost = sum(n for state, n in states.items() if state not in ("done", "failed")) - held
     redeliveries = sum(max(0, attempts - 1) for _, _, attempts in rows if attempts)
 
     def total(name: str) -> int:
@@ -366,7 +373,9 @@ def _summary(run: _Run, elapsed: float, scraped: list[MetricSamples],
         f"  receipts delivered (done)      {delivered}",
         f"  failed                         {states.get('failed', 0)}"
         "  (provider answered 4xx, or attempts ran out)",
-        f"  lost (not done, not failed)    {lost}",
+        f"  held, awaiting evidence        {held}  (rejected with no other order accepted"
+        " around it; judged when orders flow again, docs/design.md §11)",
+        f"  lost (not done, failed, held)  {lost}",
         f"  done without a receipt         {done_without_receipt}",
         f"  receipts at provider (unique)  {len(ours)}",
         f"  duplicates suppressed          {duplicates}  (same Idempotency-Key sent again)",

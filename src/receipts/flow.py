@@ -649,8 +649,10 @@ class ProviderGate:
         """The next retry delay of a held rejection of *job_id*, seconds (jittered):
         ``held_retry_seconds``, doubled for each time this pod held it with no
         acceptance near it (*grow*; with one, the count starts again), at most
-        ``HELD_RETRY_MAX_SECONDS``."""
-        count = self._held_count.pop(job_id, 0) if grow else 0
+        ``HELD_RETRY_MAX_SECONDS``. It does not grow while the fleet is paused: the
+        pause explains the silence, and the job should be due when traffic resumes
+        (the resumed backlog's acceptances are what can bracket it)."""
+        count = self._held_count.pop(job_id, 0) if grow and not self.paused else 0
         self._held_count[job_id] = count + 1
         if len(self._held_count) > _HELD_MEMORY:
             self._held_count.popitem(last=False)

@@ -2,15 +2,11 @@
 
 from __future__ import annotations
 
-import threading
-import time
 from collections.abc import Iterator
 
-import psycopg
 import pytest
 
 from receipts.embedded import free_port
-from receipts.enqueue import enqueue_many
 from receipts.supervisor import Child, Supervisor
 
 
@@ -29,26 +25,3 @@ def provider(sup: Supervisor) -> Child:
     port = free_port()
     return sup.start("provider", ["provider", "--port", str(port)], port=port).wait_healthy()
 
-
-class Trickle:
-    """The shop's ordinary traffic: valid orders enqueued at *per_second* until stopped."""
-
-    def __init__(self, dsn: str, per_second: float, prefix: str = "ok-t") -> None:
-        self.dsn, self.per_second, self.prefix = dsn, per_second, prefix
-        self.sent = 0
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-        self._thread.start()
-
-    def _run(self) -> None:
-        start = time.monotonic()
-        with psycopg.connect(self.dsn, autocommit=True) as conn:
-            while not self._stop.is_set():
-                with conn.transaction():  # as an orders service does: with its order
-                    enqueue_many(conn, [f"{self.prefix}{self.sent}"])
-                self.sent += 1
-                self._stop.wait(max(0.0, start + self.sent / self.per_second - time.monotonic()))
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._thread.join(timeout=5)

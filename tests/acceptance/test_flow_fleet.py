@@ -20,8 +20,7 @@ import pytest
 
 from receipts.embedded import free_port
 from receipts.supervisor import Child, Supervisor
-from tests.acceptance.conftest import Trickle
-from tests.conftest import check_invariants, enqueue_many, fetch_rows
+from tests.conftest import Trickle, check_invariants, enqueue_many, fetch_rows
 
 #: How long the provider answers 503 to everything in the outage test, seconds.
 OUTAGE_SECONDS = 36.0

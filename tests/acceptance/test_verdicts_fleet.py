@@ -22,9 +22,8 @@ import yaml
 
 from receipts.embedded import free_port
 from receipts.supervisor import Child, Supervisor, run_command
-from tests.acceptance.conftest import Trickle
 from tests.chart import chartkit
-from tests.conftest import check_invariants, enqueue_many, fetch_rows
+from tests.conftest import Trickle, check_invariants, enqueue_many, fetch_rows
 
 #: The other variants of a scenario: `make test-long` runs them, `make test` one of each.
 LONG = pytest.mark.long

@@ -263,6 +263,24 @@ def test_a_held_rejection_goes_back_to_ready_with_a_growing_delay_never_failed()
     assert g.settle().pause is None  # one job is never a systemic rejection
 
 
+def test_a_held_rejection_requeued_while_the_fleet_is_paused_keeps_its_first_delay():
+    # The pause explains the silence: the job must be due when the fleet resumes,
+    # amid the backlog whose acceptances can bracket it, not 30 s later.
+    clock = Clock()
+    g = gate(clock)
+    job = uuid.uuid4()
+    for _ in range(5):  # grown while the fleet runs: 1, 2, 4, 8, 16 s
+        assert g.judge(job, rejected(), sent_at=clock.now).hold_seconds
+        clock.now += 2 * B
+        ((_, grown),) = g.settle().requeue
+    assert grown > 8 * POLICY.held_retry_seconds
+    g.observe_flow(FlowState(PauseReason.OUTAGE, 30))
+    for _ in range(3):
+        d = g.judge(job, rejected(), sent_at=clock.now)
+        delay = d.delay_seconds if d.requeue else g.settle(final=True).requeue[0][1]
+        assert delay <= 1.25 * POLICY.held_retry_seconds
+
+
 def test_the_deadline_and_a_stop_give_held_rejections_back():
     clock = Clock()
     g = gate(clock)
