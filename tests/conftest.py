@@ -124,6 +124,18 @@ def pg15() -> Iterator[Server]:
         conn.execute(f'DROP DATABASE IF EXISTS "{TEMPLATE}" WITH (FORCE)')
 
 
+#: Folders whose every test is ``solo`` (pyproject.toml's marker): they measure time or
+#: throughput, or run fleets of processes, so `make test` runs them alone.
+SOLO_FOLDERS = frozenset({"acceptance", "bench", "chaos"})
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        parts = item.path.relative_to(config.rootpath).parts
+        if len(parts) > 1 and parts[0] == "tests" and parts[1] in SOLO_FOLDERS:
+            item.add_marker(pytest.mark.solo)
+
+
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:
     if "server" in metafunc.fixturenames:
         choice = metafunc.config.getoption("--pg")

@@ -283,7 +283,9 @@ async def test_the_waker_announces_shares_and_a_killed_member_drops_out_at_once(
     with psycopg.connect(dsn, autocommit=True) as conn:  # its session dies, as with kill -9
         (ended,), = conn.execute(
             "SELECT count(pg_terminate_backend(pid)) FROM pg_locks WHERE locktype = 'advisory'"
-            " AND objsubid = 2 AND objid = %s::int8::oid", (int(victim.wakeups.tag, 16),)
+            " AND objsubid = 2 AND objid = %s::int8::oid AND database = (SELECT oid"
+            " FROM pg_database WHERE datname = current_database())",
+            (int(victim.wakeups.tag, 16),)
         ).fetchall()
         assert ended == 1
     await victim.stop()
