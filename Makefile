@@ -27,10 +27,14 @@ tools:
 # workers and timeouts), then the `solo` ones (timing, throughput, fleets of processes)
 # alone. Both parts run; either failing fails the target. A PYTEST_ARGS that selects
 # nothing in one part leaves that part out (pytest's exit 5); nothing in both is exit 5.
+# An interrupted first part (Ctrl-C), an internal error or bad usage stops there (2, 3, 4).
+# PYTEST_ARGS must not carry its own -m or -n: the last one given wins in pytest, and the
+# parts would no longer be what they say (run .venv/bin/pytest directly for that).
 define PYTEST_PARTS
 @export PATH="$(CURDIR)/.tools/bin:$(CURDIR)/$(BIN):$$PATH"; status=5; \
 $(BIN)/pytest -q -p no:cacheprovider -n 2 -m "($(1)) and not solo" $(PYTEST_ARGS); \
 rc=$$?; [ $$rc -eq 5 ] || status=$$rc; \
+case $$rc in 2|3|4) exit $$rc;; esac; \
 $(BIN)/pytest -q -p no:cacheprovider -m "($(1)) and solo" $(PYTEST_ARGS); \
 rc=$$?; [ $$rc -eq 5 ] || [ $$status -ne 0 -a $$status -ne 5 ] || status=$$rc; \
 exit $$status

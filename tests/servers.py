@@ -37,7 +37,7 @@ import socket
 import subprocess
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -136,8 +136,9 @@ def make_pki(folder: Path) -> Pki:
         _openssl("x509", "-req", "-in", f"{name}.csr", "-CA", "ca.pem", "-CAkey", "ca.key",
                  "-CAcreateserial", "-days", "2", "-extfile", "san.ext",
                  "-out", f"{name}.pem", cwd=folder)
-    for path in folder.iterdir():
-        path.chmod(0o644)
+    folder.chmod(0o755)
+    for path in folder.iterdir():  # the keys for their owner only (nginx reads them as root)
+        path.chmod(0o600 if path.suffix == ".key" else 0o644)
     return Pki(folder)
 
 
@@ -314,6 +315,10 @@ Allow 127.0.0.1
         path = self.folder / "tinyproxy.log"
         return path.read_text(errors="replace") if path.exists() else ""
 
+    def wait_for_log(self, text: str, seconds: float = 10.0) -> str:
+        """The log once it contains *text* (or as it is after *seconds*)."""
+        return _log_with(self.log_text, text, seconds)
+
 
 @dataclass
 class Squid:
@@ -366,10 +371,15 @@ shutdown_lifetime 0 seconds
     def wait_for_log(self, text: str, seconds: float = 10.0) -> str:
         """The access log once it contains *text* (squid logs a transaction, a
         ``CONNECT`` tunnel included, when it ends)."""
-        deadline = time.monotonic() + seconds
-        while text not in (log := self.log_text()) and time.monotonic() < deadline:
-            time.sleep(0.02)
-        return log
+        return _log_with(self.log_text, text, seconds)
+
+
+def _log_with(read: Callable[[], str], text: str, seconds: float) -> str:
+    """*read*'s text once it contains *text*, or as it is after *seconds*."""
+    deadline = time.monotonic() + seconds
+    while text not in (log := read()) and time.monotonic() < deadline:
+        time.sleep(0.02)
+    return log
 
 
 # ----------------------------------------------------------------------- fixtures
@@ -378,7 +388,7 @@ shutdown_lifetime 0 seconds
 @pytest.fixture(scope="session")
 def pki() -> Iterator[Pki]:
     """A private CA with server and client certificates (made once per session)."""
-    folder = _open_folder("pki-")
+    folder = Path(tempfile.mkdtemp(prefix="pki-"))  # not _open_folder: no one else writes
     try:
         yield make_pki(folder)
     finally:

@@ -529,15 +529,23 @@ async def _held_command(operations: Operations, args: argparse.Namespace) -> int
               else f"would {verb} {count} held rejection(s)")
         return EXIT_OK
     changed = await operations.held_action(args.jobs_command)
+    if verb == "discard":
+        print(json.dumps({"action": verb, "dry_run": False, "count": changed}) if args.json
+              else f"{changed} held rejection(s) discarded")
+        return EXIT_OK
+    # Every held rejection is due now: those made due by this command, and those that
+    # were due already (the dry run counts both, and so does this answer).
+    rows = await operations.held_jobs(limit=1)
+    due = rows[0]["held"] if rows else 0
     if args.json:
-        print(json.dumps({"action": verb, "dry_run": False, "count": changed}))
-    elif verb == "discard":
-        print(f"{changed} held rejection(s) discarded")
+        print(json.dumps({"action": verb, "dry_run": False, "count": due,
+                          "made_due": changed}))
     else:
-        print(f"{changed} held rejection(s) due now")
-        if changed and (await operations.provider_pause())["pause_reason"] is not None:
-            print("the fleet is paused: nothing is claimed until a probe is accepted or "
-                  "`receipts jobs resume` lifts the pause", file=sys.stderr)
+        print(f"{due} held rejection(s) due now ({changed} made due by this command, "
+              "the others were due already)")
+    if due and (await operations.provider_pause())["pause_reason"] is not None:
+        print("the fleet is paused: nothing is claimed until a probe is accepted or "
+              "`receipts jobs resume` lifts the pause", file=sys.stderr)
     return EXIT_OK
 
 
@@ -836,7 +844,8 @@ def build_parser() -> argparse.ArgumentParser:
         return j
 
     action("stats", "counts by state, lag, age of the oldest undelivered job, oldest failed")
-    j = action("list", "list jobs in a state, newest first")
+    j = action("list", "list jobs in a state, newest first (with --held: the held "
+                       "rejections, oldest due first)")
     j.add_argument("--state", choices=["ready", "running", "done", "failed", "discarded"],
                    default=None,
                    help="the state to list (default: failed)")

@@ -165,12 +165,13 @@ async def test_the_environment_proxy_applies_unless_no_proxy_matches_and_the_set
     with nginx, Tinyproxy() as tiny, Squid() as squid:
         env = {"HTTP_PROXY": squid.url, "https_proxy": "http://127.0.0.1:9"}
         (via_env,) = await deliver(make_deliverer(settings_for(site.url), env))
-        squid_after_env = squid.log_text().count("/receipts")
+        # squid writes a transaction's line when it ends, a moment after the answer.
+        squid_after_env = squid.wait_for_log("/receipts").count("/receipts")
         (bypassed,) = await deliver(make_deliverer(
             settings_for(site.url), env | {"NO_PROXY": "localhost,127.0.0.0/8"}))
         (setting_wins,) = await deliver(make_deliverer(
             settings_for(site.url, provider_proxy=tiny.url), env | {"NO_PROXY": "*"}))
-        squid_log, tiny_log = squid.log_text(), tiny.log_text()
+        squid_log, tiny_log = squid.log_text(), tiny.wait_for_log("/receipts")
     assert {via_env.reason, bypassed.reason, setting_wins.reason} == {Reason.DELIVERED}
     assert squid_after_env == 1
     assert squid_log.count("/receipts") == 1  # NO_PROXY sent the second one direct

@@ -145,8 +145,19 @@ def test_held_rejections_sent_again_stay_one_group_until_something_decides_them(
     (due,) = fetch_rows(dsn, "SELECT count(*) FROM receipt_jobs WHERE order_id LIKE 'held-%%'"
                              " AND run_at <= statement_timestamp()")
     assert due == (3,)
-    code, out, _ = _jobs(dsn, "retry", "--held")  # already due: nothing more to do
-    assert code == 0 and "0 held rejection(s) due now" in out
+    # Already due: the answer still counts them, as the dry run does, and a paused
+    # fleet is named (nothing will claim them until it resumes).
+    code, out, _ = _jobs(dsn, "retry", "--held", "--dry-run")
+    assert code == 0 and "would retry 3 held rejection(s)" in out
+    code, out, err = _jobs(dsn, "retry", "--held")
+    assert code == 0 and "3 held rejection(s) due now (0 made due by this command" in out
+    assert "the fleet is paused" not in err
+    code, _, err = _jobs(dsn, "pause", "--for", "60s", "--reason", "test")
+    assert code == 0, err
+    code, out, err = _jobs(dsn, "retry", "--held", "--json")
+    assert code == 0 and json.loads(out) == {"action": "retry", "dry_run": False, "count": 3,
+                                             "made_due": 0}
+    assert "the fleet is paused" in err
     code, out, _ = _jobs(dsn, "discard", "--held")
     assert code == 0 and "3 held rejection(s) discarded" in out
     assert fetch_rows(dsn, "SELECT order_id, state FROM receipt_jobs ORDER BY order_id") == [
