@@ -362,6 +362,7 @@ def _summary(run: _Run, elapsed: float, scraped: list[MetricSamples],
         return int(sum(m.total(name) for m in scraped))
 
     duplicates = int(provider_stats.get("duplicates_suppressed", 0))
+    pauses = total("receipts_provider_pauses_total")
     worker_codes = {k: v for k, v in codes.items() if k.startswith("worker")}
     bad_exits = {k: v for k, v in worker_codes.items() if v not in (0, -9)}
     ok = lost == 0 and done_without_receipt == 0 and not bad_exits and orders == run.opts.orders
@@ -373,8 +374,8 @@ def _summary(run: _Run, elapsed: float, scraped: list[MetricSamples],
         f"  receipts delivered (done)      {delivered}",
         f"  failed                         {states.get('failed', 0)}"
         "  (provider answered 4xx, or attempts ran out)",
-        f"  held, awaiting evidence        {held}  (rejected with no other order accepted"
-        " around it; judged when orders flow again, docs/design.md §11)",
+        f"  held, awaiting evidence        {held}  (a 4xx with no other order accepted"
+        " around it: `receipts jobs list --held`)",
         f"  lost (not done, failed, held)  {lost}",
         f"  done without a receipt         {done_without_receipt}",
         f"  receipts at provider (unique)  {len(ours)}",
@@ -384,9 +385,9 @@ def _summary(run: _Run, elapsed: float, scraped: list[MetricSamples],
         "  (surviving workers)",
         f"  retries by surviving workers   {total('receipts_retries_total')}",
         "  provider outage ridden out     "
-        + (f"{total('receipts_provider_pauses_total')} fleet pause(s), "
+        + (f"yes: {pauses} fleet pause(s) (the outage's and Retry-After's), "
            f"{total('receipts_provider_probes_total')} probe(s) (surviving workers)"
-           if run.outage else "no outage this run"),
+           if run.outage else f"no outage this run ({pauses} Retry-After pause(s))"),
         f"  throughput                     {delivered / elapsed:.0f} receipts/s over "
         f"{elapsed:.1f}s",
         f"  worst queue lag seen           {run.max_lag_seconds:.2f}s",
