@@ -23,6 +23,10 @@ from tests.chaos.pgproxy import PgProxy
 from tests.chaos.run import read_events
 from tests.conftest import Server, enqueue_many, fetch_rows
 
+# Its deadlines are the keepalive and statement timeouts themselves: run alone (solo),
+# a busy neighbour test delays the detection past them.
+pytestmark = pytest.mark.solo
+
 STATEMENT_TIMEOUT = 1.0  # so the client-side deadline is 1 + 5 = 6 s
 DEADLINE = STATEMENT_TIMEOUT + 5.0
 POLL_SECONDS = 0.2

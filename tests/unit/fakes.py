@@ -279,10 +279,12 @@ class ScriptedDeliverer:
         release: while cleared, deliveries wait (to hold slots busy).
         in_flight: deliveries currently inside :meth:`deliver`.
         most_in_flight: the highest :attr:`in_flight` seen.
+        latency_seconds: each delivery takes at least this long (0: answers at once).
     """
 
     def __init__(self, answer: Callable[[Job], Outcome] | None = None) -> None:
         self.answer = answer or (lambda job: Outcome(Verdict.DELIVERED, Reason.DELIVERED, 200))
+        self.latency_seconds = 0.0
         self.calls: list[Job] = []
         self.release = asyncio.Event()
         self.release.set()
@@ -295,6 +297,8 @@ class ScriptedDeliverer:
         self.most_in_flight = max(self.most_in_flight, self.in_flight)
         try:
             await self.release.wait()
+            if self.latency_seconds:
+                await asyncio.sleep(self.latency_seconds)
             return self.answer(job)
         finally:
             self.in_flight -= 1
