@@ -235,6 +235,7 @@ async def hostile_provider() -> AsyncIterator[tuple[dict[str, Any], str]]:
         await runner.cleanup()
 
 
+@pytest.mark.solo  # the deadline's margin is 0.5 s: no busy neighbour
 @pytest.mark.slow
 @pytest.mark.parametrize(("name", "handler", "verdict", "reason", "retry_after"),
                          PROVIDER_ANSWERS, ids=[row[0] for row in PROVIDER_ANSWERS])

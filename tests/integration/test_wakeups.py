@@ -31,6 +31,9 @@ from receipts.waker import (
 from tests.conftest import fetch_rows, make_settings
 from tests.integration.test_enqueue_api import Listener
 
+# Pickup and failover are measured here in fractions of a second: run alone (solo).
+pytestmark = pytest.mark.solo
+
 
 class Pod:
     """One pod's wake-ups: counts the times its claim loop would have been woken.
