@@ -508,6 +508,11 @@ def cmd_jobs(settings: Settings, args: argparse.Namespace) -> int:
     return _run(_with_operations(settings, "cli", body))
 
 
+#: Pauses that end when a probe of the provider is accepted (docs/design.md §11); the
+#: others (``retry_after``, ``manual``) end when their time is up.
+PROBED_PAUSES = frozenset({"outage", "auth", "rejecting"})
+
+
 async def _held_command(operations: Operations, args: argparse.Namespace) -> int:
     """``jobs list|discard|retry --held``: the held rejections as one group (docs/operations.md)."""
     if args.jobs_command == "list":
@@ -541,11 +546,17 @@ async def _held_command(operations: Operations, args: argparse.Namespace) -> int
         print(json.dumps({"action": verb, "dry_run": False, "count": due,
                           "made_due": changed}))
     else:
-        print(f"{due} held rejection(s) due now ({changed} made due by this command, "
-              "the others were due already)")
-    if due and (await operations.provider_pause())["pause_reason"] is not None:
-        print("the fleet is paused: nothing is claimed until a probe is accepted or "
-              "`receipts jobs resume` lifts the pause", file=sys.stderr)
+        already = due - changed
+        print(f"{due} held rejection(s) due now" + (
+            f" ({changed} made due by this command, {already} due already)"
+            if changed and already > 0 else " (all due already)" if due and not changed
+            else ""))
+    pause = await operations.provider_pause() if due else {"pause_reason": None}
+    if pause["pause_reason"] is not None:
+        ends = ("when a probe is accepted" if pause["pause_reason"] in PROBED_PAUSES
+                else f"in {float(pause['remaining_seconds'] or 0):.0f} s")
+        print(f"the fleet is paused ({pause['pause_reason']}): nothing is claimed until the "
+              f"pause ends ({ends}) or `receipts jobs resume` lifts it", file=sys.stderr)
     return EXIT_OK
 
 
