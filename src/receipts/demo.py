@@ -344,19 +344,21 @@ def _summary(run: _Run, elapsed: float, scraped: list[MetricSamples],
         orders = conn.execute("SELECT count(*) FROM demo_orders WHERE id LIKE %s",
                               (prefix,)).fetchone()[0]  # type: ignore[index]
         rows = conn.execute(
-            "SELECT j.order_id, j.state, j.attempts FROM demo_orders o"
-            " LEFT JOIN receipt_jobs j ON j.order_id = o.id WHERE o.id LIKE %s", (prefix,)
+            "SELECT j.order_id, j.state, j.attempts, j.state IN ('ready', 'running')"
+            " AND starts_with(j.last_error, %s) FROM demo_orders o"
+            " LEFT JOIN receipt_jobs j ON j.order_id = o.id WHERE o.id LIKE %s",
+            (HELD_PREFIX, prefix),
         ).fetchall()
     states: dict[str | None, int] = {}
-    for _, state, _ in rows:
+    for _, state, _, _ in rows:
         states[state] = states.get(state, 0) + 1
-    done_orders = {order for order, state, _ in rows if state == "done"}
+    done_orders = {order for order, state, _, _ in rows if state == "done"}
     keys = {v["order_id"] for k, v in provider_receipts.items() if k.startswith("receipt:")}
     ours = {k for k in keys if k.startswith(run.run_id + "-")}
     done_without_receipt = len(done_orders - ours)
-    held = _counts(run).get("held", 0)
+    held = sum(1 for *_, is_held in rows if is_held)  # the drain loop's rule, per row
     lost = sum(n for state, n in states.items() if state not in ("done", "failed")) - held
-    redeliveries = sum(max(0, attempts - 1) for _, _, attempts in rows if attempts)
+    redeliveries = sum(max(0, attempts - 1) for _, _, attempts, _ in rows if attempts)
 
     def total(name: str) -> int:
         return int(sum(m.total(name) for m in scraped))
