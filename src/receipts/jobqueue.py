@@ -271,7 +271,7 @@ class JobQueue:
         """Run one statement; list parameters named in *texts* are made storable first."""
         async with self._conn() as conn:
             for key in texts:
-                params[key] = [storable(conn, t) for t in params[key]]
+                params[key] = [None if t is None else storable(conn, t) for t in params[key]]
             cur = await conn.execute(query, params)
             # rownumber, not description: the latter builds a Column per column
             # on every call (bench/README.md has what that cost the claim).
@@ -332,8 +332,9 @@ class JobQueue:
         Each becomes ready after its delay, or failed when its outcome is
         permanent or the job has used ``max_attempts`` (after any refund).
         ``last_error`` is the outcome's detail (or reason), cut to 500
-        characters. An id missing from the result was a stale attempt:
-        nothing changed for it.
+        characters, or stays as it was for an attempt given back unsent
+        (:attr:`Reschedule.unsent`). An id missing from the result was a stale
+        attempt: nothing changed for it.
         """
         if not items:
             return {}
@@ -343,7 +344,8 @@ class JobQueue:
                 "ids": [i.attempt.job.id for i in items],
                 "tokens": [i.attempt.job.token for i in items],
                 "delays": [max(0.0, float(i.delay_seconds)) for i in items],
-                "errors": [(i.outcome.detail or str(i.outcome.reason))[:500] for i in items],
+                "errors": [None if i.unsent else (i.outcome.detail or str(i.outcome.reason))[:500]
+                           for i in items],
                 "permanent": [i.outcome.verdict is Verdict.PERMANENT for i in items],
                 "refund": [i.refund for i in items],
                 "in_progress": [i.outcome.reason is Reason.IN_PROGRESS for i in items],

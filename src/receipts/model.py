@@ -211,12 +211,17 @@ class Reschedule:
         outcome: its classified :class:`Outcome` (``detail`` becomes ``last_error``).
         delay_seconds: backoff before the job is due again, seconds.
         refund: give the attempt back (a fleet-wide provider outage, not the job's fault).
+        unsent: the attempt was claimed ahead and never sent (the worker's prefetch,
+            given back on a pause, a stop or a wait too long): its attempt is given
+            back, ``last_error`` keeps the job's earlier error, and no retry is
+            counted.
     """
 
     attempt: Attempt
     outcome: Outcome
     delay_seconds: float
     refund: bool = False
+    unsent: bool = False
 
 
 #: Attempt records kept per job (the ring of ``receipt_attempts``, migration 0005).

@@ -56,6 +56,9 @@ class Driver(Protocol):
     def row(self, job_id: uuid.UUID) -> tuple[JobState, int]:
         """The job's state and attempts as stored."""
 
+    def last_error(self, job_id: uuid.UUID) -> str | None:
+        """The job's ``last_error`` as stored."""
+
 
 class FakeDriver:
     def __init__(self) -> None:
@@ -76,6 +79,9 @@ class FakeDriver:
         row = self.fake.rows[job_id]
         return row.state, row.attempts
 
+    def last_error(self, job_id: uuid.UUID) -> str | None:
+        return self.fake.rows[job_id].last_error
+
 
 class PostgresDriver:
     def __init__(self, dsn: str, queue: JobQueue) -> None:
@@ -93,6 +99,11 @@ class PostgresDriver:
         ((state, attempts),) = fetch_rows(
             self.dsn, "SELECT state, attempts FROM receipt_jobs WHERE id = %s", (job_id,))
         return JobState(state), int(attempts)  # type: ignore[call-overload]
+
+    def last_error(self, job_id: uuid.UUID) -> str | None:
+        ((error,),) = fetch_rows(
+            self.dsn, "SELECT last_error FROM receipt_jobs WHERE id = %s", (job_id,))
+        return error  # type: ignore[return-value]
 
 
 @pytest.fixture(params=["fake", "postgres"])
@@ -216,6 +227,22 @@ async def test_a_refund_gives_the_attempt_back(driver):
     assert driver.row(job.id) == (JobState.READY, 0)
     (again,) = await claim(driver, 1)
     assert again.attempt == 1
+
+
+async def test_a_job_given_back_unsent_keeps_its_last_error_and_its_attempt(driver):
+    # The worker's prefetch: a job claimed ahead of the free slots and never sent.
+    driver.add(["order-prefetched"])
+    (job,) = await claim(driver, 1)
+    assert await write_back(driver, job) is JobState.READY  # a 503: attempt 1 spent
+    (job,) = await claim(driver, 1)
+    assert job.attempt == 2
+    states = await driver.queue.reschedule([Reschedule(
+        Attempt(job, time.monotonic()), answer(), 0.0, refund=True, unsent=True)])
+    assert states == {job.id: JobState.READY}
+    assert driver.row(job.id) == (JobState.READY, 1)
+    assert driver.last_error(job.id) == "provider_5xx from the contract"
+    (again,) = await claim(driver, 1)  # due at once
+    assert again.id == job.id and again.attempt == 2
 
 
 async def test_an_in_progress_answer_gives_the_attempt_back(driver):

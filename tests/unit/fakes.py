@@ -63,6 +63,9 @@ class FakeQueue:
     claims: list[tuple[int, int]] = field(default_factory=list)  # (limit, returned)
     fail_claims: int = 0  # the next N claims raise DatabaseUnavailable
     hang_claims: bool = False  # claims never answer (a half-open connection)
+    #: While set and cleared, claim statements wait for it before they claim.
+    claim_gate: asyncio.Event | None = None
+    claims_waiting: int = 0  # claim statements waiting at the gate now
     lose_ack_answers: int = 0  # the next N acks commit, then their answer is lost
     #: While set and cleared, ack statements wait for it (a slow database).
     ack_gate: asyncio.Event | None = None
@@ -120,6 +123,12 @@ class FakeQueue:
             raise DatabaseUnavailable("database unavailable: fake outage")
         while self.hang_claims:
             await asyncio.sleep(3600)
+        if self.claim_gate is not None:
+            self.claims_waiting += 1
+            try:
+                await self.claim_gate.wait()
+            finally:
+                self.claims_waiting -= 1
         now = time.monotonic()
         attempts = []
         if probe or not self._flow().paused:
@@ -178,7 +187,9 @@ class FakeQueue:
             final = permanent or row.attempts >= self.max_attempts
             row.state = JobState.FAILED if final else JobState.READY
             row.run_at = time.monotonic() + item.delay_seconds
-            row.token, row.last_error = None, item.outcome.detail
+            row.token = None
+            if not item.unsent:
+                row.last_error = item.outcome.detail
             row.last_token = item.attempt.job.token
             out[row.id] = row.state
         return out

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+import uuid
 from collections.abc import Awaitable, Callable
 
 import pytest
@@ -11,7 +12,7 @@ import pytest
 from receipts.completion import Completer
 from receipts.flow import FlowPolicy, ProviderGate
 from receipts.metrics import Metrics
-from receipts.model import Job, JobState, Outcome, PauseReason, Reason, Verdict
+from receipts.model import FlowState, Job, JobState, Outcome, PauseReason, Reason, Verdict
 from receipts.settings import Settings, load_settings
 from receipts.worker import Worker
 from tests.unit.fakes import FakeQueue, ScriptedDeliverer, outcome
@@ -55,7 +56,7 @@ class Loop:
         await asyncio.wait_for(self.task, 5)
 
 
-async def test_claims_never_ask_for_more_than_the_free_slots():
+async def test_claims_never_ask_for_more_than_the_free_slots_and_the_prefetch():
     queue, deliverer = FakeQueue(), ScriptedDeliverer()
     queue.add(50)
     deliverer.release.clear()
@@ -64,8 +65,8 @@ async def test_claims_never_ask_for_more_than_the_free_slots():
         deliverer.release.set()
         await until(lambda: queue.count(JobState.DONE) == 50)
     assert loop.worker.max_overclaim == 0
-    assert deliverer.most_in_flight == 4
-    assert all(limit <= 4 for limit, _ in queue.claims)
+    assert deliverer.most_in_flight == 4  # jobs claimed ahead wait for a slot
+    assert all(limit <= 4 + 2 for limit, _ in queue.claims)  # at most half the slots ahead
     assert loop.value("receipts_acks_total") == 50
 
 
@@ -189,6 +190,7 @@ async def test_a_busy_queue_claims_for_a_tenth_of_the_slots_not_for_each_one(mon
     import receipts.worker
 
     monkeypatch.setattr(receipts.worker, "CLAIM_LINGER_SECONDS", 30.0)
+    monkeypatch.setattr(receipts.worker, "PREFETCH_MAX_SHARE", 0)  # the linger alone
     queue = FakeQueue()
     queue.add(40)
     gates = {job_id: asyncio.Event() for job_id in queue.rows}
@@ -495,3 +497,129 @@ async def test_an_operators_pause_is_honoured_without_probes_and_ends_at_its_tim
         await until(lambda: queue.count(JobState.DONE) == 3)
     assert deliverer.calls and len(deliverer.calls) == 3
     assert loop.value("receipts_provider_probes_total", result="resumed") == 0
+
+
+# ------------------------------------------------------------ prefetch
+
+
+class Prefetching:
+    """Four slots held by gated deliveries, and two jobs claimed ahead of them.
+
+    The round-trip averages are primed so that the prefetch wants half the
+    slots (a claim of 10 ms against deliveries of 20 ms: 2 × 4 × 0.5 = 4, capped
+    at 2); the first claim fills the slots, the second claims two ahead.
+    """
+
+    def __init__(self, jobs: int = 20, **overrides: object) -> None:
+        self.queue = FakeQueue()
+        self.ids = self.queue.add(jobs)
+        self.gates = {job_id: asyncio.Event() for job_id in self.ids}
+
+        async def answer(job_id: object) -> None:
+            await self.gates[job_id].wait()  # type: ignore[index]
+
+        self.deliverer = GatedDeliverer(answer)
+        self.loop = Loop(self.queue, self.deliverer, concurrency=4, **overrides)
+        self.worker = self.loop.worker
+        self.worker._claim_seconds, self.worker._delivery_seconds_avg = 0.010, 0.020
+
+    async def start(self) -> None:
+        await self.loop.__aenter__()
+        await until(lambda: len(self.deliverer.started) == 4 and len(self.worker._prefetched) == 2)
+        assert self.queue.claims[:2] == [(4, 4), (2, 2)]
+        assert self.worker.max_overclaim == 0
+
+    def ahead(self) -> list[uuid.UUID]:
+        return [a.job.id for a in self.worker._prefetched]
+
+    def release(self, n: int = 1) -> None:
+        for job_id in self.deliverer.started[:n]:
+            self.gates[job_id].set()  # type: ignore[index]
+
+
+async def test_a_slot_freed_during_a_claim_starts_a_job_claimed_ahead_without_waiting_for_it():
+    p = Prefetching()
+    await p.start()
+    ahead = p.ahead()
+    p.queue.claim_gate = asyncio.Event()  # every claim from now on waits
+    p.release(1)
+    await until(lambda: len(p.deliverer.started) == 5 and p.queue.claims_waiting == 1)
+    # The claim loop is inside a claim (refilling the prefetch) when the next slot frees.
+    p.gates[p.deliverer.started[1]].set()  # type: ignore[index]
+    await until(lambda: len(p.deliverer.started) == 6)
+    assert p.deliverer.started[4:] == ahead  # oldest first
+    assert len(p.queue.claims) == 2 and p.queue.claims_waiting == 1  # no claim came back
+    assert p.deliverer.finished == 2 and len(p.worker._inflight) == 4  # never beyond the slots
+    p.queue.claim_gate.set()
+    for gate in p.gates.values():
+        gate.set()
+    await until(lambda: p.queue.count(JobState.DONE) == 20)
+    await p.loop.__aexit__()
+    assert p.worker.max_overclaim == 0 and p.queue.refunds == 0
+
+
+async def test_jobs_claimed_ahead_go_back_unsent_when_the_fleet_pauses():
+    p = Prefetching()
+    await p.start()
+    ahead = p.ahead()
+    for job_id in ahead:
+        p.queue.rows[job_id].last_error = "an earlier attempt's 503"
+    # Another pod paused the fleet (the pod learns it from a statement's flow state).
+    p.queue.pause_reason, p.queue.paused_until = PauseReason.MANUAL, time.monotonic() + 60
+    p.worker.gate.observe_flow(FlowState(PauseReason.MANUAL, 60.0))
+    p.release(1)  # a slot frees: nothing may start while paused
+    await until(lambda: all(p.queue.rows[j].state is JobState.READY for j in ahead))
+    assert len(p.deliverer.started) == 4
+    assert [(p.queue.rows[j].attempts, p.queue.rows[j].last_error) for j in ahead] == [
+        (0, "an earlier attempt's 503")] * 2
+    assert p.loop.value("receipts_retries_total", reason="internal_error") == 0
+    p.release(4)
+    await p.loop.__aexit__()
+
+
+async def test_jobs_claimed_ahead_go_back_unsent_when_the_worker_stops():
+    p = Prefetching()
+    await p.start()
+    ahead = p.ahead()
+    p.worker.stop()
+    p.release(4)  # the deliveries in flight finish within the grace
+    await p.loop.__aexit__()
+    assert p.queue.count(JobState.DONE) == 4
+    assert [(p.queue.rows[j].state, p.queue.rows[j].attempts) for j in ahead] == [
+        (JobState.READY, 0)] * 2
+    assert len(p.deliverer.started) == 4  # nothing claimed ahead was sent
+
+
+async def test_a_job_claimed_ahead_that_waits_too_long_goes_back_and_claiming_ahead_stops(
+        monkeypatch):
+    import receipts.worker
+
+    monkeypatch.setattr(receipts.worker, "PREFETCH_MAX_WAIT_SECONDS", 0.05)
+    p = Prefetching()
+    await p.start()
+    ahead = p.ahead()
+    # Every slot stays busy: the jobs claimed ahead go back, and none is claimed again.
+    await until(lambda: all(p.queue.rows[j].state is JobState.READY for j in ahead))
+    assert [p.queue.rows[j].attempts for j in ahead] == [0, 0]
+    claims = len(p.queue.claims)
+    await asyncio.sleep(0.2)  # four times the wait: a churning pod would claim again
+    assert len(p.queue.claims) == claims and not p.worker._prefetched
+    p.release(1)  # a delivery ends: the slots move again, and so does the prefetch
+    await until(lambda: len(p.deliverer.started) == 5)
+    for gate in p.gates.values():
+        gate.set()
+    await until(lambda: p.queue.count(JobState.DONE) == 20)
+    await p.loop.__aexit__()
+
+
+async def test_an_idle_queue_claims_nothing_ahead():
+    queue, deliverer = FakeQueue(), ScriptedDeliverer()
+    deliverer.latency_seconds = 0.005
+    async with Loop(queue, deliverer) as loop:
+        loop.worker._claim_seconds, loop.worker._delivery_seconds_avg = 0.010, 0.020
+        for _ in range(5):  # a trickle: every claim comes back short
+            queue.add(1)
+            loop.worker.wake()
+            await until(lambda: queue.count(JobState.DONE) == len(queue.rows))
+        assert loop.worker.prefetch_depth() == 0
+    assert all(limit <= 4 for limit, _ in queue.claims)

@@ -324,7 +324,8 @@ RETURNING j.id;
 -- row with attempts >= max. An attempt is given back (attempts - 1) when
 -- `refund` is set (the provider was in a fleet-wide outage) or when the
 -- provider answered 409 "in progress" and the job's in_progress_count is
--- still under %(max_in_progress)s.
+-- still under %(max_in_progress)s. A NULL error keeps the job's last_error (an
+-- attempt claimed ahead and given back unsent: receipts.worker's prefetch).
 WITH r AS (
   -- Read under our own lease: while the token matches, no other writer
   -- changes attempts or in_progress_count, so these values are the row's.
@@ -349,7 +350,7 @@ SET state = CASE WHEN r.final THEN 'failed' ELSE 'ready' END,
     lease_token = NULL,
     lease_until = NULL,
     last_token = r.token,
-    last_error = r.error
+    last_error = coalesce(r.error, j.last_error)
 FROM r
 WHERE j.id = r.id
   AND j.lease_token = r.token
