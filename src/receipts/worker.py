@@ -66,6 +66,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import contextlib
+import math
 import random
 import socket
 import time
@@ -127,6 +128,9 @@ PREFETCH_EWMA_WEIGHT = 0.1
 #: The most jobs held claimed ahead, as a share of the limit on deliveries in flight
 #: (0 turns the prefetch off).
 PREFETCH_MAX_SHARE = 0.5
+#: Below this many deliveries ending per claim round trip (× 2), nothing is claimed
+#: ahead: a slot frees too seldom for a job to wait for it in memory.
+PREFETCH_MIN_AHEAD = 0.1
 #: While the fleet's waker is heard, an idle pod polls this many times less often
 #: (the waker wakes it on new due work; polling stays the safety net), so an idle
 #: fleet's polls do not add up with its pod count (docs/design.md §4).
@@ -440,8 +444,9 @@ class Worker:
 
         The deliveries that end during one claim's round trip: ``2 × limit ×
         claim round trip ÷ delivery round trip`` (moving averages; twice, for
-        their spread), rounded, at most ``PREFETCH_MAX_SHARE`` (half) of the limit (≥ 1) and
-        ``claim_batch_max``, where the limit is ``min(slots, adaptive limit)``.
+        their spread), rounded up (0 below ``PREFETCH_MIN_AHEAD``), at most
+        ``PREFETCH_MAX_SHARE`` (half) of the limit (≥ 1) and ``claim_batch_max``,
+        where the limit is ``min(slots, adaptive limit)``.
         0 unless the last claim came back full (the queue has work), and while
         the fleet is paused, rejections without evidence are being paced, or a
         prefetched job has waited its most since the last delivery ended: a
@@ -453,7 +458,11 @@ class Worker:
         limit = self.settings.concurrency
         if self.capacity is not None:
             limit = min(limit, self.capacity.allowed())
-        depth = int(2 * limit * self._claim_seconds / self._delivery_seconds_avg + 0.5)
+        ahead = 2 * limit * self._claim_seconds / self._delivery_seconds_avg
+        # Rounded up: a pod held to one or two deliveries by the adaptive limit needs
+        # one ahead as much as a large one (its slot idles for every claim). Not below
+        # a tenth: a slot then frees more than ~20 claims' time apart, too long a wait.
+        depth = math.ceil(ahead) if ahead >= PREFETCH_MIN_AHEAD else 0
         most = max(1, int(limit * PREFETCH_MAX_SHARE)) if PREFETCH_MAX_SHARE > 0 else 0
         return min(depth, most, self.settings.claim_batch_max)
 

@@ -623,3 +623,22 @@ async def test_an_idle_queue_claims_nothing_ahead():
             await until(lambda: queue.count(JobState.DONE) == len(queue.rows))
         assert loop.worker.prefetch_depth() == 0
     assert all(limit <= 4 for limit, _ in queue.claims)
+
+
+@pytest.mark.parametrize("slots,claim,rtt,depth", [
+    (1, 0.010, 0.052, 1),    # a pod held to one delivery: one ahead, or it idles every claim
+    (16, 0.010, 0.052, 7),   # 2 × 16 × 10/52 = 6.2, rounded up
+    (16, 0.002, 0.050, 2),   # 1.3 → 2
+    (32, 0.010, 0.001, 16),  # deliveries faster than claims: half the slots at most
+    (200, 0.010, 0.001, 100),  # and RECEIPTS_CLAIM_BATCH_MAX (100)
+    (1, 0.010, 2.0, 0),      # a slot frees every 2 s: nothing waits that long in memory
+    (32, 0.010, 10.0, 0),    # 0.06 < PREFETCH_MIN_AHEAD
+])
+def test_the_prefetch_depth_covers_the_deliveries_ending_during_a_claim(slots, claim, rtt, depth):
+    worker = Worker(settings(concurrency=slots), FakeQueue(), ScriptedDeliverer(), Metrics())
+    worker._claim_seconds, worker._delivery_seconds_avg = claim, rtt
+    assert worker.prefetch_depth() == 0  # the queue has shown no work yet
+    worker._backlogged = True
+    assert worker.prefetch_depth() == depth
+    worker.gate.observe_flow(FlowState(PauseReason.MANUAL, 60.0))
+    assert worker.prefetch_depth() == 0  # paused: claims take only what they can send
