@@ -689,10 +689,9 @@ class Worker:
         if self._prefetched:
             self._send_prefetched()
         self._slot_freed.set()
-        free = self.settings.concurrency - len(self._inflight)
-        if self.capacity is not None:
-            free = min(free, self.capacity.allowed() - len(self._inflight))
-        if free >= self._linger_min():
+        # What the next claim may take, the prefetch's room included: a slot that a
+        # job claimed ahead took at once still makes room for the claim.
+        if self._claim_room() >= self._linger_min():
             self._enough_free.set()
         if not task.cancelled() and task.exception() is not None:
             log.error("delivery_crashed", exc_info=task.exception())

@@ -17,6 +17,7 @@ from receipts.capacity import (
     LATENCY,
     OVERLOAD,
     OVERLOAD_REASONS,
+    SEARCH_MIN_WINDOW,
     CapacityPolicy,
     ConcurrencyLimit,
     starting_limit,
@@ -87,11 +88,25 @@ def test_one_episode_of_overload_costs_one_decrease(reasons, start):
     assert round_trip(lim, clock, [Reason.PROVIDER_5XX])[0] == OVERLOAD
 
 
-def test_calm_answers_at_the_limit_add_one_per_round_trip_up_to_the_ceiling():
+def test_searching_calm_round_trips_at_the_limit_grow_it_by_half_up_to_the_ceiling():
+    """The slow start: one round trip's answers make a window, each adds half the limit."""
     clock = Clock()
     lim = ConcurrencyLimit(POLICY, initial=POLICY.floor, clock=clock)
+    seen = [lim.limit]
+    for _ in range(12):
+        round_trip(lim, clock, [Reason.DELIVERED] * max(SEARCH_MIN_WINDOW, lim.allowed()))
+        seen.append(lim.limit)
+    # 2, 3, 4.5, 6.75, ... 34.2, then the ceiling: 8 round trips from the floor.
+    assert seen[:9] == pytest.approx([2, 3, 4.5, 6.75, 10.125, 15.1875, 22.78125, 34.171875, 40])
+    assert seen[-1] == POLICY.ceiling and lim.decreases == 0 and lim.searching
+
+
+def test_once_it_has_met_the_capacity_calm_windows_add_the_increase_up_to_the_ceiling():
+    clock = Clock()
+    lim = ConcurrencyLimit(POLICY, initial=POLICY.floor, clock=clock)
+    lim.searching = False
     seen = [lim.allowed()]
-    for _ in range(60):
+    for _ in range(100):
         round_trip(lim, clock, [Reason.DELIVERED] * max(POLICY.min_window, lim.allowed()))
         seen.append(lim.allowed())
     assert all(b - a in (0, 1) for a, b in itertools.pairwise(seen))
@@ -114,12 +129,13 @@ def test_a_pod_its_backlog_holds_below_the_limit_does_not_raise_it():
 def test_latency_well_above_the_baseline_decreases_and_a_mild_rise_holds():
     clock = Clock()
     lim = ConcurrencyLimit(POLICY, initial=20, clock=clock)
+    lim.searching = False  # + increase (0.5) per window
     round_trip(lim, clock, [Reason.DELIVERED] * 20, rtt=RTT)  # the baseline
-    assert lim.baseline == pytest.approx(RTT) and lim.allowed() == 21
-    round_trip(lim, clock, [Reason.DELIVERED] * 21, rtt=RTT * 1.6)  # slower, not slow: hold
-    assert lim.allowed() == 21
-    signals = round_trip(lim, clock, [Reason.DELIVERED] * 21, rtt=RTT * 3)
-    assert LATENCY in signals and lim.allowed() == int(21 * POLICY.backoff)
+    assert lim.baseline == pytest.approx(RTT) and lim.limit == 20.5
+    round_trip(lim, clock, [Reason.DELIVERED] * 20, rtt=RTT * 1.6)  # slower, not slow: hold
+    assert lim.limit == 20.5
+    signals = round_trip(lim, clock, [Reason.DELIVERED] * 20, rtt=RTT * 3)
+    assert LATENCY in signals and lim.limit == 20.5 * POLICY.backoff
 
 
 def test_the_baseline_follows_a_provider_that_got_slower_for_good():
@@ -245,22 +261,22 @@ def test_above_the_floor_an_overload_answer_shrinks_the_limit_without_a_hold():
     until enough come back anyway, so a hold would only idle its other slots."""
     clock = Clock()
     lim = ConcurrencyLimit(POLICY, initial=20, clock=clock)
-    round_trip(lim, clock, [Reason.DELIVERED] * 20, rtt=RTT)
+    round_trip(lim, clock, [Reason.DELIVERED] * 20, rtt=RTT)  # searching: 20 -> 30
     sent = clock.now
     clock.now += 0.001
     assert lim.observe(Reason.PROVIDER_5XX, rtt_seconds=0.001, sent_at=sent) == OVERLOAD
-    assert lim.allowed() == int(21 * POLICY.backoff) and lim.hold_seconds() == 0
+    assert lim.allowed() == int(30 * POLICY.backoff) and lim.hold_seconds() == 0
 
 
 def test_after_the_first_decrease_the_increase_is_shared_among_the_peers():
-    """Searching, a pod adds 1 per window; once it has met the capacity it adds
-    ``increase`` ÷ peers, so the fleet grows by ``increase`` per window at any size."""
+    """Searching, a pod adds half its limit per window; once it has met the capacity it
+    adds ``increase`` ÷ peers, so the fleet grows by ``increase`` per window at any size."""
     for peers in (1, 4, 16):
         clock = Clock()
         lim = ConcurrencyLimit(POLICY, initial=10, clock=clock)
         lim.peers = peers
         round_trip(lim, clock, [Reason.DELIVERED] * max(POLICY.min_window, 10))
-        assert lim.limit == 11 and lim.searching  # searching: + 1
+        assert lim.limit == 15 and lim.searching  # searching: × 1.5
         sent = clock.now
         clock.now += RTT
         lim.observe(Reason.RATE_LIMITED, rtt_seconds=RTT, sent_at=sent)
