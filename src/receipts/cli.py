@@ -873,7 +873,9 @@ def build_parser() -> argparse.ArgumentParser:
         "retry", "failed → ready, attempts reset, run now (all or nothing)",
         "Make failed jobs deliverable again: state ready, attempts 0, due now; "
         "last_error is kept, prefixed 'manual retry after: '. Named jobs are "
-        "retried only if every one is failed. Exit 0 done, 1 refused (nothing "
+        "retried only if every one is failed. With --held, the held rejections "
+        "instead (ready jobs whose 4xx awaits evidence): each is made due now and "
+        "keeps its attempts and last_error. Exit 0 done, 1 refused (nothing "
         "changed) or database error, 2 bad usage.")
     j.add_argument("ids", nargs="*", metavar="ID", help="job UUIDs (or use --all-failed)")
     j.add_argument("--all-failed", action="store_true", help="every failed job")
