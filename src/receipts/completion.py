@@ -588,8 +588,8 @@ class Completer:
                 return
             self._stale()
             log.warning("stale_reschedule", extra=fields)
-        elif item.unsent:
-            return  # claimed ahead, given back unsent: no attempt was made
+        elif item.unsent:  # claimed ahead, given back unsent: no attempt was made
+            self.metrics.claims_returned.inc()
         elif result is JobState.FAILED:
             permanent = outcome.verdict is Verdict.PERMANENT
             reason = outcome.reason if permanent else Reason.MAX_ATTEMPTS

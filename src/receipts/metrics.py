@@ -120,6 +120,13 @@ class Metrics:
             "expired); the row was left untouched.",
             registry=r,
         )
+        self.claims_returned = Counter(
+            "receipts_claims_returned",
+            "Jobs claimed ahead of the free slots (the prefetch) and given back unsent, "
+            "their attempts returned: the fleet paused, the worker stopped, or one waited "
+            "its most for a slot.",
+            registry=r,
+        )
         self.retries = Counter(
             "receipts_retries", "Jobs rescheduled after a failed attempt, by reason.",
             ["reason"], registry=r,
@@ -154,7 +161,8 @@ class Metrics:
         )
         self.inflight = Gauge(
             "receipts_inflight_deliveries",
-            "Deliveries in progress, and rejections held before their verdict is written.",
+            "Deliveries in progress, rejections held before their verdict is written, and "
+            "jobs claimed ahead waiting for a slot.",
             registry=r,
         )
         self.slots = Gauge(

@@ -248,9 +248,11 @@ class Worker:
         #: (tests assert it never exceeds 0).
         self.max_overclaim = 0
         metrics.slots.set(settings.concurrency)
-        # Read when scraped: nothing to update per delivery. A held rejection's job
-        # is still leased to this pod, its outcome not yet written: it counts.
-        metrics.inflight.set_function(lambda: len(self._inflight) + len(self.flow.held))
+        # Read when scraped: nothing to update per delivery. A held rejection's job,
+        # and a job claimed ahead, is still leased to this pod, its outcome not yet
+        # written: it counts.
+        metrics.inflight.set_function(
+            lambda: len(self._inflight) + len(self.flow.held) + len(self._prefetched))
         self._probe_seconds = metrics.statement_duration.labels("commit_probe")
         #: The pod's LISTEN session and its part in the fleet's waker election; None
         #: when it cannot have one (behind PgBouncer, or RECEIPTS_LISTEN_NOTIFY off).

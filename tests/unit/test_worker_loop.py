@@ -527,6 +527,7 @@ class Prefetching:
         await self.loop.__aenter__()
         await until(lambda: len(self.deliverer.started) == 4 and len(self.worker._prefetched) == 2)
         assert self.queue.claims[:2] == [(4, 4), (2, 2)]
+        assert self.loop.value("receipts_inflight_deliveries") == 6  # the two ahead count
         assert self.worker.max_overclaim == 0
 
     def ahead(self) -> list[uuid.UUID]:
@@ -573,6 +574,8 @@ async def test_jobs_claimed_ahead_go_back_unsent_when_the_fleet_pauses():
     assert [(p.queue.rows[j].attempts, p.queue.rows[j].last_error) for j in ahead] == [
         (0, "an earlier attempt's 503")] * 2
     assert p.loop.value("receipts_retries_total", reason="internal_error") == 0
+    await until(lambda: p.loop.value("receipts_claims_returned_total") == 2)
+    assert p.loop.value("receipts_inflight_deliveries") == 3  # one slot freed, none refilled
     p.release(4)
     await p.loop.__aexit__()
 
@@ -588,6 +591,9 @@ async def test_jobs_claimed_ahead_go_back_unsent_when_the_worker_stops():
     assert [(p.queue.rows[j].state, p.queue.rows[j].attempts) for j in ahead] == [
         (JobState.READY, 0)] * 2
     assert len(p.deliverer.started) == 4  # nothing claimed ahead was sent
+    assert p.loop.value("receipts_claims_returned_total") == 2
+    assert p.loop.value("receipts_jobs_claimed_total") == (
+        p.loop.value("receipts_acks_total") + p.loop.value("receipts_claims_returned_total"))
 
 
 async def test_a_job_claimed_ahead_that_waits_too_long_goes_back_and_claiming_ahead_stops(
