@@ -96,8 +96,13 @@ SEARCH_MIN_WINDOW, SEARCH_GROWTH = 4, 0.5
 #: Answers that say the provider is overloaded: the limit shrinks.
 OVERLOAD_REASONS = frozenset({Reason.RATE_LIMITED, Reason.PROVIDER_5XX, Reason.TIMEOUT,
                               Reason.CONNECTION_LOST, Reason.CONNECT_ERROR})
-#: Answers the provider gave at its normal pace: their round trip is a latency sample.
-ANSWERED_REASONS = frozenset({Reason.DELIVERED, Reason.REJECTED, Reason.IN_PROGRESS})
+#: Answers whose round trip is a latency sample: new work done at the provider's pace.
+#: Not a rejection nor a 409 (a provider that validates first answers them at once),
+#: and not a replayed success (:attr:`Outcome.replayed`: a stored answer, at once):
+#: a window of those set the baseline far below a delivery's real round trip, and
+#: every later window read as slow (a new user's trial: the limit fell to 1 after a
+#: crash's redeliveries were answered from the provider's idempotency store).
+ANSWERED_REASONS = frozenset({Reason.DELIVERED})
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,7 +197,8 @@ class ConcurrencyLimit:
         #: Monotonic time of the last decrease: answers to requests sent before it
         #: are part of the episode it already answered.
         self.decreased_at = -math.inf
-        #: The lowest window mean round trip seen (drifting up), seconds; None: none yet.
+        #: The lowest mean round trip of a block of ``min_window`` answers seen (drifting
+        #: up), seconds; None: none yet.
         self.baseline: float | None = None
         self._baseline_at = clock()
         self.decreases = 0
@@ -201,6 +207,7 @@ class ConcurrencyLimit:
         self.searching = True
         #: Monotonic time until which the pod claims nothing (after an overload answer).
         self.hold_until = -math.inf
+        self._block_count, self._block_sum = 0, 0.0
         self._reset_window()
 
     def _reset_window(self) -> None:
@@ -229,10 +236,11 @@ class ConcurrencyLimit:
         self._peak = max(self._peak, inflight)
 
     def observe(self, reason: Reason | str, *, rtt_seconds: float,
-                sent_at: float) -> str | None:
+                sent_at: float, latency_sample: bool = True) -> str | None:
         """Feed one finished delivery: its *reason*, round trip (seconds) and the
-        monotonic time it was sent. Other reasons (auth, internal errors) say
-        nothing about load and are ignored.
+        monotonic time it was sent. Other reasons (auth, internal errors,
+        rejections) say nothing about load and are ignored, and so is a success
+        that is no *latency_sample* (a replayed answer).
 
         Returns the signal of a decrease it caused (``overload`` or ``latency``),
         else None (also when the limit was already at its floor).
@@ -248,8 +256,17 @@ class ConcurrencyLimit:
                 self.hold_until = max(self.hold_until, self._clock() + min(
                     HOLD_MAX_SECONDS, max(HOLD_MIN_SECONDS, rtt)))
             return signal
-        if reason not in ANSWERED_REASONS or not math.isfinite(rtt_seconds) or rtt_seconds < 0:
+        if (reason not in ANSWERED_REASONS or not latency_sample
+                or not math.isfinite(rtt_seconds) or rtt_seconds < 0):
             return None
+        self._block_count += 1
+        self._block_sum += rtt_seconds
+        if self._block_count >= self.policy.min_window:
+            # The baseline learns from blocks of min_window answers, whatever the
+            # windows' size: the search's small windows would let a few quick answers
+            # set it.
+            self._learn_baseline(self._block_sum / self._block_count)
+            self._block_count, self._block_sum = 0, 0.0
         self._count += 1
         self._rtt_sum += rtt_seconds
         self._first_sent = min(self._first_sent, sent_at)
@@ -258,16 +275,20 @@ class ConcurrencyLimit:
             return self._close_window()
         return None
 
-    def _close_window(self) -> str | None:
-        p = self.policy
-        mean = self._rtt_sum / self._count
+    def _learn_baseline(self, mean: float) -> None:
+        """Lower the baseline to a block's *mean* round trip, or let it drift up."""
         base = self.baseline
         if base is None or mean < base:
             self.baseline = mean
         else:
             elapsed = max(0.0, self._clock() - self._baseline_at)
-            self.baseline = min(mean, base * (1 + p.baseline_drift) ** elapsed)
+            self.baseline = min(mean, base * (1 + self.policy.baseline_drift) ** elapsed)
         self._baseline_at = self._clock()
+
+    def _close_window(self) -> str | None:
+        p = self.policy
+        mean = self._rtt_sum / self._count
+        base = self.baseline
         if base is not None and mean > p.slow_factor * base:
             if self._first_sent >= self.decreased_at and self._decrease():
                 return LATENCY

@@ -85,6 +85,13 @@ class Deliverer(Protocol):
         ...
 
 
+def delivered(status: int, headers: HeaderLookup) -> Outcome:
+    """The outcome of a 2xx answer: delivered, and whether the provider says it replayed
+    a stored answer (``Idempotent-Replayed: true``, case-insensitive)."""
+    replayed = (headers.get("idempotent-replayed") or "").strip().lower() == "true"
+    return Outcome(Verdict.DELIVERED, Reason.DELIVERED, status, replayed=replayed)
+
+
 def classify(status: int, headers: HeaderLookup, body: bytes) -> Outcome:
     """Map an HTTP response to an :class:`Outcome` (the table in this module).
 
@@ -93,7 +100,7 @@ def classify(status: int, headers: HeaderLookup, body: bytes) -> Outcome:
     retry_after = parse_retry_after(headers.get("retry-after"), date_header=headers.get("date"))
     retry = Verdict.RETRY
     if 200 <= status < 300:
-        return Outcome(Verdict.DELIVERED, Reason.DELIVERED, status)
+        return delivered(status, headers)
     if status == 409:
         return Outcome(retry, Reason.IN_PROGRESS, status, retry_after, "409 request in progress")
     if status == 408:
@@ -307,7 +314,7 @@ class HttpDeliverer:
                 if 200 <= answer.status < 300:
                     if answer.complete():
                         # The usual small 2xx: its body came with the head.
-                        return Outcome(Verdict.DELIVERED, Reason.DELIVERED, answer.status)
+                        return delivered(answer.status, answer.headers)
                     scope.reschedule(min(deadline, loop.time() + SUCCESS_BODY_SECONDS))
                 # Read a bounded prefix: a 2xx body only so its connection is
                 # reused, a failure's for its reason.
@@ -333,7 +340,7 @@ class HttpDeliverer:
                 await answer.release()
         assert answer is not None
         if 200 <= answer.status < 300:
-            return Outcome(Verdict.DELIVERED, Reason.DELIVERED, answer.status)
+            return delivered(answer.status, answer.headers)
         outcome = classify(answer.status, answer.headers, bytes(data))
         if cut is not None and outcome.verdict is Verdict.PERMANENT:
             return cut

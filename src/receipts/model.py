@@ -110,6 +110,9 @@ class Outcome:
         status: HTTP status, or None when no response arrived.
         retry_after_seconds: the provider's parsed ``Retry-After``, seconds, or None.
         detail: a short human-readable reason, stored as ``last_error``.
+        replayed: a success the provider answered from its idempotency store
+            (``Idempotent-Replayed: true``, the Stripe convention): its round trip
+            is no measure of the provider's pace (:mod:`receipts.capacity`).
     """
 
     verdict: Verdict
@@ -117,6 +120,7 @@ class Outcome:
     status: int | None = None
     retry_after_seconds: float | None = None
     detail: str = ""
+    replayed: bool = False
 
 
 class PauseReason(enum.StrEnum):

@@ -240,9 +240,10 @@ class Settings(BaseSettings):
     adaptive_concurrency: bool = Field(
         default=False,
         description="Adapt each worker's limit on deliveries in flight to the provider's "
-                    "answers (AIMD: x0.85 on a 429, a 5xx, a timeout or rising latency; +1 "
-                    "per round trip of calm answers until the first decrease, then +0.5 "
-                    "shared among the live workers); a new worker starts at the fleet's mean "
+                    "answers (AIMD: x0.85 on a 429, a 5xx, a timeout or rising latency, x0.9 "
+                    "for a worker alone; x1.5 per round trip of calm answers until the first "
+                    "decrease, then +0.5 shared among the live workers, a third of it for a "
+                    "worker alone); a new worker starts at the fleet's mean "
                     "limit, and the KEDA signal stops adding pods the limits cannot use. "
                     "Off: the slots alone bound deliveries, as before (docs/scaling.md).",
     )

@@ -768,7 +768,8 @@ class Worker:
         assert capacity is not None
         before = capacity.allowed()
         capacity.peers = self.capacity_peers()
-        signal = capacity.observe(outcome.reason, rtt_seconds=took, sent_at=sent_at)
+        signal = capacity.observe(outcome.reason, rtt_seconds=took, sent_at=sent_at,
+                                  latency_sample=not outcome.replayed)
         if signal is not None:
             self.metrics.concurrency_decreases.labels(signal).inc()
         now = capacity.allowed()

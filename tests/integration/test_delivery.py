@@ -95,6 +95,17 @@ async def test_the_idempotency_key_and_body_are_identical_on_every_attempt(stub,
     assert len({r["body"] for r in stub.requests}) == 1
 
 
+@pytest.mark.parametrize(("headers", "replayed"), [
+    ({"Idempotent-Replayed": "true"}, True), ({"idempotent-replayed": " TRUE "}, True),
+    ({"Idempotent-Replayed": "false"}, False), ({}, False), ({"Idempotent-Replayed": ""}, False),
+])
+async def test_a_replayed_success_is_marked_so_its_round_trip_is_no_latency_sample(
+        stub, transport, headers, replayed):
+    stub.answer(status(200, headers))
+    outcome = await deliver_once(stub.url, 2, transport=transport)
+    assert (outcome.verdict, outcome.replayed) == (Verdict.DELIVERED, replayed)
+
+
 async def test_retry_after_is_parsed_from_the_answer(stub, transport):
     stub.answer(status(429, {"Retry-After": "7"}))
     outcome = await deliver_once(stub.url, 2, transport=transport)

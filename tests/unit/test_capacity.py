@@ -339,3 +339,36 @@ def test_a_lone_pod_keeps_more_of_the_capacity_busy_and_is_refused_no_more_often
     # Measured: the mean load 0.95-0.97 C -> 0.97-1.0 C; refused 0.3-1.0 % both ways.
     assert runs["lone"][0] >= runs["plain"][0] + 0.015 or runs["lone"][0] >= 0.99, runs
     assert runs["lone"][1] <= runs["plain"][1] * 1.15, runs
+
+
+def test_answers_from_an_idempotency_store_and_instant_rejections_set_no_baseline():
+    """A crash's redeliveries answered from the provider's store (at once), and invalid
+    orders answered before any work, are no measure of its pace: a baseline learnt from
+    them made every ordinary round trip 'slow', and the limit fell to 1 (a trial)."""
+    clock = Clock()
+    lim = ConcurrencyLimit(POLICY, initial=10, clock=clock)
+    for _ in range(20):  # replayed successes and 422s, 1 ms each
+        sent = clock.now
+        clock.now += 0.001
+        for _ in range(10):
+            lim.observe(Reason.DELIVERED, rtt_seconds=0.001, sent_at=sent, latency_sample=False)
+            lim.observe(Reason.REJECTED, rtt_seconds=0.001, sent_at=sent)
+            lim.observe(Reason.IN_PROGRESS, rtt_seconds=0.001, sent_at=sent)
+    assert lim.baseline is None and lim.limit == 10
+    signals = []
+    for _ in range(20):  # the provider's ordinary pace
+        signals += round_trip(lim, clock, [Reason.DELIVERED] * lim.allowed(), rtt=RTT)
+    assert LATENCY not in signals and lim.decreases == 0
+    assert lim.baseline == pytest.approx(RTT) and lim.allowed() > 10
+
+
+def test_a_few_quick_answers_in_the_searchs_small_windows_do_not_set_the_baseline():
+    """The baseline learns from blocks of min_window answers, not from a search window."""
+    clock = Clock()
+    lim = ConcurrencyLimit(CapacityPolicy(floor=1, ceiling=64), initial=4, clock=clock)
+    round_trip(lim, clock, [Reason.DELIVERED] * 4, rtt=RTT / 10)  # 4 quick ones (cached)
+    signals = []
+    for _ in range(40):
+        signals += round_trip(lim, clock, [Reason.DELIVERED] * lim.allowed(), rtt=RTT)
+    assert LATENCY not in signals and lim.decreases == 0
+    assert lim.baseline is not None and lim.baseline > RTT / 2
