@@ -518,9 +518,9 @@ class Worker:
                 delay_seconds=0.0, refund=True, unsent=True))
         log.info("prefetch_returned", extra={"count": len(attempts), "why": why})
 
-    def _start(self, attempt: Attempt) -> None:
-        """Start *attempt*'s delivery on a slot."""
-        task = asyncio.create_task(self._deliver(attempt))
+    def _start(self, attempt: Attempt, *, confirming: bool = False) -> None:
+        """Start *attempt*'s delivery on a slot (*confirming*: a first strike's resend)."""
+        task = asyncio.create_task(self._deliver(attempt, confirming=confirming))
         self._inflight.add(task)
         task.add_done_callback(self._delivery_done)
 
@@ -781,9 +781,7 @@ class Worker:
 
     def _confirm(self, attempt: Attempt) -> None:
         """Send a first strike's job again, in its lease: the confirmation."""
-        task = asyncio.create_task(self._deliver(attempt, confirming=True))
-        self._inflight.add(task)
-        task.add_done_callback(self._delivery_done)
+        self._start(attempt, confirming=True)
 
     def gate_state(self) -> FlowState:
         """The gate's current view as a :class:`FlowState` (left unchanged)."""
