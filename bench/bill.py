@@ -84,7 +84,8 @@ _KINDS: tuple[tuple[str, re.Pattern[str]], ...] = tuple(
         # (pg_stat_statements texts may be cut short: the claim's opening names it too)
         ("claim", r"candidate AS \(.*claimed AS \(|^\s*WITH flow AS (MATERIALIZED )?\("
                   r"\s*SELECT \S*receipts_pause_reason\("),
-        ("ack", r"^\s*UPDATE \S*receipt_jobs AS j\s+SET state = \S+,\s+lease_token = \S+,"
+        ("ack", r"^\s*(WITH done AS \(\s*)?UPDATE \S*receipt_jobs AS j\s+SET state = \S+,"
+                r"\s+lease_token = \S+,"
                 r"\s+lease_until = \S+,\s+last_token = a\.token"),
         ("reschedule", r"^\s*WITH r AS \("),
         ("resolve_writes", r"WHERE j\.last_token = a\.token"),

@@ -15,10 +15,11 @@ size (bench/README.md, "This round", counts the statements) — while a lease is
 minute long. A batched ack is several times faster than one ack per job
 (docs/design.md §10).
 When the worker is not busy, an outcome is written at once unless the
-previous statement began less than ``linger_seconds`` ago: a steady trickle
-then shares one statement per linger instead of one per outcome
-(bench/README.md, "The database's bill", measures it), and a lone outcome
-waits for nothing.
+previous statement began less than ``trickle_linger_seconds`` (250 ms) ago: a
+steady trickle then shares one statement per kind per quarter second instead
+of one per outcome or two (bench/README.md, "The calm-day bill", measures
+it), and a lone outcome waits for nothing. At an ordinary rate the ack's
+round trip, not its rows, is most of what it costs the database.
 
 The flusher owns a write once it is handed in: nothing the delivery task
 does later (stop, abandon) affects it, and :meth:`Completer.close` flushes
@@ -47,7 +48,11 @@ an ack that landed counts in ``receipts_acks_total``; a reschedule in
 
 With asynchronous commits (``watch_durability``, the default
 ``RECEIPTS_SYNCHRONOUS_COMMIT=off``) a write that landed is counted only once
-it is proven durable (:mod:`receipts.durability`), so a database crash that
+it is proven durable (:mod:`receipts.durability`): every ack statement carries
+the server's WAL positions back (:class:`~receipts.jobqueue.Acked`), and the
+watch reads them on its own only when no ack has for ``watch_interval_seconds``
+(a worker that acks steadily proves its writes without extra statements). So a
+database crash that
 undoes it leaves no count behind: the completer finds the row without its
 token and writes the outcome again (``receipts_writes_rewritten_total``; the
 lease still holds, the delivery is not repeated). A write refused while its
@@ -76,7 +81,7 @@ from typing import Any, Generic, TypeVar
 
 from receipts.durability import CommitWatch
 from receipts.errors import DatabaseUnavailable, QueueError
-from receipts.jobqueue import WorkerQueue
+from receipts.jobqueue import WalPosition, WorkerQueue
 from receipts.logs import get_logger, job_fields
 from receipts.metrics import Metrics
 from receipts.model import Attempt, AttemptRecord, JobState, Reason, Reschedule, Verdict
@@ -97,11 +102,21 @@ BACKOFF_MAX_SECONDS = 5.0
 #: for the pool (5 s), so a short cap keeps the writes, and /readyz, within
 #: seconds of the database's return (docs/design.md §4, "Database outage").
 UNAVAILABLE_BACKOFF_MAX_SECONDS = 1.0
-#: How long the flusher waits for more outcomes before a statement, seconds.
+#: How long the flusher waits for more outcomes before a statement while the
+#: worker is busy (its claims come back full), seconds.
 LINGER_SECONDS = 0.05
-#: How often the durability watch reads the WAL positions while writes wait for a
-#: proof, seconds (the WAL writer flushes every 200 ms by default).
-WATCH_INTERVAL_SECONDS = 0.1
+#: At a trickle (claims come back short), the least time between two statements
+#: of the flusher, seconds; an outcome after a quieter spell is written at once.
+#: A longer time writes fewer, fuller acks (each ack's round trip costs the
+#: database several times one row) and leaves a delivered job ``running`` that
+#: much longer; it is not in ``receipts_time_to_receipt_seconds``, which ends at
+#: the provider's answer (bench/README.md, "The calm-day bill").
+TRICKLE_LINGER_SECONDS = 0.25
+#: How long the durability watch waits, while writes wait for a proof, for an
+#: ack to carry the WAL positions back before it reads them with a statement of
+#: its own, seconds (the WAL writer flushes every 200 ms by default). Longer
+#: than the trickle linger, so a worker acking steadily needs no reads.
+WATCH_INTERVAL_SECONDS = 0.5
 #: A refused write whose claim was sent less than the lease minus this long ago
 #: was refused while its lease still held (clocks of the two hosts may run at
 #: slightly different rates), seconds.
@@ -114,6 +129,7 @@ class _Pending(Generic[T]):
     attempt: Attempt
     rewrite: bool = False  # written again after a database crash undid it
     written_at: float = 0.0  # time.monotonic() when its landed write was sent
+    handed_at: float = 0.0  # time.monotonic() when the outcome was handed in
 
 
 class _Lane(Generic[T, R]):
@@ -136,17 +152,22 @@ class Completer:
         lease_seconds: the lease length, seconds (bounds write retries).
         max_batch: most attempts of one kind in one statement.
         linger_seconds: how long the flusher waits for more outcomes before a
-            statement that is not full, seconds (0: write at once).
+            statement that is not full while the worker is busy, seconds (0:
+            write at once, at a trickle too).
+        trickle_linger_seconds: the least time between two statements of the
+            flusher while the worker is not busy, seconds (see :attr:`busy`).
         watch_durability: the queue's sessions commit asynchronously: count a
             landed write only once it is proven durable, and tell writes a
             database crash undid from stale ones (see the module doc).
-        watch_interval_seconds: how often the watch reads the WAL positions
-            while writes wait for a proof, seconds.
+        watch_interval_seconds: while writes wait for a proof, how long the
+            watch waits for an ack to carry the WAL positions before it reads
+            them itself, seconds.
         worker: who this process is in attempt records (pod or host name).
     """
 
     def __init__(self, queue: WorkerQueue, metrics: Metrics, *, lease_seconds: float,
                  max_batch: int = 500, linger_seconds: float = LINGER_SECONDS,
+                 trickle_linger_seconds: float = TRICKLE_LINGER_SECONDS,
                  watch_durability: bool = False,
                  watch_interval_seconds: float = WATCH_INTERVAL_SECONDS,
                  worker: str = "") -> None:
@@ -155,6 +176,7 @@ class Completer:
         self.lease_seconds = lease_seconds
         self.max_batch = max_batch
         self.linger_seconds = linger_seconds
+        self.trickle_linger_seconds = trickle_linger_seconds
         self.worker = worker
         self._acks: _Lane[Attempt, bool] = _Lane("ack", self._write_acks, False)
         self._reschedules: _Lane[Reschedule, JobState | None] = _Lane(
@@ -178,6 +200,8 @@ class Completer:
         self.watch_interval_seconds = watch_interval_seconds
         self._watch_wake = asyncio.Event()
         self._watch_task: asyncio.Task[None] | None = None
+        self._carried: WalPosition | None = None  # the last ack's WAL positions, not yet read
+        self._carried_at = -1e9  # time.monotonic() when an ack last carried them
         # Unproven writes whose rows could not be asked about yet (the database was down).
         self._recheck: list[tuple[_Lane[Any, Any], _Pending[Any], Any]] = []
 
@@ -187,9 +211,9 @@ class Completer:
 
         Set by the worker after every claim (a full claim: busy). When not
         busy, an outcome is written at once unless the previous statement began
-        less than ``linger_seconds`` ago (then it waits for the rest of that
-        time, with whatever else arrives): at most one statement per kind per
-        linger at a trickle. The last of a backlog is written at once:
+        less than ``trickle_linger_seconds`` ago (then it waits for the rest of
+        that time, with whatever else arrives): at most one statement per kind
+        per trickle linger. The last of a backlog is written at once:
         turning busy off ends a linger in progress.
         """
         return self._busy
@@ -226,7 +250,7 @@ class Completer:
         self._wake.set()
 
     def _submit(self, lane: _Lane[T, R], item: T, attempt: Attempt) -> None:
-        lane.pending.append(_Pending(item, attempt))
+        lane.pending.append(_Pending(item, attempt, handed_at=time.monotonic()))
         self.backlog += 1
         self._wake.set()
         if len(lane.pending) >= self.max_batch:
@@ -328,16 +352,16 @@ class Completer:
         """How long to wait for more outcomes before the next statement, seconds.
 
         Busy (claims come back full): ``linger_seconds``. A trickle: whatever is
-        left of ``linger_seconds`` since the previous statement began, so an
-        outcome after a quiet spell is written at once while a steady trickle
-        (more than one outcome per linger) shares one statement per linger
-        instead of one per outcome. Never past a full batch or a close.
+        left of ``trickle_linger_seconds`` since the previous statement began,
+        so an outcome after a quiet spell is written at once while a steady
+        trickle (more than one outcome per linger) shares one statement per
+        linger instead of one per outcome. Never past a full batch or a close.
         """
         if self.linger_seconds <= 0 or self._closing or self._waiting() >= self.max_batch:
             return 0.0
         if self._busy:
             return self.linger_seconds
-        return self._last_write + self.linger_seconds - time.monotonic()
+        return self._last_write + self.trickle_linger_seconds - time.monotonic()
 
     async def _write_records(self) -> None:
         """Write the queued attempt records in one statement; best effort.
@@ -390,6 +414,7 @@ class Completer:
                 written = await lane.write([p.item for p in batch])
                 returned_at = time.monotonic()
                 took = time.perf_counter() - start
+                self._observe_carried(sent_at)
                 self.metrics.statement_duration.labels(lane.name).observe(took)
                 self.busy_since = None
                 self.healthy = True
@@ -464,7 +489,11 @@ class Completer:
                 await self._watch_wake.wait()
                 continue
             # Closing: read more often (the WAL writer flushes on its own schedule).
-            await asyncio.sleep(self.watch_interval_seconds / (5 if self._closing else 1))
+            interval = self.watch_interval_seconds / (5 if self._closing else 1)
+            await asyncio.sleep(interval)
+            if (not self._closing and not self._recheck
+                    and time.monotonic() - self._carried_at < interval):
+                continue  # an ack carried the positions meanwhile: no read of our own
             read_at = time.monotonic()
             try:
                 position = await self.queue.wal_position()
@@ -480,6 +509,25 @@ class Completer:
             self._recheck = []
             if unproven:
                 await self._check_unproven(unproven)
+
+    def _observe_carried(self, read_at: float) -> None:
+        """Take the WAL positions the ack just written carried back (sent at *read_at*).
+
+        Held writes they prove are counted now; writes they cannot prove (the
+        ack ran on a younger connection) are asked about by the watch.
+        """
+        position, self._carried = self._carried, None
+        if position is None or self._watch is None:
+            return
+        self._carried_at = time.monotonic()
+        if not self._watch:
+            return
+        durable, unproven = self._watch.observe(position, read_at=read_at, now=self._carried_at)
+        for _lane, pending, result in durable:
+            self._account(pending, result)
+        if unproven:
+            self._recheck += unproven
+            self._watch_wake.set()
 
     async def _check_unproven(self, items: list[tuple[_Lane[Any, Any], _Pending[Any], Any]]
                               ) -> None:
@@ -552,6 +600,7 @@ class Completer:
 
     async def _write_acks(self, attempts: list[Attempt]) -> dict[uuid.UUID, Any]:
         done = await self.queue.ack([(a.job.id, a.job.token) for a in attempts])
+        self._carried = getattr(done, "position", None)
         return {job_id: True for job_id in done}
 
     async def _write_reschedules(self, items: list[Reschedule]) -> dict[uuid.UUID, Any]:
@@ -569,7 +618,9 @@ class Completer:
                 if log.isEnabledFor(logging.DEBUG):  # skip building the fields at INFO
                     log.debug("delivered", extra=job_fields(job, Reason.DELIVERED))
                 if item.enqueued_age_seconds is not None:
-                    age = item.enqueued_age_seconds + time.monotonic() - item.claimed_at
+                    # Enqueue -> the provider's answer: the linger, the ack and its
+                    # proof are the worker's bookkeeping, not the customer's wait.
+                    age = item.enqueued_age_seconds + pending.handed_at - item.claimed_at
                     self.metrics.time_to_receipt.observe(age)
                 return
             if self._undone(pending, "ack"):

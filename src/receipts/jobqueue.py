@@ -100,6 +100,19 @@ class WalPosition:
     connection_since: float
 
 
+class Acked(set[uuid.UUID]):
+    """The job ids an ack completed (a set, compared as one), and where the
+    server's write-ahead log stood while the ack ran.
+
+    ``position`` is a :class:`WalPosition` read inside the ack's own
+    statement (so it began after every write that returned before the ack
+    was sent), or None when no statement ran (no pairs) or the queue does
+    not read one (a test fake).
+    """
+
+    position: WalPosition | None = None
+
+
 @dataclass(frozen=True, slots=True)
 class RecoveryBatch:
     """What one recovery batch did: leases expired back to ready / to failed."""
@@ -319,12 +332,22 @@ class JobQueue:
         """Complete attempts given as (job id, token) pairs; returns the ids done.
 
         A pair missing from the result is a stale ack: its token was replaced
-        or its lease expired, and that row was left untouched.
+        or its lease expired, and that row was left untouched. The result is
+        an :class:`Acked` set: it also carries the server's WAL positions,
+        read by the same statement (the completer's durability watch uses
+        them as a :meth:`wal_position` read sent when the ack was). Raises
+        the queue's errors (``DatabaseUnavailable`` …).
         """
         if not pairs:
-            return set()
-        rows = await self._rows(self._q("ack"), ack_params(pairs))
-        return {r[0] for r in rows}
+            return Acked()
+        async with self._conn() as conn:
+            since = self._since(conn)
+            cur = await conn.execute(self._q("ack"), ack_params(pairs))
+            rows = await cur.fetchall()
+        done = Acked(r[0] for r in rows if r[0] is not None)
+        if rows:
+            done.position = WalPosition(int(rows[0][1]), int(rows[0][2]), since)
+        return done
 
     async def reschedule(self, items: Sequence[Reschedule]) -> dict[uuid.UUID, JobState]:
         """Write failed attempts back in one statement; returns {job id: new state}.

@@ -43,7 +43,7 @@ PROVIDER_BASELINE: dict[str, Any] = {
 #: them are stable.
 TERMINATE_PATTERNS: dict[str, tuple[str, ...]] = {
     "claim": tuple(f"%{m.decode()}%" for m in CLAIM_MARKERS),
-    "ack": ("UPDATE %receipt_jobs AS j%", "%SET state = 'done'%", "%last_token = a.token%"),
+    "ack": ("%UPDATE %receipt_jobs AS j%", "%SET state = 'done'%", "%last_token = a.token%"),
 }
 
 #: How long the proxy holds connections half-open: past the chaos workers' statement

@@ -306,7 +306,7 @@ async def test_the_workers_claim_and_ack_are_planned_once_per_session(settings):
             await queue.ack([(a.job.id, a.job.token) for a in result.attempts])
         async with pool.connection() as conn:
             cur = await conn.execute(
-                "SELECT generic_plans, custom_plans, statement LIKE 'UPDATE%%'"
+                "SELECT generic_plans, custom_plans, statement LIKE 'WITH done AS%%'"
                 " FROM pg_prepared_statements")
             plans = await cur.fetchall()
     finally:
@@ -314,3 +314,18 @@ async def test_the_workers_claim_and_ack_are_planned_once_per_session(settings):
     # Prepared on the fifth run: 15 runs of each on its generic plan, none planned anew.
     assert sorted((g, c) for g, c, _ in plans) == [(15, 0), (15, 0)], plans
     assert {is_ack for _, _, is_ack in plans} == {True, False}
+
+
+async def test_an_ack_carries_the_wal_positions_that_bound_earlier_writes(dsn, queue: JobQueue):
+    enqueue_many(dsn, ["order-wal-1", "order-wal-2"])
+    first, second = await claim_jobs(queue, 2)
+    before = await queue.wal_position()
+    done = await queue.ack([(first.id, first.token)])
+    assert done == {first.id} and done.position is not None
+    # Read after the claim returned: at or past its commit, and past the read before.
+    assert done.position.insert_lsn >= before.insert_lsn > 0
+    assert done.position.flush_lsn <= done.position.insert_lsn
+    # An ack that completes nothing (a stale token) still carries them.
+    stale = await queue.ack([(second.id, uuid.uuid4())])
+    assert stale == set() and stale.position is not None
+    assert stale.position.insert_lsn > done.position.insert_lsn  # the first ack's commit

@@ -354,7 +354,7 @@ def test_the_ack_guard_lets_a_worker_mark_its_own_running_job_done(install):
     try:
         with psycopg.connect(install.dsn("worker")) as conn:
             done = conn.execute(query("ack", SCHEMA), {"ids": str(job), "tokens": str(token)})
-            assert done.fetchall() == [(job,)]
+            assert [row[0] for row in done.fetchall()] == [job]
         assert fetch_rows(install.admin, "SELECT state, last_token FROM receipt_jobs"
                                          " WHERE id = %s", (job,)) == [("done", token)]
     finally:

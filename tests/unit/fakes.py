@@ -18,7 +18,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 
 from receipts.errors import DatabaseUnavailable
-from receipts.jobqueue import QueueStats, WalPosition
+from receipts.jobqueue import Acked, QueueStats, WalPosition
 from receipts.model import (
     Attempt,
     AttemptRecord,
@@ -90,6 +90,10 @@ class FakeQueue:
     journal: list[tuple[int, uuid.UUID, Row]] = field(default_factory=list)
     connection_since: float = float("-inf")
     last_failure_at: float = float("-inf")
+    #: Acks carry the WAL positions back, as :meth:`receipts.jobqueue.JobQueue.ack`
+    #: does (read before the ack's own record, as the statement reads them).
+    carry_positions: bool = False
+    resolves: int = 0  # resolve_writes statements
 
     def add(self, n: int) -> list[uuid.UUID]:
         ids = []
@@ -159,7 +163,9 @@ class FakeQueue:
                 await self.ack_gate.wait()
             finally:
                 self.acks_waiting -= 1
-        done = set()
+        done = Acked()
+        if self.carry_positions:
+            done.position = WalPosition(self.lsn, self.flushed, self.connection_since)
         for job_id, token in pairs:
             row = self._owned(job_id, token)
             if row:
@@ -196,6 +202,7 @@ class FakeQueue:
 
     async def resolve_writes(self, pairs: Sequence[tuple[uuid.UUID, uuid.UUID]]
                              ) -> dict[uuid.UUID, JobState]:
+        self.resolves += 1
         return {job_id: self.rows[job_id].state for job_id, token in pairs
                 if job_id in self.rows and self.rows[job_id].last_token == token}
 

@@ -133,3 +133,77 @@ async def test_two_attempts_of_one_job_are_never_written_in_one_statement():
     await until(lambda: value(metrics, "receipts_stale_acks_total") == 1)
     await completer.close(timeout_seconds=5)
     assert value(metrics, "receipts_acks_total") == 1 and queue.ack_statements == 2
+
+
+async def test_acks_that_carry_the_wal_positions_prove_each_other_without_reads():
+    queue = FakeQueue(auto_flush=False, carry_positions=True)
+    metrics = Metrics()
+    completer = Completer(queue, metrics, lease_seconds=30, linger_seconds=0,
+                          watch_durability=True, watch_interval_seconds=0.5)
+    completer.start()
+    try:
+        queue.add(3)
+        first, second, third = (await queue.claim(3)).attempts
+        completer.ack(first)
+        await until(lambda: queue.count(JobState.DONE) == 1)
+        queue.flush()  # the WAL writer: the first ack is on disk
+        completer.ack(second)  # its positions bound the first ack and prove it
+        await until(lambda: value(metrics, "receipts_acks_total") == 1, timeout=0.4)
+        assert queue.wal_reads == 0 and completer.unproven == 1
+        queue.flush()
+        completer.ack(third)
+        await until(lambda: value(metrics, "receipts_acks_total") == 2, timeout=0.4)
+        assert queue.wal_reads == 0
+        queue.flush()
+        # No ack follows the third: the watch reads on its own after its interval.
+        await until(lambda: value(metrics, "receipts_acks_total") == 3, timeout=3)
+        assert queue.wal_reads >= 1
+    finally:
+        await completer.close(timeout_seconds=5)
+
+
+async def test_carried_positions_from_a_younger_connection_send_the_write_to_its_row():
+    queue = FakeQueue(carry_positions=True)  # every write flushed at once
+    metrics = Metrics()
+    completer = Completer(queue, metrics, lease_seconds=30, linger_seconds=0,
+                          watch_durability=True, watch_interval_seconds=0.5)
+    completer.start()
+    try:
+        queue.add(2)
+        first, second = (await queue.claim(2)).attempts
+        completer.ack(first)
+        await until(lambda: queue.count(JobState.DONE) == 1)
+        # A new connection (the pool grew, or the server restarted): its positions
+        # prove nothing about the first ack, which is asked about instead.
+        queue.connection_since = time.monotonic()
+        completer.ack(second)
+        await until(lambda: value(metrics, "receipts_acks_total") >= 1, timeout=3)
+        assert queue.resolves >= 1
+        assert value(metrics, "receipts_writes_rewritten_total", statement="ack") == 0
+    finally:
+        await completer.close(timeout_seconds=5)
+    assert value(metrics, "receipts_acks_total") == 2
+
+
+async def test_time_to_receipt_ends_at_the_answer_not_at_the_proof():
+    queue = FakeQueue(auto_flush=False)
+    metrics = Metrics()
+    completer = Completer(queue, metrics, lease_seconds=30, linger_seconds=0,
+                          watch_durability=True, watch_interval_seconds=0.005)
+    completer.start()
+    try:
+        queue.add(1)
+        (claimed_attempt,) = (await queue.claim(1)).attempts
+        attempt = Attempt(claimed_attempt.job, claimed_attempt.claimed_at, 2.0,
+                          claim_sent_at=claimed_attempt.claim_sent_at)
+        answered = time.monotonic()
+        completer.ack(attempt)
+        await until(lambda: queue.count(JobState.DONE) == 1)
+        await asyncio.sleep(0.3)  # the proof waits for the WAL writer
+        queue.flush()
+        await until(lambda: value(metrics, "receipts_acks_total") == 1)
+    finally:
+        await completer.close(timeout_seconds=5)
+    observed = value(metrics, "receipts_time_to_receipt_seconds_sum")
+    expected = 2.0 + answered - attempt.claimed_at
+    assert expected - 0.05 <= observed <= expected + 0.05

@@ -152,7 +152,8 @@ async def test_a_trickle_of_outcomes_shares_one_statement_per_linger():
     for _ in range(30):
         queue.add(1)
         attempts += (await queue.claim(1)).attempts
-    completer = Completer(queue, Metrics(), lease_seconds=30, linger_seconds=0.2)
+    completer = Completer(queue, Metrics(), lease_seconds=30, linger_seconds=0.01,
+                          trickle_linger_seconds=0.2)
     completer.busy = False  # claims come back short: a trickle, not a backlog
     completer.start()
     try:
@@ -172,7 +173,7 @@ async def test_an_outcome_after_a_quiet_spell_is_written_at_once():
     queue = FakeQueue()
     queue.add(2)
     first, second = (await queue.claim(2)).attempts
-    completer = Completer(queue, Metrics(), lease_seconds=30, linger_seconds=30.0)
+    completer = Completer(queue, Metrics(), lease_seconds=30, trickle_linger_seconds=30.0)
     completer.busy = False
     completer.start()
     try:

@@ -304,18 +304,30 @@ FROM flow AS f CROSS JOIN spent AS s LEFT JOIN claimed AS c ON true;
 -- length) it chose to scan the table once and compare every row it kept with
 -- every pair (bench/README.md, "The database's bill"). The meaning is the
 -- same: no lease is never unexpired.
-UPDATE {schema}.receipt_jobs AS j
-SET state = 'done',
-    lease_token = NULL,
-    lease_until = NULL,
-    last_token = a.token,
-    finished_at = statement_timestamp()
-FROM unnest(string_to_array(%(ids)s::text, ',')::uuid[],
-            string_to_array(%(tokens)s::text, ',')::uuid[]) AS a(id, token)
-WHERE j.id = a.id
-  AND j.lease_token = a.token
-  AND coalesce(j.lease_until, '-infinity') > statement_timestamp()
-RETURNING j.id;
+-- Every answer also carries the server's WAL positions (the wal_position
+-- block's two columns), read while the statement runs; with no job acked one
+-- row comes back whose id is NULL. The completer's durability watch takes
+-- them as one more read, so a worker that acks steadily proves its earlier
+-- asynchronous commits without a statement of its own (receipts.durability;
+-- docs/design.md §2).
+WITH done AS (
+  UPDATE {schema}.receipt_jobs AS j
+  SET state = 'done',
+      lease_token = NULL,
+      lease_until = NULL,
+      last_token = a.token,
+      finished_at = statement_timestamp()
+  FROM unnest(string_to_array(%(ids)s::text, ',')::uuid[],
+              string_to_array(%(tokens)s::text, ',')::uuid[]) AS a(id, token)
+  WHERE j.id = a.id
+    AND j.lease_token = a.token
+    AND coalesce(j.lease_until, '-infinity') > statement_timestamp()
+  RETURNING j.id
+)
+SELECT d.id, w.insert_lsn, w.flush_lsn
+FROM (SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), '0/0')::int8 AS insert_lsn,
+             pg_wal_lsn_diff(pg_current_wal_flush_lsn(), '0/0')::int8 AS flush_lsn) AS w
+LEFT JOIN done AS d ON true;
 
 -- name: reschedule
 -- Failed attempts (known failures and unknown outcomes) in one statement,
