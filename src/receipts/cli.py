@@ -287,7 +287,8 @@ def cmd_recover(settings: Settings, args: argparse.Namespace) -> int:
 
     async def once(queue: JobQueue) -> int:
         report = await recovery.run_once(queue, settings)
-        print(json.dumps(report.as_dict()) if args.json else report.summary())
+        print(json.dumps(report.as_dict()) if args.json
+              else report.summary(delay_seconds=settings.recovery_delay_seconds))
         # A failed push is logged (push_failed) but does not fail a sweep that
         # worked: the sweep's own work is done, and a Pushgateway that stays
         # unreachable shows as ReceiptsRecoveryNotRunning (its last success ages).

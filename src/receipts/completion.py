@@ -17,8 +17,8 @@ minute long. A batched ack is several times faster than one ack per job
 When the worker is not busy, an outcome is written at once unless the
 previous statement began less than ``trickle_linger_seconds`` (250 ms) ago: a
 steady trickle then shares one statement per kind per quarter second instead
-of one per outcome or two (bench/README.md, "The calm-day bill", measures
-it), and a lone outcome waits for nothing. At an ordinary rate the ack's
+of one per outcome or two (bench/README.md, "Fewer worker statements at a
+trickle", measures it), and a lone outcome waits for nothing. At an ordinary rate the ack's
 round trip, not its rows, is most of what it costs the database.
 
 The flusher owns a write once it is handed in: nothing the delivery task
@@ -110,7 +110,7 @@ LINGER_SECONDS = 0.05
 #: A longer time writes fewer, fuller acks (each ack's round trip costs the
 #: database several times one row) and leaves a delivered job ``running`` that
 #: much longer; it is not in ``receipts_time_to_receipt_seconds``, which ends at
-#: the provider's answer (bench/README.md, "The calm-day bill").
+#: the provider's answer (bench/README.md, "Fewer worker statements at a trickle").
 TRICKLE_LINGER_SECONDS = 0.25
 #: How long the durability watch waits, while writes wait for a proof, for an
 #: ack to carry the WAL positions back before it reads them with a statement of

@@ -273,7 +273,7 @@ def _demo(run: _Run) -> bool:
     elapsed = time.monotonic() - started
 
     live = [w for w in workers if w.running]
-    scraped = [w.scrape() for w in live]
+    scraped = _scrape_settled(run, live)
     metrics_port = live[-1].port if live else None
     excerpt = _metrics_excerpt(live, scraped)
     provider_stats = run.provider.get_json("/stats")
@@ -310,6 +310,26 @@ EXCERPT_COUNTERS = (
     ("leases_lost", "receipts_leases_lost_total"),
     ("pauses", "receipts_provider_pauses_total"), ("probes", "receipts_provider_probes_total"),
 )
+
+
+def _scrape_settled(run: _Run, workers: list[Child]) -> list[MetricSamples]:
+    """Scrape *workers* once their queue gauges have caught up with the drain's end.
+
+    The workers read the queue gauges once per ``RECEIPTS_QUEUE_STATS_INTERVAL_SECONDS``
+    (1 s here), so a scrape at the very end can show the queue as it was a moment
+    before (a new user read "5 ready" above "nothing lost"). Waits (at most 3 s) until
+    the last worker's ``receipts_ready_jobs`` is the table's count of due ready jobs;
+    then returns every worker's samples.
+    """
+    deadline = time.monotonic() + 3.0
+    while workers and time.monotonic() < deadline:
+        with psycopg.connect(run.dsn, autocommit=True) as conn:
+            row = conn.execute("SELECT count(*) FROM receipt_jobs WHERE state = 'ready'"
+                               " AND run_at <= statement_timestamp()").fetchone()
+        if row is not None and workers[-1].scrape().total("receipts_ready_jobs") == row[0]:
+            break
+        time.sleep(0.25)
+    return [w.scrape() for w in workers]
 
 
 def _metrics_excerpt(workers: list[Child], scraped: list[MetricSamples]) -> str:

@@ -48,14 +48,23 @@ class RecoveryReport:
         """The counts as a plain dict (for JSON output)."""
         return asdict(self)
 
-    def summary(self) -> str:
-        """One human-readable line."""
-        return (
+    def summary(self, *, delay_seconds: float | None = None) -> str:
+        """One human-readable line.
+
+        With *delay_seconds* (``RECEIPTS_RECOVERY_DELAY_SECONDS``) and jobs
+        returned to ready, it also says when they are due again: a recovered job
+        waits a jittered part of that delay, so it can look stuck for a moment.
+        """
+        line = (
             f"recovered {self.expired_to_ready} expired lease(s) to ready, "
             f"{self.expired_to_failed} to failed; failed {self.exhausted_to_failed} "
             f"exhausted ready job(s); pruned {self.pruned} finished row(s) "
             f"in {self.duration_seconds:.2f}s"
         )
+        if self.expired_to_ready and delay_seconds:
+            line += (f"; the recovered jobs are due again within {delay_seconds:g}s"
+                     " (RECEIPTS_RECOVERY_DELAY_SECONDS, jittered)")
+        return line
 
 
 async def return_expired(queue: JobQueue, *, batch_size: int, delay_seconds: float,

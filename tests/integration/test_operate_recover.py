@@ -86,6 +86,7 @@ def test_recover_pushes_its_counts_to_the_pushgateway(dsn: str, gateway: FakeGat
     assert result.returncode == 0, result.stderr
     assert result.stdout.startswith("recovered 2 expired lease(s) to ready, 1 to failed;")
     assert "pruned 3 finished row(s)" in result.stdout
+    assert "due again" not in result.stdout  # RECEIPTS_RECOVERY_DELAY_SECONDS=0: due at once
 
     (method, path, content_type, body), = gateway.requests
     assert (method, path) == ("PUT", "/metrics/job/receipts-recover")
@@ -176,3 +177,14 @@ def test_migrate_waits_for_a_lock_boundedly_and_stops_on_sigterm(server, tmp_pat
         assert fetch_rows(dsn, "SELECT to_regclass('receipt_jobs') IS NULL") == [(True,)]
     finally:
         server.drop_database(dsn)
+
+
+def test_the_summary_says_when_recovered_jobs_are_due_again() -> None:
+    """A recovered job waits a jittered part of the delay (a new user took one for stuck)."""
+    from receipts.recovery import RecoveryReport
+
+    report = RecoveryReport(expired_to_ready=1, duration_seconds=0.01)
+    assert report.summary(delay_seconds=8.0).endswith(
+        "; the recovered jobs are due again within 8s (RECEIPTS_RECOVERY_DELAY_SECONDS, jittered)")
+    assert "due again" not in report.summary()
+    assert "due again" not in RecoveryReport().summary(delay_seconds=8.0)  # nothing recovered
