@@ -143,7 +143,11 @@ async def test_after_a_demo_sized_run_scraped_counters_agree_with_the_database(
     assert value(s, "receipts_jobs", state="ready") == 0
     assert value(s, "receipts_jobs", state="running") == 0
     assert value(s, "receipts_jobs", state="failed") == failed
-    assert 0 <= value(s, "receipts_jobs", state="done") <= done  # an estimate, never a count
+    # An estimate, never a count: the table's live-row statistic less the counted states.
+    # That statistic is approximate (autovacuum and autoanalyze replace it with their own
+    # readings mid-run); it was seen once 5 rows above the count (401 for 396) on a
+    # machine running a soak beside the suite.
+    assert abs(value(s, "receipts_jobs", state="done") - done) <= max(10, 0.05 * done)
     assert value(s, "receipts_database_ready") == 1
     assert value(s, "receipts_pool_connections", state="size") >= 1
     assert value(s, "receipts_concurrency_slots") == 16
