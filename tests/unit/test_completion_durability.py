@@ -10,6 +10,7 @@ The same behaviour against a real PostgreSQL killed with SIGKILL:
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import AsyncIterator, Callable
 
@@ -135,13 +136,22 @@ async def test_two_attempts_of_one_job_are_never_written_in_one_statement():
     assert value(metrics, "receipts_acks_total") == 1 and queue.ack_statements == 2
 
 
-async def test_acks_that_carry_the_wal_positions_prove_each_other_without_reads():
-    queue = FakeQueue(auto_flush=False, carry_positions=True)
+@contextlib.asynccontextmanager
+async def watching(queue: FakeQueue, interval: float) -> AsyncIterator[tuple[Completer, Metrics]]:
+    """A started completer with the durability watch (reads after *interval* s)."""
     metrics = Metrics()
     completer = Completer(queue, metrics, lease_seconds=30, linger_seconds=0,
-                          watch_durability=True, watch_interval_seconds=0.5)
+                          watch_durability=True, watch_interval_seconds=interval)
     completer.start()
     try:
+        yield completer, metrics
+    finally:
+        await completer.close(timeout_seconds=5)
+
+
+async def test_acks_that_carry_the_wal_positions_prove_each_other_without_reads():
+    queue = FakeQueue(auto_flush=False, carry_positions=True)
+    async with watching(queue, 0.5) as (completer, metrics):
         queue.add(3)
         first, second, third = (await queue.claim(3)).attempts
         completer.ack(first)
@@ -158,17 +168,11 @@ async def test_acks_that_carry_the_wal_positions_prove_each_other_without_reads(
         # No ack follows the third: the watch reads on its own after its interval.
         await until(lambda: value(metrics, "receipts_acks_total") == 3, timeout=3)
         assert queue.wal_reads >= 1
-    finally:
-        await completer.close(timeout_seconds=5)
 
 
 async def test_carried_positions_from_a_younger_connection_send_the_write_to_its_row():
     queue = FakeQueue(carry_positions=True)  # every write flushed at once
-    metrics = Metrics()
-    completer = Completer(queue, metrics, lease_seconds=30, linger_seconds=0,
-                          watch_durability=True, watch_interval_seconds=0.5)
-    completer.start()
-    try:
+    async with watching(queue, 0.5) as (completer, metrics):
         queue.add(2)
         first, second = (await queue.claim(2)).attempts
         completer.ack(first)
@@ -180,18 +184,12 @@ async def test_carried_positions_from_a_younger_connection_send_the_write_to_its
         await until(lambda: value(metrics, "receipts_acks_total") >= 1, timeout=3)
         assert queue.resolves >= 1
         assert value(metrics, "receipts_writes_rewritten_total", statement="ack") == 0
-    finally:
-        await completer.close(timeout_seconds=5)
-    assert value(metrics, "receipts_acks_total") == 2
+    assert value(metrics, "receipts_acks_total") == 2  # the close counted the second
 
 
 async def test_time_to_receipt_ends_at_the_answer_not_at_the_proof():
     queue = FakeQueue(auto_flush=False)
-    metrics = Metrics()
-    completer = Completer(queue, metrics, lease_seconds=30, linger_seconds=0,
-                          watch_durability=True, watch_interval_seconds=0.005)
-    completer.start()
-    try:
+    async with watching(queue, 0.005) as (completer, metrics):
         queue.add(1)
         (claimed_attempt,) = (await queue.claim(1)).attempts
         attempt = Attempt(claimed_attempt.job, claimed_attempt.claimed_at, 2.0,
@@ -202,8 +200,6 @@ async def test_time_to_receipt_ends_at_the_answer_not_at_the_proof():
         await asyncio.sleep(0.3)  # the proof waits for the WAL writer
         queue.flush()
         await until(lambda: value(metrics, "receipts_acks_total") == 1)
-    finally:
-        await completer.close(timeout_seconds=5)
     observed = value(metrics, "receipts_time_to_receipt_seconds_sum")
     expected = 2.0 + answered - attempt.claimed_at
     assert expected - 0.05 <= observed <= expected + 0.05
