@@ -388,7 +388,10 @@ def counter_mismatches(workers: Iterable[WorkerView], trail: Trail,
         pairs = {
             "acks_total": (m.total("receipts_acks_total"), trail.done_by[app]),
             "failures_total": (m.total("receipts_failures_total"), trail.failed_by[app]),
-            "retries_total": (m.total("receipts_retries_total"),
+            # A job claimed ahead and given back unsent (a pause, or a second's wait for
+            # a slot) is a reschedule in the trail, counted in claims_returned_total.
+            "retries_total": (m.total("receipts_retries_total")
+                              + m.total("receipts_claims_returned_total"),
                               trail.retried_by[app] - len(unconfirmable_reschedules(w, trail))),
             "stale_acks_total": (m.total("receipts_stale_acks_total"), len(w.stale)),
         }

@@ -352,7 +352,9 @@ class CrashRun:
             undone = m.by_label("receipts_writes_undone_total", "statement")
             figures = {
                 "acks": m.total("receipts_acks_total"),
-                "retries": m.total("receipts_retries_total"),
+                # Jobs claimed ahead and given back unsent are reschedules in the trail.
+                "retries": m.total("receipts_retries_total")
+                + m.total("receipts_claims_returned_total"),
                 "failures": m.total("receipts_failures_total"),
                 "stale": m.total("receipts_stale_acks_total"),
                 "claimed": m.total("receipts_jobs_claimed_total"),

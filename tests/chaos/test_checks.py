@@ -92,13 +92,27 @@ def test_a_missing_or_unfinished_job_is_lost():
     assert not finding.passed and finding.detail == "1 missing, 1 not finished"
 
 
-def _metrics(acks: int, retries: int, failures: int, claimed: int, stale: int = 0):
+def _metrics(acks: int, retries: int, failures: int, claimed: int, stale: int = 0,
+             returned: int = 0):
     return parse_metrics(
         f"receipts_acks_total {acks}\n"
         f'receipts_retries_total{{reason="status_503"}} {retries}\n'
         f'receipts_failures_total{{reason="rejected"}} {failures}\n'
         f"receipts_jobs_claimed_total {claimed}\n"
-        f"receipts_stale_acks_total {stale}\n")
+        f"receipts_stale_acks_total {stale}\n"
+        f"receipts_claims_returned_total {returned}\n")
+
+
+def test_a_job_given_back_unsent_is_a_reschedule_in_the_trail_and_no_retry():
+    """A job claimed ahead and given back (a pause) runs -> ready in the trail; the worker
+    counts it in claims_returned_total, not as a retry (seen in a full chaos run)."""
+    trail = read_trail(HONEST)
+    w1 = dict(acks=0, failures=1, claimed=3)
+    assert check_counters([WorkerView("worker-1", W1, metrics=_metrics(retries=0, returned=1,
+                                                                        **w1))],
+                          trail, ProxiedClaims()).passed
+    assert not check_counters([WorkerView("worker-1", W1, metrics=_metrics(retries=0, **w1))],
+                              trail, ProxiedClaims()).passed
 
 
 def test_counters_must_equal_the_trail_for_surviving_workers_only():
