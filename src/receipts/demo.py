@@ -322,13 +322,13 @@ def _scrape_settled(run: _Run, workers: list[Child]) -> list[MetricSamples]:
     then returns every worker's samples.
     """
     deadline = time.monotonic() + 3.0
-    while workers and time.monotonic() < deadline:
-        with psycopg.connect(run.dsn, autocommit=True) as conn:
+    with psycopg.connect(run.dsn, autocommit=True) as conn:
+        while workers and time.monotonic() < deadline:
             row = conn.execute("SELECT count(*) FROM receipt_jobs WHERE state = 'ready'"
                                " AND run_at <= statement_timestamp()").fetchone()
-        if row is not None and workers[-1].scrape().total("receipts_ready_jobs") == row[0]:
-            break
-        time.sleep(0.25)
+            if row is not None and workers[-1].scrape().total("receipts_ready_jobs") == row[0]:
+                break
+            time.sleep(0.25)
     return [w.scrape() for w in workers]
 
 
