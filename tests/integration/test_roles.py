@@ -142,6 +142,7 @@ def test_the_owner_is_no_superuser_and_owns_every_object_it_migrated(install):
                                           " ORDER BY 1")
     pinned = ["search_path=shop, pg_temp"]
     assert functions == [("receipts_enqueue", owner, False, None),  # the caller's rights
+                         ("receipts_job_rules", owner, False, None),  # reads nothing
                          ("receipts_pause_reason", owner, False, None),  # reads nothing
                          ("receipts_prune", owner, True, pinned),
                          ("receipts_record_attempts", owner, True, pinned),
