@@ -39,6 +39,32 @@ SERVER_SETTINGS = {
 }
 
 
+_SPACE = "[ \\u0085\\u00a0\\u1680\\u2000-\\u200a\\u2028\\u2029\\u202f\\u205f\\u3000]"
+#: The job table's CHECK constraints as migrations 0001-0011 left them, in place of
+#: migration 0012's one constraint (the same rules, one expression each).
+NINE_CHECKS = (
+    "ALTER TABLE receipt_jobs DROP CONSTRAINT receipt_jobs_rules,"
+    " ADD CONSTRAINT receipt_jobs_state_check"
+    "   CHECK (state IN ('ready', 'running', 'done', 'failed', 'discarded')),"
+    " ADD CONSTRAINT receipt_jobs_attempts_check CHECK (attempts >= 0),"
+    " ADD CONSTRAINT receipt_jobs_in_progress_count_check CHECK (in_progress_count >= 0),"
+    " ADD CONSTRAINT receipt_jobs_check CHECK ((state = 'running') = (lease_token IS NOT NULL)),"
+    " ADD CONSTRAINT receipt_jobs_check1 CHECK ((lease_token IS NULL) = (lease_until IS NULL)),"
+    " ADD CONSTRAINT receipt_jobs_finished_check"
+    "   CHECK ((state IN ('done', 'failed', 'discarded')) = (finished_at IS NOT NULL)),"
+    " ADD CONSTRAINT receipt_jobs_order_id_rules CHECK ("
+    "   state IN ('done', 'failed', 'discarded')"
+    "   OR (length(order_id) BETWEEN 1 AND 200"
+    "       AND order_id !~ ('[\\u0001-\\u001f\\u007f]'"
+    f"\n                        '|^{_SPACE}'"
+    f"\n                        '|{_SPACE}$'))),"
+    " ADD CONSTRAINT receipt_jobs_run_at_finite"
+    "   CHECK (state IN ('done', 'failed', 'discarded') OR isfinite(run_at)),"
+    " ADD CONSTRAINT receipt_jobs_traceparent_format"
+    "   CHECK (traceparent ~ '^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$')"
+)
+
+
 class Bench:
     """The one server of a benchmark run and its databases."""
 
