@@ -50,7 +50,7 @@ from receipts.jobqueue import ack_params
 from receipts.statements import claim_query, query
 
 HERE = Path(__file__).resolve().parent
-DEFAULT_OUT = HERE / "results" / "rules.json"
+DEFAULT_OUT = HERE.parent / "results" / "rules.json"
 _GUARD = "DROP TRIGGER receipt_jobs_done_guard ON receipt_jobs"
 _CHECKS = "ALTER TABLE receipt_jobs DROP CONSTRAINT receipt_jobs_rules"
 #: Variant name → DDL run on the clone before the fill.
