@@ -126,13 +126,13 @@ def trickle_once(bench: Bench, ddl: str, *, batch: int, loops: int) -> dict[str,
     return out
 
 
-def trickle(args: argparse.Namespace) -> int:
+def trickle(args: argparse.Namespace, variants: list[str]) -> int:
     """``--trickle``: :func:`trickle_once` per variant, interleaved; prints the medians."""
     started = datetime.now(UTC)
     bench = Bench()
     runs: list[dict[str, Any]] = []
     try:
-        for r, name in interleaved(list(VARIANTS), args.rounds):
+        for r, name in interleaved(variants, args.rounds):
             run = trickle_once(bench, VARIANTS[name], batch=args.batch, loops=args.loops)
             runs.append({"variant": name, "round": r, **run})
             print(f"  {name}: {run}", flush=True)
@@ -141,7 +141,7 @@ def trickle(args: argparse.Namespace) -> int:
     print(f"\n{args.batch} enqueues, a claim and an ack per loop, {args.loops} loops,"
           f" median of {args.rounds}: execution time per call (us)")
     summary = {}
-    for name in VARIANTS:
+    for name in variants:
         mine = [x for x in runs if x["variant"] == name]
         summary[name] = {k: statistics.median(x[k] for x in mine)
                          for k in ("enqueue_one", "claim", "ack")}
@@ -161,6 +161,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--batch", type=int, default=10, help="jobs per claim (10)")
     p.add_argument("--clients", type=int, default=4, help="pgbench sessions (4)")
     p.add_argument("--fill", type=int, default=200_000, help="ready jobs per run (200,000)")
+    p.add_argument("--only", nargs="+", choices=sorted(VARIANTS), metavar="VARIANT",
+                   help="run only these variants (default: all)")
     p.add_argument("--trickle", action="store_true",
                    help="measure the per-statement part at a trickle instead (see above)")
     p.add_argument("--loops", type=int, default=800, help="loops per --trickle run (800)")
@@ -169,13 +171,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     if args.out is None:
         args.out = DEFAULT_OUT.with_name("rules-trickle.json") if args.trickle else DEFAULT_OUT
+    variants = [v for v in VARIANTS if args.only is None or v in args.only]
     if args.trickle:
-        return trickle(args)
+        return trickle(args, variants)
     started = datetime.now(UTC)
     bench = Bench()
     runs: list[dict[str, Any]] = []
     try:
-        for r, name in interleaved(list(VARIANTS), args.rounds):
+        for r, name in interleaved(variants, args.rounds):
             run = run_once(bench, VARIANTS[name], batch=args.batch, clients=args.clients,
                            seconds=args.seconds, fill=args.fill)
             runs.append({"variant": name, "round": r, **run})
@@ -186,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"\nclaim {args.batch} + ack, {args.clients} clients, {args.seconds:g} s, "
           f"median of {args.rounds}: jobs/s, database CPU per job (us)")
     summary = {}
-    for name in VARIANTS:
+    for name in variants:
         mine = [x for x in runs if x["variant"] == name]
         summary[name] = {
             "jobs_per_second": statistics.median(x["jobs_per_second"] for x in mine),
