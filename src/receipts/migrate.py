@@ -527,8 +527,12 @@ def migration_sql(migrations: list[Migration] | None = None, *, schema: str = "p
             f"INSERT INTO {prefix}receipts_schema_migrations (version, checksum)\n"
             f"VALUES ({literal}, '{m.checksum}');\n"
         )
+    unvalidated: list[tuple[str, str]] = []
+    for m in todo:  # a later file may drop what an earlier one added (0012 does)
+        dropped = _dropped(m.sql)
+        unvalidated = [c for c in unvalidated if c not in dropped] + _not_valid(m.sql)
     later = [f"ALTER TABLE {prefix}{table} VALIDATE CONSTRAINT {name};"
-             for m in todo for table, name in _not_valid(m.sql)]
+             for table, name in unvalidated]
     if later:
         parts.append(
             "-- After the parts above have committed, each in a transaction of its own\n"
@@ -537,6 +541,17 @@ def migration_sql(migrations: list[Migration] | None = None, *, schema: str = "p
             "-- working; one that old rows break stays NOT VALID, enforced on new rows.\n"
             + "\n".join(later) + "\n")
     return "\n".join(parts)
+
+
+def _dropped(sql: str) -> set[tuple[str, str]]:
+    """(table, constraint) of each constraint *sql* drops."""
+    found: set[tuple[str, str]] = set()
+    for statement in re.split(r";\s*\n", re.sub(r"--[^\n]*", "", sql)):
+        table = re.match(r"\s*ALTER TABLE (\w+)", statement)
+        if table is not None:
+            found |= {(table.group(1), name) for name in
+                      re.findall(r"\bDROP CONSTRAINT (?:IF EXISTS )?(\w+)", statement)}
+    return found
 
 
 def _not_valid(sql: str) -> list[tuple[str, str]]:

@@ -180,6 +180,19 @@ def test_print_sql_applied_by_psql_gives_the_same_schema_as_migrate(dsn, empty_d
     assert apply_migrations(empty_dsn) == []
 
 
+def test_print_sql_validates_only_constraints_the_schema_still_has(dsn):
+    """0009 added two constraints NOT VALID and 0012 dropped them: the printed
+    VALIDATE statements name what the migrated schema holds, nothing it dropped."""
+    named = re.findall(r"VALIDATE CONSTRAINT (\w+);", migration_sql())
+    held = {name for (name,) in fetch_rows(
+        dsn, "SELECT conname FROM pg_constraint WHERE connamespace = 'public'::regnamespace")}
+    assert named == ["receipt_jobs_rules"] and set(named) <= held
+    after_0009 = migration_sql(migrations=[m for m in SHIPPED if m.version < "0012"])
+    assert re.findall(r"VALIDATE CONSTRAINT (\w+);", after_0009) == [
+        "receipt_jobs_traceparent_format", "receipt_jobs_order_id_rules",
+        "receipt_jobs_run_at_finite"]
+
+
 @pytest.mark.slow
 def test_print_sql_pending_prints_only_what_the_database_lacks(empty_dsn):
     apply_migrations(empty_dsn, migrations=SHIPPED[:2])
