@@ -45,6 +45,7 @@ NOT_METRICS = {
     "receipts_record_attempts",  # the attempt history's one door (migration 0009)
     "receipts_prune",  # pruning's one door (migration 0009)
     "receipts_pause_reason",  # the effective pause rule (migration 0008)
+    "receipts_job_rules",  # the job row's rules, one CHECK (migration 0012)
     "receipts_refuse_unguarded_done",  # the done guard's trigger function
     "receipts_ready",  # the LISTEN/NOTIFY channel
     "receipts_waker",  # the waker's heartbeat channel
