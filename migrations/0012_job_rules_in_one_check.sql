@@ -15,11 +15,16 @@
 -- PL/pgSQL keeps its expression planned for the session, so a write pays for
 -- one function call per row instead. It is
 -- * IMMUTABLE and PARALLEL SAFE: it reads its arguments only;
--- * written with every function and operator qualified (pg_catalog.length,
---   OPERATOR(pg_catalog.=), …) and no SET clause: a CHECK's own expression is
---   bound to its operators when it is created, but a PL/pgSQL body is resolved
---   with the caller's search_path, so a role that put its own `=` or length()
---   ahead of pg_catalog could otherwise pass its own rows through;
+-- * written with every function, operator and type of its body qualified
+--   (pg_catalog.length, OPERATOR(pg_catalog.=), pg_catalog.text, …) and no SET
+--   clause: a CHECK's own expression is bound to its operators when it is
+--   created, but a PL/pgSQL body is resolved with the caller's search_path, so
+--   a role that put its own `=` or length() ahead of pg_catalog could
+--   otherwise pass its own rows through;
+-- * EXECUTE stays with PUBLIC, as for receipts_pause_reason() (0008): it reads
+--   and writes nothing, and every role that writes the table must run it.
+--   `receipts migrate --print-grants owner=…` hands it to the owner with the
+--   tables (its owner could replace it);
 -- * true when the row keeps every rule; otherwise it raises check_violation
 --   naming the constraint (receipt_jobs_rules) and, in the message, the rule
 --   broken by its former constraint's name, so logs and tests that looked for
@@ -71,8 +76,8 @@ IMMUTABLE
 PARALLEL SAFE
 AS $function$
 DECLARE
-  finished boolean := state OPERATOR(pg_catalog.=) ANY ('{done,failed,discarded}'::pg_catalog.text[]);
-  broken text;
+  finished pg_catalog.bool := state OPERATOR(pg_catalog.=) ANY ('{done,failed,discarded}'::pg_catalog.text[]);
+  broken pg_catalog.text;
 BEGIN
   -- The common case in one expression: every rule holds.
   IF state OPERATOR(pg_catalog.=) ANY ('{ready,running,done,failed,discarded}'::pg_catalog.text[])

@@ -88,8 +88,15 @@ RECORD_FUNCTION = "receipts_record_attempts(uuid[], int[], text[], int[], text[]
 PRUNE_FUNCTION = "receipts_prune(float8, integer)"
 #: The trigger function of the ack's guard on ``done`` (migration 0009); nobody calls it.
 GUARD_FUNCTION = "receipts_refuse_unguarded_done()"
+#: The job row's rules, which the table's one CHECK constraint calls on every write
+#: (migration 0012). Like the pause function it reads and writes nothing and keeps
+#: PostgreSQL's default EXECUTE for PUBLIC; its owner could replace it, so it is
+#: handed to the owner with the tables.
+RULES_FUNCTION = ("receipts_job_rules(text, integer, integer, uuid, timestamptz, timestamptz,"
+                  " text, timestamptz, text)")
 #: Every function the migrations create, by signature.
-FUNCTIONS = (ENQUEUE_FUNCTION, PAUSE_FUNCTION, RECORD_FUNCTION, PRUNE_FUNCTION, GUARD_FUNCTION)
+FUNCTIONS = (ENQUEUE_FUNCTION, PAUSE_FUNCTION, RECORD_FUNCTION, PRUNE_FUNCTION, GUARD_FUNCTION,
+             RULES_FUNCTION)
 #: Predefined role whose members see every session in ``pg_stat_activity``
 #: (``xact_start``, ``backend_xmin``); without it a role sees only its own.
 READ_ALL_STATS = "pg_read_all_stats"

@@ -178,7 +178,12 @@ def test_a_role_s_own_operators_and_functions_on_its_search_path_change_no_rule(
         CREATE OPERATOR shadow.= (LEFTARG = text, RIGHTARG = text, FUNCTION = shadow.yes);
         CREATE OPERATOR shadow.!~ (LEFTARG = text, RIGHTARG = text, FUNCTION = shadow.yes);
         CREATE OPERATOR shadow.>= (LEFTARG = integer, RIGHTARG = integer,
-                                   FUNCTION = shadow.yes_int);""")
+                                   FUNCTION = shadow.yes_int);
+        CREATE DOMAIN shadow.text AS pg_catalog.text CHECK (false);
+        CREATE DOMAIN shadow.bool AS pg_catalog.bool CHECK (false);""")
+    with psycopg.connect(dsn, autocommit=True) as conn:  # its own types: no denial either
+        conn.execute("SET search_path = shadow, pg_catalog, public")
+        conn.execute(_PENDING.replace("receipt_jobs", "public.receipt_jobs"), _GOOD)
     for rule in ("receipt_jobs_state_check", "receipt_jobs_attempts_check",
                  "receipt_jobs_order_id_rules"):
         broken = BROKEN_ROWS[rule] | ({"order_id": ""} if rule.endswith("order_id_rules") else {})

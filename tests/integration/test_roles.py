@@ -127,6 +127,17 @@ def install(server: Server) -> Iterator[Install]:
 # ------------------------------------------------------------------ the owner
 
 
+def test_the_grants_name_every_function_the_migrations_create(dsn):
+    """--print-grants hands grants.FUNCTIONS to the owner: a function left out stays with
+    whoever migrated, who could replace it (receipts_job_rules() holds every row's rules)."""
+    listed = {oid for (oid,) in fetch_rows(
+        dsn, "SELECT unnest(%s::regprocedure[])::oid", (list(grants.FUNCTIONS),))}
+    made = {oid for (oid,) in fetch_rows(
+        dsn, "SELECT p.oid FROM pg_proc AS p WHERE p.pronamespace = current_schema()::regnamespace"
+             " AND p.proname LIKE 'receipts%%'")}
+    assert made == listed
+
+
 @pytest.mark.slow
 def test_the_owner_is_no_superuser_and_owns_every_object_it_migrated(install):
     owner = install.roles[grants.OWNER]
