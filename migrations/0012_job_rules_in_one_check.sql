@@ -4,11 +4,12 @@
 -- PostgreSQL prepares every CHECK expression of a table again in every
 -- statement that writes a row to it (it reads the stored expression back,
 -- simplifies it and builds its evaluator, per constraint), so the nine cost
--- every enqueue, claim, ack and reschedule a fixed 40-100 µs whatever the
--- number of rows: 60 µs of a 107 µs single-row enqueue, 60 of a 265 µs claim
--- of four jobs, 100 of a 415 µs ack of four (bench/README.md, "The job row's
--- rules in one check"). Merged into one expression they cost nearly the
--- same: the price is the expressions' preparation, not their number.
+-- every enqueue, claim, ack and reschedule a fixed 60-80 µs whatever the
+-- number of rows (against no CHECK at all: 61 µs of a 107 µs single-row
+-- enqueue, 74 of a 266 µs claim of four jobs, 82 of a 415 µs ack of four;
+-- bench/README.md, "The job row's rules in one check"). Merged into one
+-- expression they cost nearly the same: the price is the expressions'
+-- preparation, not their number.
 --
 -- receipts_job_rules() is every one of those rules, unchanged, as a PL/pgSQL
 -- function of the row's columns: a statement prepares one call of it, and
@@ -42,11 +43,12 @@
 -- * receipt_jobs_finished_check: finished_at is set exactly on done, failed
 --   and discarded rows;
 -- * receipt_jobs_order_id_rules, receipt_jobs_run_at_finite (0009): a pending
---   row's order id is 1-200 characters with no control character and no
---   leading or trailing whitespace, and its run_at is finite; finished rows
---   are exempt;
--- * receipt_jobs_traceparent_format (0004): a traceparent is NULL or a W3C
---   version-00 traceparent.
+--   row's order id is 1-200 characters with no C0 control character (U+0001-
+--   U+001F) and no DEL (U+007F), and no whitespace at either end; its run_at
+--   is finite; finished rows are exempt;
+-- * receipt_jobs_traceparent_format (0004): a traceparent is NULL or has the
+--   shape of a W3C version-00 traceparent (lower-case hex fields; the
+--   standard's all-zero ids are not refused).
 -- A rule whose test is NULL passes, as a CHECK does.
 --
 -- The new constraint is added NOT VALID: it holds for every row written from
@@ -57,8 +59,8 @@
 -- acks and enqueues go on).
 --
 -- Expand and contract at once, safely: released workers and orders services
--- name no constraint, and every row they could write before is refused now
--- for the same reason.
+-- name no constraint, and the one constraint accepts and refuses exactly the
+-- rows the nine did (tests/integration/test_database_rules.py).
 
 CREATE FUNCTION receipts_job_rules(
   state text,
@@ -120,12 +122,12 @@ BEGIN
                      '|^[ \u0085\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]'
                      '|[ \u0085\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000]$'))) IS FALSE
       THEN 'receipt_jobs_order_id_rules (a pending job''s order id is 1-200 characters, with no '
-           'control character and no leading or trailing whitespace)'
+           'control character U+0001-U+001F or U+007F and no whitespace at either end)'
     WHEN (finished OR pg_catalog.isfinite(run_at)) IS FALSE
       THEN 'receipt_jobs_run_at_finite (a pending job''s run_at is finite)'
     WHEN (traceparent IS NULL
           OR traceparent OPERATOR(pg_catalog.~) '^00-[0-9a-f]{32}-[0-9a-f]{16}-[0-9a-f]{2}$') IS FALSE
-      THEN 'receipt_jobs_traceparent_format (a traceparent is a W3C version-00 traceparent)'
+      THEN 'receipt_jobs_traceparent_format (a traceparent has the W3C version-00 format)'
   END;
   IF broken IS NULL THEN
     RETURN true;
