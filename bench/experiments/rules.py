@@ -35,6 +35,7 @@ import subprocess
 import tempfile
 import time
 import uuid
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -126,30 +127,49 @@ def trickle_once(bench: Bench, ddl: str, *, batch: int, loops: int) -> dict[str,
     return out
 
 
-def trickle(args: argparse.Namespace, variants: list[str]) -> int:
-    """``--trickle``: :func:`trickle_once` per variant, interleaved; prints the medians."""
-    started = datetime.now(UTC)
+def _run_variants(variants: list[str], rounds: int,
+                  once: Callable[[Bench, str], dict[str, Any]],
+                  show: Callable[[dict[str, Any]], str]) -> list[dict[str, Any]]:
+    """*once* (bench, the variant's DDL) per variant and round, interleaved; every run."""
     bench = Bench()
     runs: list[dict[str, Any]] = []
     try:
-        for r, name in interleaved(variants, args.rounds):
-            run = trickle_once(bench, VARIANTS[name], batch=args.batch, loops=args.loops)
+        for r, name in interleaved(variants, rounds):
+            run = once(bench, VARIANTS[name])
             runs.append({"variant": name, "round": r, **run})
-            print(f"  {name}: {run}", flush=True)
+            print(f"  {name}: {show(run)}", flush=True)
     finally:
         bench.cleanup()
-    print(f"\n{args.batch} enqueues, a claim and an ack per loop, {args.loops} loops,"
-          f" median of {args.rounds}: execution time per call (us)")
-    summary = {}
-    for name in variants:
-        mine = [x for x in runs if x["variant"] == name]
-        summary[name] = {k: statistics.median(x[k] for x in mine)
-                         for k in ("enqueue_one", "claim", "ack")}
-        print(f"{name:28} " + "  ".join(f"{k} {v:7.1f}" for k, v in summary[name].items()))
+    return runs
+
+
+def _medians(runs: list[dict[str, Any]], variants: list[str],
+             keys: tuple[str, ...]) -> dict[str, dict[str, float]]:
+    """Variant → key → the median of its runs (a missing figure counts as 0)."""
+    return {name: {k: statistics.median(x[k] or 0 for x in runs if x["variant"] == name)
+                   for k in keys} for name in variants}
+
+
+def _write(args: argparse.Namespace, started: datetime, summary: dict[str, Any],
+           runs: list[dict[str, Any]]) -> None:
     write_json({"started": started.isoformat(timespec="seconds"),
                 "finished": datetime.now(UTC).isoformat(timespec="seconds"),
                 "machine": machine(), "args": vars(args) | {"out": str(args.out)},
                 "summary": summary, "runs": runs}, args.out)
+
+
+def trickle(args: argparse.Namespace, variants: list[str]) -> int:
+    """``--trickle``: :func:`trickle_once` per variant, interleaved; prints the medians."""
+    started = datetime.now(UTC)
+    runs = _run_variants(
+        variants, args.rounds,
+        lambda bench, ddl: trickle_once(bench, ddl, batch=args.batch, loops=args.loops), str)
+    print(f"\n{args.batch} enqueues, a claim and an ack per loop, {args.loops} loops,"
+          f" median of {args.rounds}: execution time per call (us)")
+    summary = _medians(runs, variants, ("enqueue_one", "claim", "ack"))
+    for name in variants:
+        print(f"{name:28} " + "  ".join(f"{k} {v:7.1f}" for k, v in summary[name].items()))
+    _write(args, started, summary, runs)
     return 0
 
 
@@ -175,31 +195,19 @@ def main(argv: list[str] | None = None) -> int:
     if args.trickle:
         return trickle(args, variants)
     started = datetime.now(UTC)
-    bench = Bench()
-    runs: list[dict[str, Any]] = []
-    try:
-        for r, name in interleaved(variants, args.rounds):
-            run = run_once(bench, VARIANTS[name], batch=args.batch, clients=args.clients,
-                           seconds=args.seconds, fill=args.fill)
-            runs.append({"variant": name, "round": r, **run})
-            print(f"  {name}: {run['jobs_per_second']:,.0f} jobs/s, "
-                  f"{run['db_cpu_us_per_job']} us db CPU/job", flush=True)
-    finally:
-        bench.cleanup()
+    runs = _run_variants(
+        variants, args.rounds,
+        lambda bench, ddl: run_once(bench, ddl, batch=args.batch, clients=args.clients,
+                                    seconds=args.seconds, fill=args.fill),
+        lambda run: (f"{run['jobs_per_second']:,.0f} jobs/s, "
+                     f"{run['db_cpu_us_per_job']} us db CPU/job"))
     print(f"\nclaim {args.batch} + ack, {args.clients} clients, {args.seconds:g} s, "
           f"median of {args.rounds}: jobs/s, database CPU per job (us)")
-    summary = {}
+    summary = _medians(runs, variants, ("jobs_per_second", "db_cpu_us_per_job"))
     for name in variants:
-        mine = [x for x in runs if x["variant"] == name]
-        summary[name] = {
-            "jobs_per_second": statistics.median(x["jobs_per_second"] for x in mine),
-            "db_cpu_us_per_job": statistics.median(x["db_cpu_us_per_job"] or 0 for x in mine)}
         print(f"{name:28} {summary[name]['jobs_per_second']:10,.0f} "
               f"{summary[name]['db_cpu_us_per_job']:8.1f}")
-    write_json({"started": started.isoformat(timespec="seconds"),
-                "finished": datetime.now(UTC).isoformat(timespec="seconds"),
-                "machine": machine(), "args": vars(args) | {"out": str(args.out)},
-                "summary": summary, "runs": runs}, args.out)
+    _write(args, started, summary, runs)
     return 0
 
 
