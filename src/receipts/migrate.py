@@ -22,6 +22,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import re
+from collections.abc import Iterator
 from dataclasses import dataclass
 from importlib import resources
 from importlib.resources.abc import Traversable
@@ -543,26 +544,22 @@ def migration_sql(migrations: list[Migration] | None = None, *, schema: str = "p
     return "\n".join(parts)
 
 
-def _dropped(sql: str) -> set[tuple[str, str]]:
-    """(table, constraint) of each constraint *sql* drops."""
-    found: set[tuple[str, str]] = set()
+def _altered(sql: str) -> Iterator[tuple[str, str]]:
+    """(table, statement) of each ``ALTER TABLE`` statement in *sql*, comments removed."""
     for statement in re.split(r";\s*\n", re.sub(r"--[^\n]*", "", sql)):
         table = re.match(r"\s*ALTER TABLE (\w+)", statement)
         if table is not None:
-            found |= {(table.group(1), name) for name in
-                      re.findall(r"\bDROP CONSTRAINT (?:IF EXISTS )?(\w+)", statement)}
-    return found
+            yield table.group(1), statement
+
+
+def _dropped(sql: str) -> set[tuple[str, str]]:
+    """(table, constraint) of each constraint *sql* drops."""
+    return {(table, name) for table, statement in _altered(sql)
+            for name in re.findall(r"\bDROP CONSTRAINT (?:IF EXISTS )?(\w+)", statement)}
 
 
 def _not_valid(sql: str) -> list[tuple[str, str]]:
     """(table, constraint) of each constraint *sql* adds ``NOT VALID``, in order."""
-    found: list[tuple[str, str]] = []
-    for statement in re.split(r";\s*\n", re.sub(r"--[^\n]*", "", sql)):
-        table = re.match(r"\s*ALTER TABLE (\w+)", statement)
-        if table is None:
-            continue
-        for clause in re.split(r"\bADD CONSTRAINT\b", statement)[1:]:
-            name = clause.split()[0]
-            if re.search(r"\bNOT VALID\s*,?\s*$", clause.strip()):
-                found.append((table.group(1), name))
-    return found
+    return [(table, clause.split()[0]) for table, statement in _altered(sql)
+            for clause in re.split(r"\bADD CONSTRAINT\b", statement)[1:]
+            if re.search(r"\bNOT VALID\s*,?\s*$", clause.strip())]
