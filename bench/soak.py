@@ -436,12 +436,14 @@ def statement_totals(conn: psycopg.Connection[Any]) -> dict[tuple[Any, ...], dic
     """Every ``pg_stat_statements`` entry of the database so far, by (userid, queryid, toplevel)."""
     rows = conn.execute(
         "SELECT /* bench */ userid, queryid, toplevel, calls, total_exec_time, rows, wal_bytes,"
-        " plans, total_plan_time, left(query, 200) FROM pg_stat_statements"
+        " plans, total_plan_time, left(query, 200), right(query, 80) FROM pg_stat_statements"
         " WHERE dbid = (SELECT oid FROM pg_database WHERE datname = current_database())"
     ).fetchall()
+    # The tail tells a claim that carries acks (it begins as the ack does) from an ack.
     return {(u, q, t): {"calls": int(c), "exec_ms": float(e), "rows": int(r), "wal_bytes": int(w),
-                        "plans": int(pl), "plan_ms": float(pt), "query": str(text)}
-            for u, q, t, c, e, r, w, pl, pt, text in rows}
+                        "plans": int(pl), "plan_ms": float(pt), "query": str(text),
+                        "tail": str(tail)}
+            for u, q, t, c, e, r, w, pl, pt, text, tail in rows}
 
 
 def statements_between(before: dict[tuple[Any, ...], dict[str, Any]],
@@ -455,7 +457,8 @@ def statements_between(before: dict[tuple[Any, ...], dict[str, Any]],
                for k in ("calls", "exec_ms", "rows", "wal_bytes", "plans", "plan_ms")}
         if row["calls"] > 0:
             out.append({**row, "exec_ms": round(row["exec_ms"], 3),
-                        "plan_ms": round(row["plan_ms"], 3), "query": a["query"]})
+                        "plan_ms": round(row["plan_ms"], 3), "query": a["query"],
+                        "tail": a.get("tail", "")})
     return sorted(out, key=lambda r: -r["exec_ms"])
 
 

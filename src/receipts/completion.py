@@ -84,7 +84,15 @@ from receipts.errors import DatabaseUnavailable, QueueError
 from receipts.jobqueue import WalPosition, WorkerQueue
 from receipts.logs import get_logger, job_fields
 from receipts.metrics import Metrics
-from receipts.model import Attempt, AttemptRecord, JobState, Reason, Reschedule, Verdict
+from receipts.model import (
+    Attempt,
+    AttemptRecord,
+    ClaimResult,
+    JobState,
+    Reason,
+    Reschedule,
+    Verdict,
+)
 
 log = get_logger("completion")
 
@@ -112,6 +120,13 @@ LINGER_SECONDS = 0.05
 #: much longer; it is not in ``receipts_time_to_receipt_seconds``, which ends at
 #: the provider's answer (bench/README.md, "Fewer worker statements at a trickle").
 TRICKLE_LINGER_SECONDS = 0.25
+#: At a trickle, how long an ack waits for the worker's next claim to carry it
+#: (a riding ack: one statement where there were two), seconds; then it is
+#: written on its own. While the waker is heard, a pod is woken several times a
+#: second at any steady rate, so most acks ride; a pod whose work stops writes
+#: its last acks this long after their answers (bench/README.md, "Acks that
+#: ride on the next claim").
+RIDE_SECONDS = 0.5
 #: How long the durability watch waits, while writes wait for a proof, for an
 #: ack to carry the WAL positions back before it reads them with a statement of
 #: its own, seconds (the WAL writer flushes every 200 ms by default). Longer
@@ -128,6 +143,8 @@ class _Pending(Generic[T]):
     item: T
     attempt: Attempt
     rewrite: bool = False  # written again after a database crash undid it
+    grounded: bool = False  # a claim that carried it failed: the flusher writes it
+    uncertain: bool = False  # ...and that claim may have landed: ask first
     written_at: float = 0.0  # time.monotonic() when its landed write was sent
     handed_at: float = 0.0  # time.monotonic() when the outcome was handed in
 
@@ -163,6 +180,9 @@ class Completer:
             watch waits for an ack to carry the WAL positions before it reads
             them itself, seconds.
         worker: who this process is in attempt records (pod or host name).
+        ride_seconds: at a trickle, how long an ack waits for a claim to carry
+            it (:meth:`carried_by`), seconds; 0, or a queue without
+            ``carries_acks``: every ack is a statement of its own.
     """
 
     def __init__(self, queue: WorkerQueue, metrics: Metrics, *, lease_seconds: float,
@@ -170,7 +190,7 @@ class Completer:
                  trickle_linger_seconds: float = TRICKLE_LINGER_SECONDS,
                  watch_durability: bool = False,
                  watch_interval_seconds: float = WATCH_INTERVAL_SECONDS,
-                 worker: str = "") -> None:
+                 worker: str = "", ride_seconds: float = RIDE_SECONDS) -> None:
         self.queue = queue
         self.metrics = metrics
         self.lease_seconds = lease_seconds
@@ -178,6 +198,9 @@ class Completer:
         self.linger_seconds = linger_seconds
         self.trickle_linger_seconds = trickle_linger_seconds
         self.worker = worker
+        self.ride_seconds = ride_seconds
+        self._riding = ride_seconds > 0 and bool(getattr(queue, "carries_acks", False))
+        self._riders_out = 0  # claims in flight that carry acks
         self._acks: _Lane[Attempt, bool] = _Lane("ack", self._write_acks, False)
         self._reschedules: _Lane[Reschedule, JobState | None] = _Lane(
             "reschedule", self._write_reschedules, None)
@@ -309,7 +332,7 @@ class Completer:
     async def _run(self) -> None:
         while True:
             if not self._records and not self._waiting():
-                if self._closing:
+                if self._closing and not self._riders_out:
                     return
                 self._wake.clear()
                 await self._wake.wait()
@@ -321,6 +344,10 @@ class Completer:
                 self._full.clear()
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(self._full.wait(), linger)
+                if self._riding and not self._busy:
+                    # A claim may have carried the acks meanwhile: what is left
+                    # decides anew (its deadlines are absolute, so this ends).
+                    continue
             self._last_write = time.monotonic()
             for lane in self._lanes:
                 if lane.pending:
@@ -361,7 +388,13 @@ class Completer:
             return 0.0
         if self._busy:
             return self.linger_seconds
-        return self._last_write + self.trickle_linger_seconds - time.monotonic()
+        now = time.monotonic()
+        left = self._last_write + self.trickle_linger_seconds - now
+        if self._riding and self._acks.pending and not self._reschedules.pending \
+                and not self._grounded():
+            # Acks alone: the oldest waits up to ride_seconds for a claim to carry it.
+            left = max(left, self._acks.pending[0].handed_at + self.ride_seconds - now)
+        return left
 
     async def _write_records(self) -> None:
         """Write the queued attempt records in one statement; best effort.
@@ -383,22 +416,83 @@ class Completer:
                                                          "error": str(exc)})
 
     async def _flush(self, lane: _Lane[T, R], batch: list[_Pending[T]]) -> None:
-        """Write *batch*, retrying while its leases may still hold; settle every item."""
+        """Write *batch*, retrying while its leases may still hold; settle every item.
+
+        Items a failed claim carried (``uncertain``) are asked about first
+        (``resolve_writes``), like any write whose answer was lost.
+        """
         size = len(batch)
+        carried = [p for p in batch if p.uncertain]
         try:
+            if carried:
+                await self._write_batch(lane, carried, uncertain=True)
+                batch = [p for p in batch if not p.uncertain]
             await self._write_batch(lane, batch)
         finally:
             self._settled(size)
             self._publish_acks()
+
+    def _grounded(self) -> bool:
+        """Whether a failed claim gave acks back: the flusher writes them at once, on
+        their own (a claim failing for its acks' sake must not keep failing)."""
+        return any(p.grounded for p in self._acks.pending)
+
+    async def carried_by(self, claim: Callable[[list[tuple[uuid.UUID, uuid.UUID]]],
+                                               Awaitable[ClaimResult]]) -> ClaimResult:
+        """Run *claim* (the worker's next claim), letting it carry the pending acks.
+
+        *claim* is called with the (job id, token) pairs of up to ``max_batch``
+        pending acks (an empty list when none may ride: none pending, the
+        worker busy, a close, or riding off) and must return the
+        :class:`~receipts.model.ClaimResult` of one statement that wrote them
+        (:meth:`receipts.jobqueue.JobQueue.claim`'s ``acks``): its ``acked``
+        names the jobs done, and its WAL positions serve the durability watch
+        as an ack's do. The acks are then accounted as if the flusher had
+        written them. When *claim* raises, they go back to the flusher, to be
+        asked about first (``resolve_writes``) where the statement may have
+        committed (``DatabaseUnavailable``, a cancellation), and the exception
+        propagates. Only while not :attr:`busy`: a full claim's cycle stays as
+        it was (bench/README.md, "Acks that ride on the next claim").
+        """
+        if (not self._riding or self._busy or self._closing or not self._acks.pending
+                or self._grounded()):
+            return await claim([])
+        batch = self._take(self._acks)
+        self._riders_out += 1
+        sent_at = time.monotonic()
+        try:
+            result = await claim([(p.attempt.job.id, p.attempt.job.token) for p in batch])
+        except BaseException as exc:
+            uncertain = isinstance(exc, DatabaseUnavailable) or not isinstance(exc, QueueError)
+            for p in batch:
+                p.grounded = True
+                p.uncertain = p.uncertain or uncertain
+            self._acks.pending[:0] = batch
+            self._full.set()  # no more waiting for a claim: the flusher writes them now
+            raise
+        finally:
+            self._riders_out -= 1
+            self._wake.set()
+        returned_at = time.monotonic()
+        acked = result.acked if result.acked is not None else set()
+        self._observe_carried(sent_at, getattr(acked, "position", None))
+        try:
+            for p in batch:
+                self._landed(self._acks, p, p.attempt.job.id in acked, sent_at, returned_at)
+        finally:
+            self._settled(len(batch))
+            self._publish_acks()
+        return result
 
     def _publish_acks(self) -> None:
         if self._acked:
             self.metrics.acks.inc(self._acked)  # once per batch, not per job
             self._acked = 0
 
-    async def _write_batch(self, lane: _Lane[T, R], batch: list[_Pending[T]]) -> None:
+    async def _write_batch(self, lane: _Lane[T, R], batch: list[_Pending[T]], *,
+                           uncertain: bool = False) -> None:
+        """Write *batch* (*uncertain*: an earlier statement carrying it may have landed)."""
         backoff = BACKOFF_FIRST_SECONDS
-        uncertain = False  # did a failed try perhaps commit?
         while batch:
             try:
                 if uncertain:
@@ -414,7 +508,8 @@ class Completer:
                 written = await lane.write([p.item for p in batch])
                 returned_at = time.monotonic()
                 took = time.perf_counter() - start
-                self._observe_carried(sent_at)
+                self._observe_carried(sent_at, self._carried)
+                self._carried = None
                 self.metrics.statement_duration.labels(lane.name).observe(took)
                 self.busy_since = None
                 self.healthy = True
@@ -510,13 +605,13 @@ class Completer:
             if unproven:
                 await self._check_unproven(unproven)
 
-    def _observe_carried(self, read_at: float) -> None:
-        """Take the WAL positions the ack just written carried back (sent at *read_at*).
+    def _observe_carried(self, read_at: float, position: WalPosition | None) -> None:
+        """Take the WAL *position* an ack (or a claim carrying acks) just brought
+        back, from a statement sent at *read_at*.
 
         Held writes they prove are counted now; writes they cannot prove (the
         ack ran on a younger connection) are asked about by the watch.
         """
-        position, self._carried = self._carried, None
         if position is None or self._watch is None:
             return
         self._carried_at = time.monotonic()

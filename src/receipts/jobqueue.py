@@ -134,8 +134,9 @@ class WorkerQueue(Protocol):
 
     async def claim(self, limit: int, *, probe: bool = False,
                     after: tuple[datetime, uuid.UUID] | None = None,
-                    shared_bucket: bool = True) -> ClaimResult:
-        """See :meth:`JobQueue.claim`."""
+                    shared_bucket: bool = True,
+                    acks: Sequence[tuple[uuid.UUID, uuid.UUID]] = ()) -> ClaimResult:
+        """See :meth:`JobQueue.claim` (*acks* only where ``carries_acks`` is true)."""
         ...
 
     async def ack(self, pairs: Sequence[tuple[uuid.UUID, uuid.UUID]]) -> set[uuid.UUID]:
@@ -290,9 +291,13 @@ class JobQueue:
             # on every call (bench/README.md has what that cost the claim).
             return await cur.fetchall() if cur.rownumber is not None else []
 
+    #: :meth:`claim` takes ``acks`` (a riding ack: :mod:`receipts.completion`).
+    carries_acks = True
+
     async def claim(self, limit: int, *, probe: bool = False,
                     after: tuple[datetime, uuid.UUID] | None = None,
-                    shared_bucket: bool = True) -> ClaimResult:
+                    shared_bucket: bool = True,
+                    acks: Sequence[tuple[uuid.UUID, uuid.UUID]] = ()) -> ClaimResult:
         """Claim up to *limit* due ready jobs (≥1) in one statement.
 
         Rows locked by other claimants are skipped, so an empty or short result
@@ -303,7 +308,12 @@ class JobQueue:
         Under a rate limit the statement also takes one token per job it
         returns from the fleet's shared bucket row, unless not *shared_bucket*
         (the caller charged its own share: :mod:`receipts.ratelimit`).
-        Raises ``ValueError`` for limit < 1.
+        *acks*, (job id, token) pairs, are completed by the same statement
+        exactly as :meth:`ack` completes them (the guard, the WAL positions):
+        the result's ``acked`` is then the :class:`Acked` set :meth:`ack`
+        would have returned. Whether or not anything is claimed, they are
+        written. Raises ``ValueError`` for limit < 1, and the queue's errors
+        (``DatabaseUnavailable`` …: the acks may then have landed or not).
         """
         if limit < 1:
             raise ValueError("claim limit must be at least 1")
@@ -315,10 +325,17 @@ class JobQueue:
         limited = self.rate > 0 and shared_bucket
         if limited:
             params |= {"rate": self.rate, "burst": self.burst}
+        if acks:
+            params |= ack_params(acks)
         statement = claim_query(limit, limited=limited, schema=self.schema,
-                                tag=self.worker_tag)
+                                tag=self.worker_tag, acks=bool(acks))
         sent_at = time.monotonic()
-        rows = await self._rows(statement, params)
+        async with self._conn() as conn:
+            since = self._since(conn)
+            cur = await conn.execute(statement, params)
+            # rownumber, not description: the latter builds a Column per column
+            # on every call (bench/README.md has what that cost the claim).
+            rows = await cur.fetchall() if cur.rownumber is not None else []
         claimed_at = time.monotonic()
         attempts = [
             Attempt(Job(id=r[0], order_id=r[1], token=r[2], attempt=r[3], traceparent=r[8]),
@@ -326,7 +343,12 @@ class JobQueue:
             for r in rows if r[0] is not None
         ]
         flow = _flow_state(rows[0][5:8]) if rows else FlowState()
-        return ClaimResult(attempts, flow)
+        acked: Acked | None = None
+        if acks:
+            acked = Acked(rows[0][9] or ()) if rows else Acked()
+            if rows:
+                acked.position = WalPosition(int(rows[0][10]), int(rows[0][11]), since)
+        return ClaimResult(attempts, flow, acked)
 
     async def ack(self, pairs: Sequence[tuple[uuid.UUID, uuid.UUID]]) -> set[uuid.UUID]:
         """Complete attempts given as (job id, token) pairs; returns the ids done.

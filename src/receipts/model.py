@@ -200,10 +200,16 @@ class FlowState:
 
 @dataclass(frozen=True, slots=True)
 class ClaimResult:
-    """What one claim statement returned: the attempts and the flow state."""
+    """What one claim statement returned: the attempts and the flow state.
+
+    ``acked`` is the job ids that the acks the claim carried completed (a
+    :class:`receipts.jobqueue.Acked`, with the WAL positions the statement
+    read), or None when it carried none.
+    """
 
     attempts: list[Attempt]
     flow: FlowState
+    acked: set[uuid.UUID] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -91,12 +91,43 @@ RANDOM_TOKEN = "lease_token = gen_random_uuid(),"
 WORKER_TAG = re.compile(r"^[0-9a-f]{8}$")
 
 
+#: Where the ack statement's CTEs end and its own answer begins, as ``queries.sql`` writes it.
+ACK_ANSWER = "\nSELECT d.id, w.insert_lsn, w.flush_lsn\n"
+#: Where the claim statements' answer names its last column and its first table.
+CLAIM_TAIL = "c.traceparent\nFROM flow AS f "
+
+
+def riding_acks(claim: str, ack: str) -> str:
+    """The claim statement *claim* carrying the ack statement *ack* (both texts).
+
+    The ack's CTEs (``done``, ``wal``) go first, so its rows are written in the
+    same statement as the claim's, and each answer row gains three columns:
+    ``acked`` (the ids the ack completed, a uuid[], NULL for none) and the
+    ack's ``insert_lsn`` and ``flush_lsn``. The two write disjoint rows (an
+    ack's are running, a claim's ready), so neither sees the other's change.
+    Raises ``ValueError`` when either text no longer has the shape this relies
+    on (:data:`ACK_ANSWER`, :data:`CLAIM_TAIL`, a leading ``WITH``).
+    """
+    if (not ack.startswith("WITH ") or ack.count(ACK_ANSWER) != 1
+            or not claim.startswith("WITH ") or claim.count(CLAIM_TAIL) != 1):
+        raise ValueError("the claim or ack statement no longer has the shape a riding ack needs")
+    ctes = ack[len("WITH "):ack.index(ACK_ANSWER)]
+    claim = claim.replace(CLAIM_TAIL, "c.traceparent,\n       (SELECT array_agg(id) FROM done)"
+                          " AS acked, w.insert_lsn, w.flush_lsn\n"
+                          "FROM wal AS w CROSS JOIN flow AS f ")
+    return f"WITH {ctes},\n{claim[len('WITH '):]}"
+
+
 @cache
 def claim_query(limit: int, *, limited: bool = False, schema: str | None = DEFAULT_SCHEMA,
-                tag: str | None = None) -> sql.Composed:
+                tag: str | None = None, acks: bool = False) -> sql.Composed:
     """The claim statement with *limit* as a literal (docs/design.md §10: no bind LIMIT).
 
     *limited* selects the variant that charges the fleet-wide token bucket.
+    With *acks*, the statement also carries an ack (:func:`riding_acks`: the
+    ``ack`` statement's parameters ``ids`` and ``tokens``, and three more
+    answer columns), so at a trickle a worker's acks cost no statement of
+    their own (:mod:`receipts.completion`).
     With *tag* (a worker's 8 hex digits, :data:`WORKER_TAG`), each lease token
     the claim writes ends in those digits instead of random ones (90 random
     bits stay), so whoever reads a running job's token can name the worker
@@ -106,6 +137,8 @@ def claim_query(limit: int, *, limited: bool = False, schema: str | None = DEFAU
     Raises ``ValueError`` for a tag that is not 8 lower-case hex digits.
     """
     text = statements(schema)["claim_limited" if limited else "claim"]
+    if acks:
+        text = riding_acks(text, statements(schema)["ack"])
     if tag is not None:
         if not WORKER_TAG.match(tag):
             raise ValueError(f"a worker tag is 8 lower-case hex digits, not {tag!r}")

@@ -7,7 +7,7 @@ fails here, next to the same assertion passing on PostgreSQL:
 
 * a claim takes at most its limit of due, ready jobs, each with a fresh token;
 * an ack with the attempt's token completes the job once; a stale token, or a
-  lease that ran out, changes nothing;
+  lease that ran out, changes nothing; so does an ack a claim carries;
 * a retry makes the job ready again (due after its delay), the last attempt or a
   permanent answer fails it, and a refund gives the attempt back;
 * a write whose answer was lost can be resolved by its token;
@@ -173,6 +173,26 @@ async def test_a_stale_ack_changes_nothing_and_the_rest_of_its_batch_completes(d
     assert driver.row(b.id) == (JobState.DONE, 1)
 
 
+async def test_a_claim_carrying_acks_completes_those_with_their_token_and_claims_as_before(driver):
+    driver.add(["order-r1", "order-r2", "order-r3"])
+    a, b = await claim(driver, 2)
+    result = await driver.queue.claim(5, acks=[(a.id, a.token), (b.id, uuid.uuid4())])
+    assert result.acked == {a.id}  # b's token is not the attempt's: a stale ack
+    assert driver.row(a.id) == (JobState.DONE, 1)
+    assert driver.row(b.id) == (JobState.RUNNING, 1)
+    assert [j.order_id for j in (a.job for a in result.attempts)] == ["order-r3"]
+    # Nothing left to claim: the acks still ride, and a repeated one changes nothing.
+    empty = await driver.queue.claim(5, acks=[(a.id, a.token), (b.id, b.token)])
+    assert empty.attempts == [] and empty.acked == {b.id}
+    assert driver.row(b.id) == (JobState.DONE, 1)
+
+
+async def test_a_claim_without_acks_reports_none(driver):
+    driver.add(["order-plain"])
+    result = await driver.queue.claim(1)
+    assert result.acked is None and len(result.attempts) == 1
+
+
 async def test_after_the_lease_ran_out_neither_ack_nor_retry_is_written(driver):
     driver.add(["order-late"])
     (job,) = await claim(driver, 1)
@@ -270,3 +290,12 @@ async def test_a_paused_fleet_claims_nothing_and_says_why(driver):
     assert flow.pause_reason is PauseReason.OUTAGE
     result = await driver.queue.claim(1)
     assert result.attempts == [] and result.flow.pause_reason is PauseReason.OUTAGE
+
+
+async def test_a_paused_fleet_s_claim_still_writes_the_acks_it_carries(driver):
+    driver.add(["order-before-the-pause", "order-held"])
+    (job,) = await claim(driver, 1)
+    await driver.queue.extend_pause(PauseReason.OUTAGE, 60.0)
+    result = await driver.queue.claim(1, acks=[(job.id, job.token)])
+    assert result.attempts == [] and result.flow.pause_reason is PauseReason.OUTAGE
+    assert result.acked == {job.id} and driver.row(job.id) == (JobState.DONE, 1)

@@ -316,6 +316,45 @@ async def test_the_workers_claim_and_ack_are_planned_once_per_session(settings):
     assert {is_ack for _, _, is_ack in plans} == {True, False}
 
 
+@pytest.mark.parametrize("rate", [0.0, 1000.0], ids=["claim", "claim_limited"])
+async def test_a_claim_carrying_acks_is_planned_once_and_brings_the_wal_positions(
+        settings, rate: float):
+    """The worker's riding ack (receipts.completion: the pending acks go with the next
+    claim): both claim statements carry it, under the worker's tag, on a generic
+    plan, and its answer holds what the ack's own would (the ids done, the WAL
+    positions read after every earlier commit)."""
+    with psycopg.connect(settings.dsn) as conn:
+        for n in range(40):
+            enqueue(conn, f"ride-{n}")
+    pool = make_pool(settings, "worker", max_size=1)
+    await pool.open(wait=True, timeout=10)
+    try:
+        queue = JobQueue(pool, lease_seconds=30, max_attempts=5, rate_limit_per_second=rate,
+                         burst=rate or None, worker_tag="0badcafe")
+        pending: list[tuple[uuid.UUID, uuid.UUID]] = []
+        for _ in range(12):
+            before = await queue.wal_position()
+            result = await queue.claim(3, acks=pending)
+            if pending:
+                assert result.acked == {job_id for job_id, _ in pending}
+                assert result.acked.position.insert_lsn >= before.insert_lsn > 0  # type: ignore[attr-defined]
+            else:
+                assert result.acked is None
+            assert len(result.attempts) == 3 and all(
+                str(a.job.token).endswith("0badcafe") for a in result.attempts)
+            pending = [(a.job.id, a.job.token) for a in result.attempts]
+        async with pool.connection() as conn:
+            cur = await conn.execute(
+                "SELECT generic_plans, custom_plans FROM pg_prepared_statements"
+                " WHERE statement LIKE 'WITH done AS%%candidate AS%%'")
+            plans = await cur.fetchall()
+    finally:
+        await pool.close()
+    assert plans == [(6, 0)], plans  # prepared on the fifth of 11 runs
+    assert fetch_rows(settings.dsn, "SELECT count(*) FROM receipt_jobs WHERE state = 'done'"
+                      ) == [(33,)]
+
+
 async def test_an_ack_carries_the_wal_positions_that_bound_earlier_writes(dsn, queue: JobQueue):
     enqueue_many(dsn, ["order-wal-1", "order-wal-2"])
     first, second = await claim_jobs(queue, 2)

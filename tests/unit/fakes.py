@@ -94,6 +94,10 @@ class FakeQueue:
     #: does (read before the ack's own record, as the statement reads them).
     carry_positions: bool = False
     resolves: int = 0  # resolve_writes statements
+    #: Claims take acks to write in the same statement, as JobQueue's do
+    #: (``claim(acks=…)``); off, the completer writes every ack on its own.
+    carries_acks: bool = False
+    riding_acks: int = 0  # acks written by claims
 
     def add(self, n: int) -> list[uuid.UUID]:
         ids = []
@@ -118,7 +122,8 @@ class FakeQueue:
 
     async def claim(self, limit: int, *, probe: bool = False,
                     after: tuple[datetime, uuid.UUID] | None = None,
-                    shared_bucket: bool = True) -> ClaimResult:
+                    shared_bucket: bool = True,
+                    acks: Sequence[tuple[uuid.UUID, uuid.UUID]] = ()) -> ClaimResult:
         # The fake has no index to walk: a watermark changes nothing here.
         if limit < 1:  # as JobQueue.claim (tests/contract holds the two to one contract)
             raise ValueError("claim limit must be at least 1")
@@ -146,8 +151,13 @@ class FakeQueue:
                 job = Job(row.id, row.order_id, row.token, row.attempts)
                 attempts.append(Attempt(job, now, claim_sent_at=now))
         self.claims.append((limit, len(attempts)))
+        acked = self._ack(acks) if acks else None
+        self.riding_acks += len(acks)
         await asyncio.sleep(0)
-        return ClaimResult(attempts, self._flow())
+        if acks and self.lose_ack_answers:
+            self.lose_ack_answers -= 1
+            raise DatabaseUnavailable("database unavailable: connection lost after commit")
+        return ClaimResult(attempts, self._flow(), acked)
 
     def _owned(self, job_id: uuid.UUID, token: uuid.UUID) -> Row | None:
         row = self.rows.get(job_id)
@@ -155,14 +165,7 @@ class FakeQueue:
             return row
         return None
 
-    async def ack(self, pairs: Sequence[tuple[uuid.UUID, uuid.UUID]]) -> set[uuid.UUID]:
-        self.ack_statements += 1
-        if self.ack_gate is not None:
-            self.acks_waiting += 1
-            try:
-                await self.ack_gate.wait()
-            finally:
-                self.acks_waiting -= 1
+    def _ack(self, pairs: Sequence[tuple[uuid.UUID, uuid.UUID]]) -> Acked:
         done = Acked()
         if self.carry_positions:
             done.position = WalPosition(self.lsn, self.flushed, self.connection_since)
@@ -172,6 +175,17 @@ class FakeQueue:
                 self._log(row)
                 row.state, row.token, row.last_token = JobState.DONE, None, token
                 done.add(job_id)
+        return done
+
+    async def ack(self, pairs: Sequence[tuple[uuid.UUID, uuid.UUID]]) -> set[uuid.UUID]:
+        self.ack_statements += 1
+        if self.ack_gate is not None:
+            self.acks_waiting += 1
+            try:
+                await self.ack_gate.wait()
+            finally:
+                self.acks_waiting -= 1
+        done = self._ack(pairs)
         if self.lose_ack_answers:
             self.lose_ack_answers -= 1
             raise DatabaseUnavailable("database unavailable: connection lost after commit")

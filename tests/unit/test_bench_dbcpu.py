@@ -84,13 +84,13 @@ def test_statements_between_two_readings_leave_out_the_ones_not_called():
              (1, 11, True): {"calls": 2, "exec_ms": 3.0, "rows": 2, "wal_bytes": 9, "query": "b"}}
     assert statements_between(before, after) == [
         {"calls": 2, "exec_ms": 3.0, "rows": 2, "wal_bytes": 9, "plans": 0, "plan_ms": 0,
-         "query": "b"}]
+         "query": "b", "tail": ""}]
     # With planning tracked, the plans and their time between the readings too.
     after[(1, 10, True)] = {"calls": 9, "exec_ms": 2.0, "rows": 9, "wal_bytes": 0,
                             "plans": 4, "plan_ms": 1.5, "query": "a"}
     assert statements_between(before, after)[1] == {
         "calls": 4, "exec_ms": 1.0, "rows": 4, "wal_bytes": 0, "plans": 4, "plan_ms": 1.5,
-        "query": "a"}
+        "query": "a", "tail": ""}
 
 
 def test_a_phase_puts_each_workers_cpu_beside_the_workers_statements():

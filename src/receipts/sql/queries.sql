@@ -310,6 +310,9 @@ FROM flow AS f CROSS JOIN spent AS s LEFT JOIN claimed AS c ON true;
 -- them as one more read, so a worker that acks steadily proves its earlier
 -- asynchronous commits without a statement of its own (receipts.durability;
 -- docs/design.md §2).
+-- At a trickle an ack usually rides on the worker's next claim instead: its two
+-- CTEs (done, wal) go first in that claim statement (receipts.statements.claim_query),
+-- which then also returns the acked ids and the positions.
 WITH done AS (
   UPDATE {schema}.receipt_jobs AS j
   SET state = 'done',
@@ -323,11 +326,12 @@ WITH done AS (
     AND j.lease_token = a.token
     AND coalesce(j.lease_until, '-infinity') > statement_timestamp()
   RETURNING j.id
+), wal AS (
+  SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), '0/0')::int8 AS insert_lsn,
+         pg_wal_lsn_diff(pg_current_wal_flush_lsn(), '0/0')::int8 AS flush_lsn
 )
 SELECT d.id, w.insert_lsn, w.flush_lsn
-FROM (SELECT pg_wal_lsn_diff(pg_current_wal_insert_lsn(), '0/0')::int8 AS insert_lsn,
-             pg_wal_lsn_diff(pg_current_wal_flush_lsn(), '0/0')::int8 AS flush_lsn) AS w
-LEFT JOIN done AS d ON true;
+FROM wal AS w LEFT JOIN done AS d ON true;
 
 -- name: reschedule
 -- Failed attempts (known failures and unknown outcomes) in one statement,
