@@ -139,3 +139,20 @@ def test_the_capacity_benchmarks_oracle_gives_the_fleet_exactly_the_capacity():
                 ["--capacity", "0"], ["--warmup", "40", "--seconds", "30"]):
         with pytest.raises(SystemExit):
             main(bad)  # refused before any database starts
+
+
+@pytest.mark.slow
+def test_the_riding_ack_experiment_writes_the_same_rows_in_fewer_statements(tmp_path):
+    out = tmp_path / "ride.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.experiments.ride", "--rounds", "1", "--loops", "20",
+         "--gap", "0", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=170,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(out.read_text())["summary"]
+    # 20 claims of 4 jobs: with the acks riding, one statement per claim (0.25 per job);
+    # alone, 19 more (the last round's jobs are not acked).
+    assert summary["one statement"]["statements_per_job"] == 0.25
+    assert summary["two statements"]["statements_per_job"] == round(39 / 80, 3)
+    assert all(summary[m]["us_per_job"] > 0 for m in summary)
