@@ -18,8 +18,12 @@ When the worker is not busy, an outcome is written at once unless the
 previous statement began less than ``trickle_linger_seconds`` (250 ms) ago: a
 steady trickle then shares one statement per kind per quarter second instead
 of one per outcome or two (bench/README.md, "Fewer worker statements at a
-trickle", measures it), and a lone outcome waits for nothing. At an ordinary rate the ack's
-round trip, not its rows, is most of what it costs the database.
+trickle", measures it), and a lone reschedule waits for nothing. At an ordinary rate the
+ack's round trip, not its rows, is most of what it costs the database. So at a
+trickle an ack rides on the worker's next claim instead (:meth:`Completer.carried_by`:
+one statement where there were two): while the worker claims at least every
+``ride_seconds`` (half a second) on average, an ack waits up to that long for a claim to
+carry it, and never past half the lease time its attempt had left.
 
 The flusher owns a write once it is handed in: nothing the delivery task
 does later (stop, abandon) affects it, and :meth:`Completer.close` flushes
@@ -122,11 +126,15 @@ LINGER_SECONDS = 0.05
 TRICKLE_LINGER_SECONDS = 0.25
 #: At a trickle, how long an ack waits for the worker's next claim to carry it
 #: (a riding ack: one statement where there were two), seconds; then it is
-#: written on its own. While the waker is heard, a pod is woken several times a
-#: second at any steady rate, so most acks ride; a pod whose work stops writes
-#: its last acks this long after their answers (bench/README.md, "Acks that
-#: ride on the next claim").
+#: written on its own. Only while the worker's claims come at least this often
+#: (their moving average; at 50 orders/s over 4 pods, about 3.5 a second), so
+#: that the wait is likely to pay; a pod whose work stops writes its last acks
+#: this long after their answers (bench/README.md, "Acks that ride on the next
+#: claim").
 RIDE_SECONDS = 0.5
+#: The weight of each new gap between two claims in their moving average (whether
+#: acks wait for a claim at all: ``Completer._claims_often``).
+CLAIM_GAP_WEIGHT = 0.2
 #: How long the durability watch waits, while writes wait for a proof, for an
 #: ack to carry the WAL positions back before it reads them with a statement of
 #: its own, seconds (the WAL writer flushes every 200 ms by default). Longer
@@ -201,6 +209,8 @@ class Completer:
         self.ride_seconds = ride_seconds
         self._riding = ride_seconds > 0 and bool(getattr(queue, "carries_acks", False))
         self._riders_out = 0  # claims in flight that carry acks
+        self._last_claim = -1e9  # time.monotonic() when carried_by last ran a claim
+        self._claim_gap = 0.0  # moving average of the seconds between claims (0: unknown)
         self._acks: _Lane[Attempt, bool] = _Lane("ack", self._write_acks, False)
         self._reschedules: _Lane[Reschedule, JobState | None] = _Lane(
             "reschedule", self._write_reschedules, None)
@@ -236,7 +246,8 @@ class Completer:
         busy, an outcome is written at once unless the previous statement began
         less than ``trickle_linger_seconds`` ago (then it waits for the rest of
         that time, with whatever else arrives): at most one statement per kind
-        per trickle linger. The last of a backlog is written at once:
+        per trickle linger; an ack may instead wait for a claim to carry it
+        (:meth:`_linger`, :meth:`carried_by`). The last of a backlog is written at once:
         turning busy off ends a linger in progress.
         """
         return self._busy
@@ -382,19 +393,47 @@ class Completer:
         left of ``trickle_linger_seconds`` since the previous statement began,
         so an outcome after a quiet spell is written at once while a steady
         trickle (more than one outcome per linger) shares one statement per
-        linger instead of one per outcome. Never past a full batch or a close.
+        linger instead of one per outcome. Acks alone, while the worker claims
+        at least every ``ride_seconds`` (:meth:`_claims_often`): until the
+        oldest has waited ``ride_seconds`` for a claim to carry it. Never past
+        a full batch or a close, never at all for acks a failed claim gave
+        back, and never past half the lease time any waiting attempt had left
+        when it was handed in (:meth:`_lease_cap`): a short lease with a small
+        margin must not see its ack arrive late.
         """
         if self.linger_seconds <= 0 or self._closing or self._waiting() >= self.max_batch:
             return 0.0
-        if self._busy:
-            return self.linger_seconds
         now = time.monotonic()
-        left = self._last_write + self.trickle_linger_seconds - now
-        if self._riding and self._acks.pending and not self._reschedules.pending \
-                and not self._grounded():
-            # Acks alone: the oldest waits up to ride_seconds for a claim to carry it.
-            left = max(left, self._acks.pending[0].handed_at + self.ride_seconds - now)
-        return left
+        if self._busy:
+            left = self.linger_seconds
+        else:
+            if self._grounded():
+                return 0.0
+            left = self._last_write + self.trickle_linger_seconds - now
+            if self._riding and self._acks.pending and not self._reschedules.pending \
+                    and self._claims_often():
+                # Acks alone: the oldest waits up to ride_seconds for a claim to carry it.
+                left = max(left, self._acks.pending[0].handed_at + self.ride_seconds - now)
+        return min(left, self._lease_cap() - now)
+
+    def _lease_cap(self) -> float:
+        """The latest ``time.monotonic()`` the waiting outcomes may be held to: for
+        each, halfway from its hand-in to its lease's end as this process counts it
+        (the claim's send plus the lease)."""
+        cap = float("inf")
+        for lane in self._lanes:
+            for p in lane.pending:
+                sent = p.attempt.claim_sent_at
+                end = (sent if sent is not None else p.attempt.claimed_at) + self.lease_seconds
+                cap = min(cap, p.handed_at + (end - p.handed_at) / 2)
+        return cap
+
+    def _claims_often(self) -> bool:
+        """Whether the worker's recent claims came at least every ``ride_seconds``
+        (a moving average of the gaps between them), so an ack waiting for the next
+        one is likely to ride: a pod claiming once a second or less (a slow trickle,
+        PgBouncer's polling) would only make its acks wait."""
+        return 0 < self._claim_gap <= self.ride_seconds
 
     async def _write_records(self) -> None:
         """Write the queued attempt records in one statement; best effort.
@@ -454,6 +493,12 @@ class Completer:
         propagates. Only while not :attr:`busy`: a full claim's cycle stays as
         it was (bench/README.md, "Acks that ride on the next claim").
         """
+        now = time.monotonic()
+        if self._last_claim > 0:
+            gap = now - self._last_claim
+            self._claim_gap = gap if self._claim_gap <= 0 else (
+                self._claim_gap + CLAIM_GAP_WEIGHT * (gap - self._claim_gap))
+        self._last_claim = now
         if (not self._riding or self._busy or self._closing or not self._acks.pending
                 or self._grounded()):
             return await claim([])

@@ -93,6 +93,8 @@ WORKER_TAG = re.compile(r"^[0-9a-f]{8}$")
 
 #: Where the ack statement's CTEs end and its own answer begins, as ``queries.sql`` writes it.
 ACK_ANSWER = "\nSELECT d.id, w.insert_lsn, w.flush_lsn\n"
+#: Where the ack statement's ``wal`` CTE begins its select list.
+ACK_WAL = "wal AS (\n  SELECT "
 #: Where the claim statements' answer names its last column and its first table.
 CLAIM_TAIL = "c.traceparent\nFROM flow AS f "
 
@@ -112,8 +114,14 @@ def riding_acks(claim: str, ack: str) -> str:
             or not claim.startswith("WITH ") or claim.count(CLAIM_TAIL) != 1):
         raise ValueError("the claim or ack statement no longer has the shape a riding ack needs")
     ctes = ack[len("WITH "):ack.index(ACK_ANSWER)]
-    claim = claim.replace(CLAIM_TAIL, "c.traceparent,\n       (SELECT array_agg(id) FROM done)"
-                          " AS acked, w.insert_lsn, w.flush_lsn\n"
+    if ctes.count(ACK_WAL) != 1:
+        raise ValueError("the ack statement no longer reads the WAL positions in a CTE")
+    # The acked ids are read where the positions are, in the row the claim's answer
+    # is joined to first: so the ack's update runs to its end before the claim locks
+    # a candidate (were an acked row locked by someone else, the claim would wait
+    # holding nothing another pod could claim).
+    ctes = ctes.replace(ACK_WAL, ACK_WAL + "(SELECT array_agg(id) FROM done) AS acked, ")
+    claim = claim.replace(CLAIM_TAIL, "c.traceparent,\n       w.acked, w.insert_lsn, w.flush_lsn\n"
                           "FROM wal AS w CROSS JOIN flow AS f ")
     return f"WITH {ctes},\n{claim[len('WITH '):]}"
 

@@ -655,8 +655,8 @@ class Worker:
         The claim starts at the waker's watermark when one is heard; under a
         rate limit it charges the shared bucket row unless not *shared_bucket*.
         At a trickle it also carries the acks waiting to be written
-        (:meth:`Completer.carried_by`). Raises the queue's errors (the caller
-        backs off).
+        (:meth:`Completer.carried_by`), unless it charges the shared bucket
+        row. Raises the queue's errors (the caller backs off).
         """
         self._wake.clear()
         self.max_overclaim = max(
@@ -664,11 +664,16 @@ class Worker:
             - max(0, self.prefetch_depth() - len(self._prefetched)))
         after = self.wakeups.claim_bound() if self.wakeups is not None else None
         start = time.perf_counter()
-        # At a trickle the completer's pending acks ride on this statement.
-        result = await self.completer.carried_by(
-            lambda acks: self.queue.claim(limit, probe=probe, after=after,
-                                          shared_bucket=shared_bucket,
-                                          **({"acks": acks} if acks else {})))
+        if self.queue.rate > 0 and shared_bucket:
+            # The claim that locks the fleet's shared bucket row carries no acks: it
+            # must not hold that row while an acked row's lock is waited for.
+            result = await self.queue.claim(limit, probe=probe, after=after, shared_bucket=True)
+        else:
+            # At a trickle the completer's pending acks ride on this statement.
+            result = await self.completer.carried_by(
+                lambda acks: self.queue.claim(limit, probe=probe, after=after,
+                                              shared_bucket=shared_bucket,
+                                              **({"acks": acks} if acks else {})))
         took = time.perf_counter() - start
         self.metrics.statement_duration.labels("claim").observe(took)
         self._claim_seconds = _moving(self._claim_seconds, took)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 import uuid
 
 import psycopg
@@ -353,6 +354,39 @@ async def test_a_claim_carrying_acks_is_planned_once_and_brings_the_wal_position
     assert plans == [(6, 0)], plans  # prepared on the fifth of 11 runs
     assert fetch_rows(settings.dsn, "SELECT count(*) FROM receipt_jobs WHERE state = 'done'"
                       ) == [(33,)]
+
+
+async def test_a_claim_whose_acked_row_is_locked_waits_holding_no_claimable_job(
+        dsn, settings, queue: JobQueue):
+    """The carried ack's update runs to its end before the claim locks a candidate:
+    while another transaction holds an acked row, the waiting claim holds nothing
+    that another pod could claim, and once the row is free it acks it and claims."""
+    enqueue_many(dsn, ["locked-1", "free-1", "free-2"])
+    (held,) = await claim_jobs(queue, 1)
+    other_pool = make_pool(settings, "test", max_size=1)
+    await other_pool.open(wait=True, timeout=10)
+    try:
+        other = JobQueue(other_pool, lease_seconds=30, max_attempts=5)
+        with psycopg.connect(dsn) as blocker:
+            blocker.execute("SELECT 1 FROM receipt_jobs WHERE id = %s FOR UPDATE", (held.id,))
+            carrying = asyncio.create_task(queue.claim(1, acks=[(held.id, held.token)]))
+            await until_waiting_on_a_lock(dsn)
+            # The ready jobs are not locked by the waiting claim: another pod takes one.
+            assert [a.job.order_id for a in (await other.claim(1)).attempts] == ["free-1"]
+            blocker.rollback()
+        result = await asyncio.wait_for(carrying, 10)
+    finally:
+        await other_pool.close()
+    assert result.acked == {held.id}
+    assert [a.job.order_id for a in result.attempts] == ["free-2"]
+
+
+async def until_waiting_on_a_lock(dsn: str, timeout: float = 10.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not fetch_rows(dsn, "SELECT 1 FROM pg_stat_activity WHERE wait_event_type = 'Lock'"
+                              " AND datname = current_database()"):
+        assert time.monotonic() < deadline, "no statement waited on a lock"
+        await asyncio.sleep(0.01)
 
 
 async def test_an_ack_carries_the_wal_positions_that_bound_earlier_writes(dsn, queue: JobQueue):

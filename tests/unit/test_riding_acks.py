@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 import uuid
 from collections.abc import AsyncIterator, Callable
@@ -48,6 +49,13 @@ def claim_with(queue: FakeQueue, limit: int = 1
     return lambda acks: queue.claim(limit, **({"acks": acks} if acks else {}))  # type: ignore[return-value]
 
 
+async def claiming_often(completer: Completer, queue: FakeQueue) -> None:
+    """Two claims back to back: the completer sees a pod that claims often enough
+    for an ack to wait for the next one (``Completer._claims_often``)."""
+    for _ in range(2):
+        await completer.carried_by(claim_with(queue))
+
+
 @pytest.fixture
 async def riding() -> AsyncIterator[tuple[FakeQueue, Completer, Metrics]]:
     queue = FakeQueue(carries_acks=True)
@@ -55,6 +63,7 @@ async def riding() -> AsyncIterator[tuple[FakeQueue, Completer, Metrics]]:
     completer = Completer(queue, metrics, lease_seconds=30, ride_seconds=30.0)
     completer.busy = False  # a trickle
     completer.start()
+    await claiming_often(completer, queue)
     yield queue, completer, metrics
     await completer.close(timeout_seconds=5)
 
@@ -90,6 +99,7 @@ async def test_an_ack_no_claim_comes_for_is_written_on_its_own_after_the_ride_ti
     completer = Completer(queue, Metrics(), lease_seconds=30, ride_seconds=0.2)
     completer.busy = False
     completer.start()
+    await claiming_often(completer, queue)
     try:
         (attempt,) = await claimed(queue, 1)
         handed = time.monotonic()
@@ -150,6 +160,7 @@ async def test_acks_riding_on_a_claim_cancelled_at_a_stop_are_flushed_by_the_clo
     completer = Completer(queue, metrics, lease_seconds=30, ride_seconds=30.0)
     completer.busy = False
     completer.start()
+    await claiming_often(completer, queue)
     attempts = await claimed(queue, 2)
     queue.claim_gate = asyncio.Event()  # the next claim hangs
     for a in attempts:
@@ -170,6 +181,7 @@ async def test_a_close_waits_for_a_claim_that_carries_acks():
     completer = Completer(queue, metrics, lease_seconds=30, ride_seconds=30.0)
     completer.busy = False
     completer.start()
+    await claiming_often(completer, queue)
     attempts = await claimed(queue, 2)
     for a in attempts:
         completer.ack(a)
@@ -249,3 +261,52 @@ async def test_acks_whose_claim_was_refused_are_written_on_their_own_not_carried
     assert result.acked is None
     await until(lambda: value(metrics, "receipts_acks_total") == 2)
     assert queue.ack_statements == 1 and queue.resolves == 0  # not in doubt: no question
+
+
+async def test_an_ack_never_waits_for_a_claim_past_half_the_lease_it_has_left():
+    """A short lease with a small margin (a 1 s lease, the answer 0.8 s after the
+    claim): the ack is written within 0.1 s, not after the 30 s ride time."""
+    queue = FakeQueue(carries_acks=True, lease_seconds=1.0)
+    completer = Completer(queue, Metrics(), lease_seconds=1.0, ride_seconds=30.0)
+    completer.busy = False
+    completer.start()
+    await claiming_often(completer, queue)
+    try:
+        (attempt,) = await claimed(queue, 1)
+        sent = time.monotonic() - 0.8  # 0.2 s of lease left
+        attempt = dataclasses.replace(attempt, claim_sent_at=sent, claimed_at=sent)
+        handed = time.monotonic()
+        completer.ack(attempt)
+        await until(lambda: queue.count(JobState.DONE) == 1, timeout=2)
+        waited = time.monotonic() - handed
+    finally:
+        await completer.close(timeout_seconds=5)
+    assert waited < 0.15 and queue.ack_statements == 1
+
+
+async def test_a_pod_that_claims_seldom_writes_its_acks_without_waiting_for_a_claim():
+    queue = FakeQueue(carries_acks=True)
+    completer = Completer(queue, Metrics(), lease_seconds=30, ride_seconds=30.0,
+                          trickle_linger_seconds=0.0)
+    completer.busy = False
+    completer.start()
+    try:
+        await completer.carried_by(claim_with(queue))  # one claim: no gap known yet
+        (attempt,) = await claimed(queue, 1)
+        completer.ack(attempt)
+        await until(lambda: queue.ack_statements == 1, timeout=2)  # not after 30 s
+    finally:
+        await completer.close(timeout_seconds=5)
+
+
+async def test_the_claim_that_charges_the_shared_bucket_row_carries_no_acks():
+    """Without a waker's shares every claim locks the fleet's bucket row: an ack in
+    it could keep that row locked while it waits for an acked row's lock."""
+    queue, deliverer = FakeQueue(carries_acks=True, rate=100.0), ScriptedDeliverer()
+    async with Loop(queue, deliverer, poll_interval_seconds=0.05,
+                    rate_limit_per_second=100.0) as loop:
+        for _ in range(5):
+            queue.add(1)
+            await asyncio.sleep(0.02)
+        await until(lambda: loop.value("receipts_acks_total") == 5)
+    assert queue.riding_acks == 0 and queue.ack_statements >= 1
