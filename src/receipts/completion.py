@@ -396,8 +396,8 @@ class Completer:
         linger instead of one per outcome. Acks alone, while the worker claims
         at least every ``ride_seconds`` (:meth:`_claims_often`): until the
         oldest has waited ``ride_seconds`` for a claim to carry it. Never past
-        a full batch or a close, never at all for acks a failed claim gave
-        back, and never past half the lease time any waiting attempt had left
+        a full batch or a close, not at all at a trickle for acks a failed
+        claim gave back, and never past half the lease time any waiting attempt had left
         when it was handed in (:meth:`_lease_cap`): a short lease with a small
         margin must not see its ack arrive late.
         """
