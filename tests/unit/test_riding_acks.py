@@ -24,14 +24,8 @@ from receipts.errors import DatabaseUnavailable, QueueError
 from receipts.metrics import Metrics
 from receipts.model import Attempt, ClaimResult, JobState
 from tests.unit.fakes import FakeQueue, ScriptedDeliverer
+from tests.unit.test_completion_durability import until
 from tests.unit.test_worker_loop import Loop
-
-
-async def until(predicate: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not predicate():
-        assert time.monotonic() < deadline, "condition not reached in time"
-        await asyncio.sleep(0.002)
 
 
 def value(metrics: Metrics, name: str, **labels: str) -> float:
@@ -41,6 +35,14 @@ def value(metrics: Metrics, name: str, **labels: str) -> float:
 async def claimed(queue: FakeQueue, n: int) -> list[Attempt]:
     queue.add(n)
     return (await queue.claim(n)).attempts
+
+
+async def acked(queue: FakeQueue, completer: Completer, n: int) -> list[Attempt]:
+    """*n* jobs claimed, delivered and handed to the completer as acks."""
+    attempts = await claimed(queue, n)
+    for a in attempts:
+        completer.ack(a)
+    return attempts
 
 
 def claim_with(queue: FakeQueue, limit: int = 1
@@ -70,9 +72,7 @@ async def riding() -> AsyncIterator[tuple[FakeQueue, Completer, Metrics]]:
 
 async def test_acks_at_a_trickle_ride_on_the_next_claim_and_are_counted_once(riding):
     queue, completer, metrics = riding
-    attempts = await claimed(queue, 3)
-    for a in attempts:
-        completer.ack(a)
+    attempts = await acked(queue, completer, 3)
     queue.add(2)
     result = await completer.carried_by(claim_with(queue, 2))
     assert len(result.attempts) == 2  # the claim itself is unchanged
@@ -126,9 +126,7 @@ async def test_acks_handed_in_after_a_claim_wait_for_the_next_one(riding):
 
 async def test_acks_whose_claim_failed_before_it_ran_are_written_on_their_own(riding):
     queue, completer, metrics = riding
-    attempts = await claimed(queue, 2)
-    for a in attempts:
-        completer.ack(a)
+    await acked(queue, completer, 2)
     queue.fail_claims = 1
     with pytest.raises(DatabaseUnavailable):
         await completer.carried_by(claim_with(queue))
@@ -141,9 +139,7 @@ async def test_acks_whose_claim_failed_before_it_ran_are_written_on_their_own(ri
 
 async def test_acks_whose_claim_lost_its_answer_after_committing_count_once(riding):
     queue, completer, metrics = riding
-    attempts = await claimed(queue, 3)
-    for a in attempts:
-        completer.ack(a)
+    await acked(queue, completer, 3)
     queue.lose_ack_answers = 1
     with pytest.raises(DatabaseUnavailable):
         await completer.carried_by(claim_with(queue))
@@ -182,9 +178,7 @@ async def test_a_close_waits_for_a_claim_that_carries_acks():
     completer.busy = False
     completer.start()
     await claiming_often(completer, queue)
-    attempts = await claimed(queue, 2)
-    for a in attempts:
-        completer.ack(a)
+    await acked(queue, completer, 2)
     queue.fail_claims = 1  # the carrying claim fails after the close began
     gate = asyncio.Event()
 
@@ -246,9 +240,7 @@ async def test_a_worker_at_a_trickle_writes_its_acks_on_its_claims():
 
 async def test_acks_whose_claim_was_refused_are_written_on_their_own_not_carried_again(riding):
     queue, completer, metrics = riding
-    attempts = await claimed(queue, 2)
-    for a in attempts:
-        completer.ack(a)
+    await acked(queue, completer, 2)
 
     async def refused(acks: list[tuple[uuid.UUID, uuid.UUID]]) -> ClaimResult:
         assert acks
