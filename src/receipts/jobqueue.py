@@ -112,6 +112,16 @@ class Acked(set[uuid.UUID]):
 
     position: WalPosition | None = None
 
+    @classmethod
+    def read(cls, ids: Any, row: Sequence[Any] | None, since: float) -> Acked:
+        """The set of *ids* (an iterable; None: none), positioned by *row*'s two
+        WAL columns (``insert_lsn``, ``flush_lsn``; None: no row came back), read
+        on a connection first used at *since* (``time.monotonic()``)."""
+        done = cls(ids or ())
+        if row is not None:
+            done.position = WalPosition(int(row[0]), int(row[1]), since)
+        return done
+
 
 @dataclass(frozen=True, slots=True)
 class RecoveryBatch:
@@ -283,13 +293,22 @@ class JobQueue:
         texts: tuple[str, ...] = (),
     ) -> list[tuple[Any, ...]]:
         """Run one statement; list parameters named in *texts* are made storable first."""
+        return (await self._rows_since(query, params, texts=texts))[0]
+
+    async def _rows_since(
+        self, query: sql.SQL | sql.Composed, params: dict[str, Any], *,
+        texts: tuple[str, ...] = (),
+    ) -> tuple[list[tuple[Any, ...]], float]:
+        """:meth:`_rows`, and when this queue first used the connection it ran on
+        (``time.monotonic()``: what a WAL position read there proves, :class:`WalPosition`)."""
         async with self._conn() as conn:
+            since = self._since(conn)
             for key in texts:
                 params[key] = [None if t is None else storable(conn, t) for t in params[key]]
             cur = await conn.execute(query, params)
             # rownumber, not description: the latter builds a Column per column
             # on every call (bench/README.md has what that cost the claim).
-            return await cur.fetchall() if cur.rownumber is not None else []
+            return (await cur.fetchall() if cur.rownumber is not None else []), since
 
     #: :meth:`claim` takes ``acks`` (a riding ack: :mod:`receipts.completion`).
     carries_acks = True
@@ -330,12 +349,7 @@ class JobQueue:
         statement = claim_query(limit, limited=limited, schema=self.schema,
                                 tag=self.worker_tag, acks=bool(acks))
         sent_at = time.monotonic()
-        async with self._conn() as conn:
-            since = self._since(conn)
-            cur = await conn.execute(statement, params)
-            # rownumber, not description: the latter builds a Column per column
-            # on every call (bench/README.md has what that cost the claim).
-            rows = await cur.fetchall() if cur.rownumber is not None else []
+        rows, since = await self._rows_since(statement, params)
         claimed_at = time.monotonic()
         attempts = [
             Attempt(Job(id=r[0], order_id=r[1], token=r[2], attempt=r[3], traceparent=r[8]),
@@ -343,11 +357,10 @@ class JobQueue:
             for r in rows if r[0] is not None
         ]
         flow = _flow_state(rows[0][5:8]) if rows else FlowState()
-        acked: Acked | None = None
+        acked = None
         if acks:
-            acked = Acked(rows[0][9] or ()) if rows else Acked()
-            if rows:
-                acked.position = WalPosition(int(rows[0][10]), int(rows[0][11]), since)
+            acked = (Acked.read(rows[0][9], rows[0][10:12], since) if rows
+                     else Acked.read(None, None, since))
         return ClaimResult(attempts, flow, acked)
 
     async def ack(self, pairs: Sequence[tuple[uuid.UUID, uuid.UUID]]) -> set[uuid.UUID]:
@@ -362,14 +375,9 @@ class JobQueue:
         """
         if not pairs:
             return Acked()
-        async with self._conn() as conn:
-            since = self._since(conn)
-            cur = await conn.execute(self._q("ack"), ack_params(pairs))
-            rows = await cur.fetchall()
-        done = Acked(r[0] for r in rows if r[0] is not None)
-        if rows:
-            done.position = WalPosition(int(rows[0][1]), int(rows[0][2]), since)
-        return done
+        rows, since = await self._rows_since(self._q("ack"), ack_params(pairs))
+        return Acked.read((r[0] for r in rows if r[0] is not None),
+                          rows[0][1:3] if rows else None, since)
 
     async def reschedule(self, items: Sequence[Reschedule]) -> dict[uuid.UUID, JobState]:
         """Write failed attempts back in one statement; returns {job id: new state}.

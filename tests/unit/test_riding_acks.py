@@ -58,14 +58,23 @@ async def claiming_often(completer: Completer, queue: FakeQueue) -> None:
         await completer.carried_by(claim_with(queue))
 
 
+async def started(queue: FakeQueue, *, often: bool = True, lease_seconds: float = 30,
+                  ride_seconds: float = 30.0, **options: float) -> tuple[Completer, Metrics]:
+    """A started completer at a trickle over *queue* (*often*: after two claims)."""
+    metrics = Metrics()
+    completer = Completer(queue, metrics, lease_seconds=lease_seconds,
+                          ride_seconds=ride_seconds, **options)  # type: ignore[arg-type]
+    completer.busy = False  # a trickle
+    completer.start()
+    if often:
+        await claiming_often(completer, queue)
+    return completer, metrics
+
+
 @pytest.fixture
 async def riding() -> AsyncIterator[tuple[FakeQueue, Completer, Metrics]]:
     queue = FakeQueue(carries_acks=True)
-    metrics = Metrics()
-    completer = Completer(queue, metrics, lease_seconds=30, ride_seconds=30.0)
-    completer.busy = False  # a trickle
-    completer.start()
-    await claiming_often(completer, queue)
+    completer, metrics = await started(queue)
     yield queue, completer, metrics
     await completer.close(timeout_seconds=5)
 
@@ -96,10 +105,7 @@ async def test_a_stale_ack_that_rode_counts_as_stale_not_as_an_ack(riding):
 
 async def test_an_ack_no_claim_comes_for_is_written_on_its_own_after_the_ride_time():
     queue = FakeQueue(carries_acks=True)
-    completer = Completer(queue, Metrics(), lease_seconds=30, ride_seconds=0.2)
-    completer.busy = False
-    completer.start()
-    await claiming_often(completer, queue)
+    completer, _ = await started(queue, ride_seconds=0.2)
     try:
         (attempt,) = await claimed(queue, 1)
         handed = time.monotonic()
@@ -152,11 +158,7 @@ async def test_acks_whose_claim_lost_its_answer_after_committing_count_once(ridi
 
 async def test_acks_riding_on_a_claim_cancelled_at_a_stop_are_flushed_by_the_close():
     queue = FakeQueue(carries_acks=True)
-    metrics = Metrics()
-    completer = Completer(queue, metrics, lease_seconds=30, ride_seconds=30.0)
-    completer.busy = False
-    completer.start()
-    await claiming_often(completer, queue)
+    completer, metrics = await started(queue)
     attempts = await claimed(queue, 2)
     queue.claim_gate = asyncio.Event()  # the next claim hangs
     for a in attempts:
@@ -173,11 +175,7 @@ async def test_acks_riding_on_a_claim_cancelled_at_a_stop_are_flushed_by_the_clo
 
 async def test_a_close_waits_for_a_claim_that_carries_acks():
     queue = FakeQueue(carries_acks=True)
-    metrics = Metrics()
-    completer = Completer(queue, metrics, lease_seconds=30, ride_seconds=30.0)
-    completer.busy = False
-    completer.start()
-    await claiming_often(completer, queue)
+    completer, metrics = await started(queue)
     await acked(queue, completer, 2)
     queue.fail_claims = 1  # the carrying claim fails after the close began
     gate = asyncio.Event()
@@ -210,10 +208,7 @@ async def test_a_busy_worker_writes_its_acks_on_their_own(riding):
 
 async def test_a_queue_that_cannot_carry_acks_gets_none():
     queue = FakeQueue()  # carries_acks off, as a queue from before riding acks
-    completer = Completer(queue, Metrics(), lease_seconds=30, ride_seconds=30.0,
-                          trickle_linger_seconds=0.0)
-    completer.busy = False
-    completer.start()
+    completer, _ = await started(queue, often=False, trickle_linger_seconds=0.0)
     try:
         (attempt,) = await claimed(queue, 1)
         completer.ack(attempt)
@@ -259,10 +254,7 @@ async def test_an_ack_never_waits_for_a_claim_past_half_the_lease_it_has_left():
     """A short lease with a small margin (a 1 s lease, the answer 0.8 s after the
     claim): the ack is written within 0.1 s, not after the 30 s ride time."""
     queue = FakeQueue(carries_acks=True, lease_seconds=1.0)
-    completer = Completer(queue, Metrics(), lease_seconds=1.0, ride_seconds=30.0)
-    completer.busy = False
-    completer.start()
-    await claiming_often(completer, queue)
+    completer, _ = await started(queue, lease_seconds=1.0)
     try:
         (attempt,) = await claimed(queue, 1)
         sent = time.monotonic() - 0.8  # 0.2 s of lease left
@@ -278,10 +270,7 @@ async def test_an_ack_never_waits_for_a_claim_past_half_the_lease_it_has_left():
 
 async def test_a_pod_that_claims_seldom_writes_its_acks_without_waiting_for_a_claim():
     queue = FakeQueue(carries_acks=True)
-    completer = Completer(queue, Metrics(), lease_seconds=30, ride_seconds=30.0,
-                          trickle_linger_seconds=0.0)
-    completer.busy = False
-    completer.start()
+    completer, _ = await started(queue, often=False, trickle_linger_seconds=0.0)
     try:
         await completer.carried_by(claim_with(queue))  # one claim: no gap known yet
         (attempt,) = await claimed(queue, 1)
