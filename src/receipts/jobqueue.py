@@ -498,11 +498,7 @@ class JobQueue:
         asynchronously committed write is durable (docs/design.md §2). Raises
         the queue's errors (``DatabaseUnavailable`` …).
         """
-        async with self._conn() as conn:
-            since = self._since(conn)
-            cur = await conn.execute(self._q("wal_position"))
-            row = await cur.fetchone()
-        assert row is not None
+        (row,), since = await self._rows_since(self._q("wal_position"), {})
         return WalPosition(int(row[0]), int(row[1]), since)
 
     async def recover_expired(self, *, batch: int, delay_seconds: float) -> RecoveryBatch:
