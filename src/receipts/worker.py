@@ -12,8 +12,11 @@ Shape (docs/design.md §4, §11):
   Without it every slot idled for a claim's round trip between two
   deliveries: one pod kept 0.73 of its slots busy against a 50 ms provider
   (bench/README.md). A prefetched job's lease ticks while it waits, so it
-  waits at most ``PREFETCH_MAX_WAIT_SECONDS``; a pause, a stop or a longer
-  wait gives it back unsent, with its attempt (no attempt was made).
+  waits at most ``PREFETCH_MAX_WAIT_SECONDS``, and never so long that a
+  delivery started then could outlast the lease's room for it (lease minus
+  margin minus delivery timeout: :meth:`Worker.prefetch_max_wait`); a pause, a
+  stop or a longer wait gives it back unsent, with its attempt (no attempt was
+  made).
 * One statement per pool connection borrow; no connection is held across a
   provider call. Outcome writes (acks and reschedules) are handed to the
   :class:`~receipts.completion.Completer`, which coalesces them; a slot is
@@ -123,6 +126,9 @@ CLAIM_LINGER_SECONDS = 0.005
 #: for a slot, seconds: its lease ticks meanwhile, and a slot frees within a
 #: delivery's round trip while the provider answers.
 PREFETCH_MAX_WAIT_SECONDS = 1.0
+#: Nothing is claimed ahead when the lease leaves a job less than this long (seconds)
+#: to wait for a slot (:meth:`Worker.prefetch_max_wait`): it would go back unsent.
+PREFETCH_MIN_WAIT_SECONDS = 0.01
 #: Weight of the newest sample in the round-trip averages the prefetch depth uses.
 PREFETCH_EWMA_WEIGHT = 0.1
 #: The most jobs held claimed ahead, as a share of the limit on deliveries in flight
@@ -449,13 +455,16 @@ class Worker:
         their spread), rounded up (0 below ``PREFETCH_MIN_AHEAD``), at most
         ``PREFETCH_MAX_SHARE`` (half) of the limit (≥ 1) and ``claim_batch_max``,
         where the limit is ``min(slots, adaptive limit)``.
-        0 unless the last claim came back full (the queue has work), and while
-        the fleet is paused, rejections without evidence are being paced, or a
-        prefetched job has waited its most since the last delivery ended: a
-        claim then takes only what it can send.
+        0 unless the last claim came back full (the queue has work), when the
+        lease leaves a job claimed ahead no time to wait (:meth:`prefetch_max_wait`
+        below ``PREFETCH_MIN_WAIT_SECONDS``), and while the fleet is paused,
+        rejections without evidence are being paced, or a prefetched job has
+        waited its most since the last delivery ended: a claim then takes only
+        what it can send.
         """
         if (not self._backlogged or self._prefetch_stalled or self.gate.paused
-                or self.gate.inflight_cap() is not None or self._delivery_seconds_avg <= 0):
+                or self.gate.inflight_cap() is not None or self._delivery_seconds_avg <= 0
+                or self.prefetch_max_wait() < PREFETCH_MIN_WAIT_SECONDS):
             return 0
         limit = self.settings.concurrency
         if self.capacity is not None:
@@ -472,19 +481,34 @@ class Worker:
         """Jobs the next claim may take: free slots plus the prefetch's room (may be ≤ 0)."""
         return self._free_slots() + self.prefetch_depth() - len(self._prefetched)
 
+    def prefetch_max_wait(self) -> float:
+        """Seconds a job claimed ahead may wait for a slot before it goes back unsent.
+
+        ``PREFETCH_MAX_WAIT_SECONDS``, or less when the lease leaves less room: a
+        delivery must be able to run its whole timeout and leave the lease margin
+        for the ack, so it starts at most ``lease - margin - delivery timeout``
+        seconds after the claim (≥ 0: the settings check refuses a timeout that does
+        not fit the lease at all). With the defaults (60 s lease, 10 s margin, 10 s
+        timeout) that is 40 s, so the constant decides; with a 1 s lease, a 0.25 s
+        margin and a 0.75 s timeout it is 0, and nothing is claimed ahead.
+        """
+        s = self.settings
+        room = s.lease_seconds - s.lease_margin - s.delivery_timeout_seconds
+        return max(0.0, min(PREFETCH_MAX_WAIT_SECONDS, room))
+
     def _prefetch_wait_left(self) -> float | None:
         """Seconds until the oldest prefetched job has waited its most (None: none)."""
         if not self._prefetched:
             return None
-        return max(0.0, self._prefetched[0].claimed_at + PREFETCH_MAX_WAIT_SECONDS
+        return max(0.0, self._prefetched[0].claimed_at + self.prefetch_max_wait()
                    - time.monotonic())
 
     def _send_prefetched(self) -> None:
         """Start prefetched jobs on the free slots; give back those that may not be sent.
 
         All go back (unsent, their attempts returned) while the fleet is paused
-        or the worker stops; one that waited ``PREFETCH_MAX_WAIT_SECONDS``
-        goes back alone. None starts while the adaptive limit holds claims
+        or the worker stops; one that waited :meth:`prefetch_max_wait` goes
+        back alone. None starts while the adaptive limit holds claims
         after a refusal.
         """
         queued = self._prefetched
@@ -494,7 +518,7 @@ class Worker:
             self._give_back(list(queued), "paused" if self.gate.paused else "stopping")
             queued.clear()
             return
-        oldest = time.monotonic() - PREFETCH_MAX_WAIT_SECONDS
+        oldest = time.monotonic() - self.prefetch_max_wait()
         stale = []
         while queued and queued[0].claimed_at <= oldest:
             stale.append(queued.popleft())

@@ -619,6 +619,65 @@ async def test_a_job_claimed_ahead_that_waits_too_long_goes_back_and_claiming_ah
     await p.loop.__aexit__()
 
 
+async def test_a_job_claimed_ahead_never_waits_past_its_lease_room_for_a_delivery():
+    # A 1 s lease, a 0.25 s margin and a 0.6 s delivery timeout: a delivery that starts
+    # more than 0.15 s after the claim could outlast the lease, and its ack go stale.
+    p = Prefetching(lease_seconds=1.0, lease_margin_seconds=0.25, delivery_timeout_seconds=0.6)
+    assert p.worker.prefetch_max_wait() == pytest.approx(0.15)
+    await p.start()
+    ahead = list(p.worker._prefetched)
+    await until(lambda: all(p.queue.rows[a.job.id].state is JobState.READY for a in ahead))
+    waited = time.monotonic() - ahead[0].claimed_at
+    assert waited < 0.6, f"a job claimed ahead waited {waited:.2f} s of a 1 s lease"
+    assert [p.queue.rows[a.job.id].attempts for a in ahead] == [0, 0]  # given back unsent
+    assert len(p.deliverer.started) == 4
+    for gate in p.gates.values():
+        gate.set()
+    await until(lambda: p.queue.count(JobState.DONE) == 20)
+    await p.loop.__aexit__()
+
+
+async def test_a_lease_with_no_room_to_wait_claims_nothing_ahead():
+    # The delivery timeout takes all the lease leaves after the margin (the settings check
+    # allows it): a job may start only right after its claim, so none is claimed ahead.
+    queue = FakeQueue()
+    ids = queue.add(12)
+    gates = {job_id: asyncio.Event() for job_id in ids}
+
+    async def answer(job_id: object) -> None:
+        await gates[job_id].wait()  # type: ignore[index]
+
+    deliverer = GatedDeliverer(answer)
+    async with Loop(queue, deliverer, concurrency=4, lease_seconds=1.0,
+                    lease_margin_seconds=0.25, delivery_timeout_seconds=0.75) as loop:
+        worker = loop.worker
+        worker._claim_seconds, worker._delivery_seconds_avg = 0.010, 0.020
+        assert worker.prefetch_max_wait() == 0.0
+        await until(lambda: len(deliverer.started) == 4)
+        worker._backlogged = True
+        assert worker.prefetch_depth() == 0
+        for job_id in deliverer.started[:2]:
+            gates[job_id].set()
+        await until(lambda: len(deliverer.started) == 6)
+        for gate in gates.values():
+            gate.set()
+        await until(lambda: queue.count(JobState.DONE) == 12)
+    assert all(n <= 4 for n, _ in queue.claims) and not worker._prefetched
+    assert loop.value("receipts_claims_returned_total") == 0
+
+
+@pytest.mark.parametrize("lease,margin,timeout,wait", [
+    (60.0, None, 10.0, 1.0),    # the defaults: 40 s of room, the constant decides
+    (4.0, 0.3, 3.2, 0.5),       # a short lease: what is left of it
+    (1.0, 0.25, 0.75, 0.0),     # no room at all
+])
+def test_the_prefetch_wait_is_bounded_by_the_lease_room(lease, margin, timeout, wait):
+    worker = Worker(settings(lease_seconds=lease, lease_margin_seconds=margin,
+                             delivery_timeout_seconds=timeout), FakeQueue(), ScriptedDeliverer(),
+                    Metrics())
+    assert worker.prefetch_max_wait() == pytest.approx(wait)
+
+
 async def test_an_idle_queue_claims_nothing_ahead():
     queue, deliverer = FakeQueue(), ScriptedDeliverer()
     deliverer.latency_seconds = 0.005
