@@ -139,7 +139,9 @@ def order_id_text(order_id: object) -> str:
 def _joined_order_ids(order_ids: Iterable[object]) -> tuple[int, str]:
     """(how many, their texts joined by :data:`_SEPARATOR`) of checked *order_ids*.
 
-    Each id is :func:`order_id_text` of it; the first bad id's error is raised.
+    Each id is :func:`order_id_text` of it; the first bad id's error is raised,
+    its message prefixed with the id's position (``order_ids[3]: order id
+    contains control characters``), never with the id itself.
     The rules of :func:`check_order_id` are checked over the whole batch by
     str and bytes methods that loop in C (faster than one by one: bench/README.md);
     when any of them fails, or an
@@ -166,7 +168,13 @@ def _joined_order_ids(order_ids: Iterable[object]) -> tuple[int, str]:
             # the separators must be the only ones.
             if len(encoded) - len(encoded.translate(None, _CONTROL_BYTES)) == len(texts) - 1:
                 return len(texts), joined
-    texts = [order_id_text(o) for o in ids]
+    texts = []
+    for position, order_id in enumerate(ids):
+        try:
+            texts.append(order_id_text(order_id))
+        except InvalidOrderId as exc:
+            # The position, not the id: a bad id may be huge or carry control characters.
+            raise InvalidOrderId(f"order_ids[{position}]: {exc}") from None
     return len(texts), _SEPARATOR.join(texts)
 
 
@@ -412,7 +420,8 @@ def enqueue_many(
 
     Same arguments and rules as :func:`enqueue` (one *run_at* for all; no
     notification; *notify* deprecated and ignored); every order id is
-    validated before anything is sent.
+    validated before anything is sent, and the first bad one raises
+    :class:`InvalidOrderId` naming its position (``order_ids[3]: …``).
 
     Returns a list aligned with *order_ids*: at position ``i`` the new job's
     UUID for ``order_ids[i]``, or None when that order already had a job —

@@ -61,7 +61,13 @@ BAD = ["", " lead", "trail ", "\u3000wide", "x" * 201, "nul\x00", "new\nline", "
 
 
 def one_by_one(ids: list[object]) -> list[str]:
-    return [order_id_text(o) for o in ids]
+    texts = []
+    for position, order_id in enumerate(ids):
+        try:
+            texts.append(order_id_text(order_id))
+        except InvalidOrderId as exc:
+            raise InvalidOrderId(f"order_ids[{position}]: {exc}") from None
+    return texts
 
 
 def error_of(call, ids):
@@ -91,6 +97,17 @@ def test_the_batch_check_raises_the_first_bad_ids_error_as_one_by_one_does(bad, 
     assert error_of(_joined_order_ids, ids) == error_of(one_by_one, ids)
     assert error_of(_joined_order_ids, [Text("ok"), bad]) \
         == error_of(one_by_one, [Text("ok"), bad])
+
+
+@pytest.mark.parametrize("bad", ["nul\x00", "x" * 201, " lead", "\ud800lone", None])
+def test_the_batch_error_names_the_bad_ids_position_and_not_the_id(bad):
+    with pytest.raises(InvalidOrderId) as info:
+        _joined_order_ids(["a", "b", "c", bad, "\x01"])
+    message = str(info.value)
+    assert message.startswith("order_ids[3]: order id ")
+    assert message.removeprefix("order_ids[3]: ") == error_of(order_id_text, bad)[1]
+    if bad:
+        assert bad not in message
 
 
 def test_a_str_subclass_is_checked_one_by_one_and_stored_as_its_text():
