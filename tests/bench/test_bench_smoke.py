@@ -142,6 +142,20 @@ def test_the_capacity_benchmarks_oracle_gives_the_fleet_exactly_the_capacity():
 
 
 @pytest.mark.slow
+def test_the_listener_experiment_delivers_only_the_listeners_channel(tmp_path):
+    out = tmp_path / "listeners.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.experiments.listeners", "--rounds", "1",
+         "--commits", "500", "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=170,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    summary = json.loads(out.read_text())["summary"]
+    assert summary["mine"]["delivered"] == 500 and summary["other"]["delivered"] == 0
+    assert all(summary[c]["us_per_commit"] >= 0 for c in summary)
+
+
+@pytest.mark.slow
 def test_the_riding_ack_experiment_writes_the_same_rows_in_fewer_statements(tmp_path):
     out = tmp_path / "ride.json"
     result = subprocess.run(
