@@ -10,8 +10,9 @@ What it does (docs/design.md §8):
    --loop`` process, then places orders, each with its receipt job in one
    order transaction;
 4. SIGKILLs a worker in the middle of its deliveries (and starts a
-   replacement), and SIGSTOPs another for longer than the lease so that its
-   late acks are refused as stale; then takes the provider down for a few
+   replacement), and SIGSTOPs another for longer than the lease so that
+   none of its late outcomes lands (it gives up those whose lease ended; the
+   database refuses any other as stale); then takes the provider down for a few
    seconds: the fleet pauses, probes and resumes by itself;
 5. waits until the queue is drained, stops everything with SIGTERM and
    prints a summary checked against the database and the provider.
@@ -153,7 +154,8 @@ def _pause_past_lease(victim: Child) -> None:
          f"{LEASE_SECONDS:g}s leases)")
     time.sleep(LEASE_SECONDS + 3)  # the fault itself: paused past every lease it holds
     victim.resume()
-    _say(f"SIGCONTed {victim.name}: its late acks must be refused as stale")
+    _say(f"SIGCONTed {victim.name}: none of its late outcomes may land (it gives up those "
+         "whose lease has ended; the database refuses any other as stale)")
 
 
 def run_demo(opts: DemoOptions) -> int:
@@ -384,6 +386,7 @@ def _summary(run: _Run, elapsed: float, scraped: list[MetricSamples],
         return int(sum(m.total(name) for m in scraped))
 
     duplicates = int(provider_stats.get("duplicates_suppressed", 0))
+    stale, leases_lost = total("receipts_stale_acks_total"), total("receipts_leases_lost_total")
     pauses = total("receipts_provider_pauses_total")
     worker_codes = {k: v for k, v in codes.items() if k.startswith("worker")}
     bad_exits = {k: v for k, v in worker_codes.items() if v not in (0, -9)}
@@ -403,8 +406,9 @@ def _summary(run: _Run, elapsed: float, scraped: list[MetricSamples],
         f"  receipts at provider (unique)  {len(ours)}",
         f"  duplicates suppressed          {duplicates}  (same Idempotency-Key sent again)",
         f"  redeliveries (attempts > 1)    {redeliveries}",
-        f"  stale acks refused             {total('receipts_stale_acks_total')}"
-        "  (surviving workers)",
+        f"  late outcomes not written      {stale + leases_lost}  ({stale} refused as stale"
+        f" by the database, {leases_lost} given up by their worker at the lease's end;"
+        " surviving workers)",
         f"  retries by surviving workers   {total('receipts_retries_total')}",
         "  provider outage ridden out     "
         + (f"yes: {pauses} fleet pause(s) (the outage's and Retry-After's), "

@@ -244,6 +244,9 @@ def test_the_demo_runs_end_to_end_and_loses_nothing(server):
         return int(next(c for c in cols if c.startswith(name + "=")).split("=")[1])
 
     assert count(total, "acks") == sum(count(cols, "acks") for cols in per_worker)
+    # The worker frozen past its lease: what it gave up and what the database refused.
+    assert figure("late outcomes not written") == (
+        count(total, "stale_acks") + count(total, "leases_lost"))
 
 
 @pytest.mark.slow
