@@ -76,6 +76,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import random
 import time
 import uuid
@@ -227,6 +228,9 @@ class Completer:
         self.backlog = 0
         self._busy = True
         self._last_write = -1e9  # time.monotonic() when the last statements began
+        # time.monotonic() until which the flusher lingers now (-inf: not lingering); an
+        # outcome handed in meanwhile that may not be held that long ends the linger.
+        self._linger_until = -math.inf
         self._acked = 0  # acks accounted since receipts_acks_total was last increased
         self._watch: CommitWatch[tuple[_Lane[Any, Any], _Pending[Any], Any]] | None = (
             CommitWatch() if watch_durability else None)
@@ -284,10 +288,13 @@ class Completer:
         self._wake.set()
 
     def _submit(self, lane: _Lane[T, R], item: T, attempt: Attempt) -> None:
-        lane.pending.append(_Pending(item, attempt, handed_at=time.monotonic()))
+        pending = _Pending(item, attempt, handed_at=time.monotonic())
+        lane.pending.append(pending)
         self.backlog += 1
         self._wake.set()
-        if len(lane.pending) >= self.max_batch:
+        if len(lane.pending) >= self.max_batch or self._held_until(pending) < self._linger_until:
+            # A full batch, or an outcome whose lease cannot wait out the linger in
+            # progress (set for the outcomes before it): the flusher decides anew.
             self._full.set()
 
     async def wait_for_room(self, limit: int) -> None:
@@ -353,8 +360,12 @@ class Completer:
                 # Let more outcomes arrive (one statement for dozens of them),
                 # but not past a full batch or a close.
                 self._full.clear()
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._full.wait(), linger)
+                self._linger_until = time.monotonic() + linger
+                try:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(self._full.wait(), linger)
+                finally:
+                    self._linger_until = -math.inf
                 if self._riding and not self._busy:
                     # A claim may have carried the acks meanwhile: what is left
                     # decides anew (its deadlines are absolute, so this ends).
@@ -417,16 +428,21 @@ class Completer:
         return min(left, self._lease_cap() - now)
 
     def _lease_cap(self) -> float:
-        """The latest ``time.monotonic()`` the waiting outcomes may be held to: for
-        each, halfway from its hand-in to its lease's end as this process counts it
-        (the claim's send plus the lease)."""
-        cap = float("inf")
+        """The latest ``time.monotonic()`` the waiting outcomes may be held to: the
+        earliest :meth:`_held_until` of them (``inf`` when none waits)."""
+        cap = math.inf
         for lane in self._lanes:
             for p in lane.pending:
-                sent = p.attempt.claim_sent_at
-                end = (sent if sent is not None else p.attempt.claimed_at) + self.lease_seconds
-                cap = min(cap, p.handed_at + (end - p.handed_at) / 2)
+                cap = min(cap, self._held_until(p))
         return cap
+
+    def _held_until(self, p: _Pending[Any]) -> float:
+        """The latest ``time.monotonic()`` *p* may wait to be written: halfway from its
+        hand-in to its lease's end as this process counts it (the claim's send plus
+        the lease)."""
+        sent = p.attempt.claim_sent_at
+        end = (sent if sent is not None else p.attempt.claimed_at) + self.lease_seconds
+        return p.handed_at + (end - p.handed_at) / 2
 
     def _claims_often(self) -> bool:
         """Whether the worker's recent claims came at least every ``ride_seconds``

@@ -268,6 +268,28 @@ async def test_an_ack_never_waits_for_a_claim_past_half_the_lease_it_has_left():
     assert waited < 0.15 and queue.ack_statements == 1
 
 
+async def test_an_ack_handed_in_during_a_linger_is_not_held_past_its_own_lease_cap():
+    """The flusher waits for a claim to carry a fresh ack (30 s of lease left); an
+    ack with 0.2 s left arrives meanwhile: both are written within 0.1 s of it, not
+    when the first one's wait ends."""
+    queue = FakeQueue(carries_acks=True, lease_seconds=1.0)
+    completer, _ = await started(queue, lease_seconds=30.0)
+    try:
+        fresh, late = await claimed(queue, 2)
+        completer.ack(fresh)  # may wait up to the 30 s ride time: the flusher lingers
+        await asyncio.sleep(0.05)
+        assert queue.count(JobState.DONE) == 0
+        sent = time.monotonic() - 29.8  # 0.2 s of its lease left
+        late = dataclasses.replace(late, claim_sent_at=sent, claimed_at=sent)
+        handed = time.monotonic()
+        completer.ack(late)
+        await until(lambda: queue.count(JobState.DONE) == 2, timeout=2)
+        waited = time.monotonic() - handed
+    finally:
+        await completer.close(timeout_seconds=5)
+    assert waited < 0.15 and queue.ack_statements == 1
+
+
 async def test_a_pod_that_claims_seldom_writes_its_acks_without_waiting_for_a_claim():
     queue = FakeQueue(carries_acks=True)
     completer, _ = await started(queue, often=False, trickle_linger_seconds=0.0)
