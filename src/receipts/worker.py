@@ -487,10 +487,11 @@ class Worker:
         ``PREFETCH_MAX_WAIT_SECONDS``, or less when the lease leaves less room: a
         delivery must be able to run its whole timeout and leave the lease margin
         for the ack, so it starts at most ``lease - margin - delivery timeout``
-        seconds after the claim (≥ 0: the settings check refuses a timeout that does
-        not fit the lease at all). With the defaults (60 s lease, 10 s margin, 10 s
-        timeout) that is 40 s, so the constant decides; with a 1 s lease, a 0.25 s
-        margin and a 0.75 s timeout it is 0, and nothing is claimed ahead.
+        seconds after its claim was sent (the lease's start at the latest; ≥ 0: the
+        settings check refuses a timeout that does not fit the lease at all). With
+        the defaults (60 s lease, 10 s margin, 10 s timeout) that is 40 s, so the
+        constant decides; with a 1 s lease, a 0.25 s margin and a 0.75 s timeout it
+        is 0, and nothing is claimed ahead.
         """
         s = self.settings
         room = s.lease_seconds - s.lease_margin - s.delivery_timeout_seconds
@@ -500,7 +501,7 @@ class Worker:
         """Seconds until the oldest prefetched job has waited its most (None: none)."""
         if not self._prefetched:
             return None
-        return max(0.0, self._prefetched[0].claimed_at + self.prefetch_max_wait()
+        return max(0.0, _lease_start(self._prefetched[0]) + self.prefetch_max_wait()
                    - time.monotonic())
 
     def _send_prefetched(self) -> None:
@@ -520,7 +521,7 @@ class Worker:
             return
         oldest = time.monotonic() - self.prefetch_max_wait()
         stale = []
-        while queued and queued[0].claimed_at <= oldest:
+        while queued and _lease_start(queued[0]) <= oldest:
             stale.append(queued.popleft())
         if stale:
             self._prefetch_stalled = True
@@ -885,6 +886,14 @@ class Worker:
 def ack_flush_seconds(settings: Settings) -> float:
     """How long a stopping worker waits for its last outcome writes, seconds."""
     return max(5.0, min(settings.shutdown_grace_seconds, 30.0))
+
+
+def _lease_start(attempt: Attempt) -> float:
+    """When *attempt*'s lease began at the latest, on ``time.monotonic()``: just before
+    its claim was sent (the database starts the lease while the claim runs), or when
+    the claim came back when that is unknown."""
+    sent = attempt.claim_sent_at
+    return sent if sent is not None else attempt.claimed_at
 
 
 def _moving(average: float, sample: float) -> float:
