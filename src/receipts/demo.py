@@ -386,6 +386,8 @@ def _summary(run: _Run, elapsed: float, scraped: list[MetricSamples],
         return int(sum(m.total(name) for m in scraped))
 
     duplicates = int(provider_stats.get("duplicates_suppressed", 0))
+    # A refused write counts in both; receipts_leases_lost_total also counts the outcomes
+    # a worker gave up without trying, once their lease had certainly ended.
     stale, leases_lost = total("receipts_stale_acks_total"), total("receipts_leases_lost_total")
     pauses = total("receipts_provider_pauses_total")
     worker_codes = {k: v for k, v in codes.items() if k.startswith("worker")}
@@ -406,9 +408,9 @@ def _summary(run: _Run, elapsed: float, scraped: list[MetricSamples],
         f"  receipts at provider (unique)  {len(ours)}",
         f"  duplicates suppressed          {duplicates}  (same Idempotency-Key sent again)",
         f"  redeliveries (attempts > 1)    {redeliveries}",
-        f"  late outcomes not written      {stale + leases_lost}  ({stale} refused as stale"
-        f" by the database, {leases_lost} given up by their worker at the lease's end;"
-        " surviving workers)",
+        f"  late outcomes not written      {leases_lost}  ({stale} refused as stale"
+        f" by the database, {leases_lost - stale} given up by their worker at the lease's"
+        " end; workers that ran to the end)",
         f"  retries by surviving workers   {total('receipts_retries_total')}",
         "  provider outage ridden out     "
         + (f"yes: {pauses} fleet pause(s) (the outage's and Retry-After's), "
