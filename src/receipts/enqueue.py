@@ -130,7 +130,12 @@ def order_id_text(order_id: object) -> str:
     if isinstance(order_id, uuid.UUID):
         return str(order_id)
     if isinstance(order_id, int) and not isinstance(order_id, bool):
-        return check_order_id(str(order_id))
+        try:
+            text = str(order_id)
+        except ValueError:  # more digits than str() converts (sys.get_int_max_str_digits)
+            raise InvalidOrderId(
+                f"order id is longer than {ORDER_ID_MAX_LENGTH} characters") from None
+        return check_order_id(text)
     raise InvalidOrderId(
         f"order id must be {ACCEPTED_ORDER_ID_TYPES}, not {type(order_id).__name__}"
     )
