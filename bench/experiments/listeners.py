@@ -90,14 +90,17 @@ def main(argv: list[str] | None = None) -> int:
                    "delivered": statistics.median(x["delivered"] for x in runs
                                                   if x["channel"] == c)}
                for c in CHANNELS}
-    print(f"\n{args.commits} notifying commits, median of {args.rounds}: the listener's CPU")
+    tick_us = 1e6 / os.sysconf("SC_CLK_TCK") / args.commits  # /proc counts whole ticks
+    print(f"\n{args.commits} notifying commits, median of {args.rounds}: the listener's CPU"
+          f" (read in clock ticks: ±{tick_us:.2f} us per commit)")
     for channel in CHANNELS:
         print(f"on {channel:6} {summary[channel]['us_per_commit']:7.2f} us per commit,"
               f" {summary[channel]['delivered']:.0f} delivered")
     write_json({"started": started.isoformat(timespec="seconds"),
                 "finished": datetime.now(UTC).isoformat(timespec="seconds"),
                 "machine": machine(), "args": vars(args) | {"out": str(args.out)},
-                "summary": summary, "runs": runs}, args.out)
+                "summary": summary, "resolution_us_per_commit": round(tick_us, 3),
+                "runs": runs}, args.out)
     return 0
 
 
