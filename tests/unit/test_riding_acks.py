@@ -250,6 +250,21 @@ async def test_acks_whose_claim_was_refused_are_written_on_their_own_not_carried
     assert queue.ack_statements == 1 and queue.resolves == 0  # not in doubt: no question
 
 
+def claimed_ago(attempt: Attempt, seconds: float) -> Attempt:
+    """*attempt* as if its claim had been sent *seconds* ago (its lease that much older)."""
+    sent = time.monotonic() - seconds
+    return dataclasses.replace(attempt, claim_sent_at=sent, claimed_at=sent)
+
+
+async def seconds_to_land(queue: FakeQueue, completer: Completer, attempt: Attempt, *,
+                          done: int) -> float:
+    """Hand in *attempt*'s ack; seconds until the queue holds *done* done rows."""
+    handed = time.monotonic()
+    completer.ack(attempt)
+    await until(lambda: queue.count(JobState.DONE) == done, timeout=2)
+    return time.monotonic() - handed
+
+
 async def test_an_ack_never_waits_for_a_claim_past_half_the_lease_it_has_left():
     """A short lease with a small margin (a 1 s lease, the answer 0.8 s after the
     claim): the ack is written within 0.1 s, not after the 30 s ride time."""
@@ -257,12 +272,7 @@ async def test_an_ack_never_waits_for_a_claim_past_half_the_lease_it_has_left():
     completer, _ = await started(queue, lease_seconds=1.0)
     try:
         (attempt,) = await claimed(queue, 1)
-        sent = time.monotonic() - 0.8  # 0.2 s of lease left
-        attempt = dataclasses.replace(attempt, claim_sent_at=sent, claimed_at=sent)
-        handed = time.monotonic()
-        completer.ack(attempt)
-        await until(lambda: queue.count(JobState.DONE) == 1, timeout=2)
-        waited = time.monotonic() - handed
+        waited = await seconds_to_land(queue, completer, claimed_ago(attempt, 0.8), done=1)
     finally:
         await completer.close(timeout_seconds=5)
     assert waited < 0.15 and queue.ack_statements == 1
@@ -279,12 +289,8 @@ async def test_an_ack_handed_in_during_a_linger_is_not_held_past_its_own_lease_c
         completer.ack(fresh)  # may wait up to the 30 s ride time: the flusher lingers
         await asyncio.sleep(0.05)
         assert queue.count(JobState.DONE) == 0
-        sent = time.monotonic() - 29.8  # 0.2 s of its lease left
-        late = dataclasses.replace(late, claim_sent_at=sent, claimed_at=sent)
-        handed = time.monotonic()
-        completer.ack(late)
-        await until(lambda: queue.count(JobState.DONE) == 2, timeout=2)
-        waited = time.monotonic() - handed
+        # 0.2 s of its lease left
+        waited = await seconds_to_land(queue, completer, claimed_ago(late, 29.8), done=2)
     finally:
         await completer.close(timeout_seconds=5)
     assert waited < 0.15 and queue.ack_statements == 1
