@@ -10,9 +10,9 @@ What it does (docs/design.md §8):
    --loop`` process, then places orders, each with its receipt job in one
    order transaction;
 4. SIGKILLs a worker in the middle of its deliveries (and starts a
-   replacement), and SIGSTOPs another for longer than the lease so that
-   none of its late outcomes lands (it gives up those whose lease ended; the
-   database refuses any other as stale); then takes the provider down for a few
+   replacement), and SIGSTOPs another in the middle of its deliveries for
+   longer than the lease so that its late outcomes are refused as stale;
+   then takes the provider down for a few
    seconds: the fleet pauses, probes and resumes by itself;
 5. waits until the queue is drained, stops everything with SIGTERM and
    prints a summary checked against the database and the provider.
@@ -136,26 +136,33 @@ def _counts(run: _Run) -> dict[str, int]:
     return {state: int(n) for state, n in rows}
 
 
-def _kill_mid_delivery(victim: Child) -> None:
-    """SIGKILL *victim* once its metrics show deliveries in flight (or after 20 s)."""
+def _wait_for_deliveries(victim: Child) -> None:
+    """Return once *victim*'s metrics show deliveries in flight (or after 20 s)."""
     deadline = time.monotonic() + 20
     while time.monotonic() < deadline:
         with contextlib.suppress(httpx.HTTPError, ValueError):
             if victim.scrape().total("receipts_inflight_deliveries") > 0:
-                break
+                return
         time.sleep(0.02)
+
+
+def _kill_mid_delivery(victim: Child) -> None:
+    """SIGKILL *victim* once its metrics show deliveries in flight (or after 20 s)."""
+    _wait_for_deliveries(victim)
     victim.kill()
     _say(f"SIGKILLed {victim.name} (pid {victim.pid}) in the middle of its deliveries")
 
 
 def _pause_past_lease(victim: Child) -> None:
+    """SIGSTOP *victim* with deliveries in flight (or after 20 s) for longer than its
+    leases, then SIGCONT: what it then tries to write is refused as stale."""
+    _wait_for_deliveries(victim)
     victim.pause()
     _say(f"SIGSTOPped {victim.name} for {LEASE_SECONDS + 3:g}s (longer than its "
          f"{LEASE_SECONDS:g}s leases)")
     time.sleep(LEASE_SECONDS + 3)  # the fault itself: paused past every lease it holds
     victim.resume()
-    _say(f"SIGCONTed {victim.name}: none of its late outcomes may land (it gives up those "
-         "whose lease has ended; the database refuses any other as stale)")
+    _say(f"SIGCONTed {victim.name}: its late outcomes must be refused as stale")
 
 
 def run_demo(opts: DemoOptions) -> int:
@@ -387,7 +394,7 @@ def _summary(run: _Run, elapsed: float, scraped: list[MetricSamples],
 
     duplicates = int(provider_stats.get("duplicates_suppressed", 0))
     # A refused write counts in both; receipts_leases_lost_total also counts the outcomes
-    # a worker gave up without trying, once their lease had certainly ended.
+    # a worker gave up after a failed write, once their lease had certainly ended.
     stale, leases_lost = total("receipts_stale_acks_total"), total("receipts_leases_lost_total")
     pauses = total("receipts_provider_pauses_total")
     worker_codes = {k: v for k, v in codes.items() if k.startswith("worker")}
@@ -409,8 +416,8 @@ def _summary(run: _Run, elapsed: float, scraped: list[MetricSamples],
         f"  duplicates suppressed          {duplicates}  (same Idempotency-Key sent again)",
         f"  redeliveries (attempts > 1)    {redeliveries}",
         f"  late outcomes not written      {leases_lost}  ({stale} refused as stale"
-        f" by the database, {leases_lost - stale} given up by their worker at the lease's"
-        " end; workers that ran to the end)",
+        f" by the database, {leases_lost - stale} given up after a failed write;"
+        " workers that ran to the end)",
         f"  retries by surviving workers   {total('receipts_retries_total')}",
         "  provider outage ridden out     "
         + (f"yes: {pauses} fleet pause(s) (the outage's and Retry-After's), "
