@@ -440,8 +440,7 @@ class Completer:
         """The latest ``time.monotonic()`` *p* may wait to be written: halfway from its
         hand-in to its lease's end as this process counts it (the claim's send plus
         the lease)."""
-        sent = p.attempt.claim_sent_at
-        end = (sent if sent is not None else p.attempt.claimed_at) + self.lease_seconds
+        end = p.attempt.lease_start + self.lease_seconds
         return p.handed_at + (end - p.handed_at) / 2
 
     def _claims_often(self) -> bool:

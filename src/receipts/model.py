@@ -173,6 +173,13 @@ class Attempt:
     enqueued_age_seconds: float | None = None
     claim_sent_at: float | None = None
 
+    @property
+    def lease_start(self) -> float:
+        """When the lease began at the latest, on ``time.monotonic()``: just before
+        the claim was sent (the database starts the lease while the claim runs), or
+        when the claim came back when that is unknown."""
+        return self.claim_sent_at if self.claim_sent_at is not None else self.claimed_at
+
 
 @dataclass(frozen=True, slots=True)
 class FlowState:

@@ -501,7 +501,7 @@ class Worker:
         """Seconds until the oldest prefetched job has waited its most (None: none)."""
         if not self._prefetched:
             return None
-        return max(0.0, _lease_start(self._prefetched[0]) + self.prefetch_max_wait()
+        return max(0.0, self._prefetched[0].lease_start + self.prefetch_max_wait()
                    - time.monotonic())
 
     def _send_prefetched(self) -> None:
@@ -521,7 +521,7 @@ class Worker:
             return
         oldest = time.monotonic() - self.prefetch_max_wait()
         stale = []
-        while queued and _lease_start(queued[0]) <= oldest:
+        while queued and queued[0].lease_start <= oldest:
             stale.append(queued.popleft())
         if stale:
             self._prefetch_stalled = True
@@ -886,14 +886,6 @@ class Worker:
 def ack_flush_seconds(settings: Settings) -> float:
     """How long a stopping worker waits for its last outcome writes, seconds."""
     return max(5.0, min(settings.shutdown_grace_seconds, 30.0))
-
-
-def _lease_start(attempt: Attempt) -> float:
-    """When *attempt*'s lease began at the latest, on ``time.monotonic()``: just before
-    its claim was sent (the database starts the lease while the claim runs), or when
-    the claim came back when that is unknown."""
-    sent = attempt.claim_sent_at
-    return sent if sent is not None else attempt.claimed_at
 
 
 def _moving(average: float, sample: float) -> float:
