@@ -65,6 +65,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hashlib
+import itertools
 import json
 import random
 import time
@@ -418,10 +419,12 @@ class Wakeups:
         return shares
 
     def _targets(self) -> tuple[list[str], list[int]]:
-        """Member channels in wake-up order (pods with free slots first) and their free slots."""
+        """Member channels in wake-up order (pods with free slots first), and for each
+        the free slots of the pods ahead of it (``waker_probe`` wakes a pod while
+        that sum is below the due jobs)."""
         ranked = sorted(self._members, key=lambda m: m[1] <= 0)  # stable: keeps the turn
-        return ([MEMBER_CHANNEL_PREFIX + t for t, _ in ranked],
-                [max(f, 0) for _, f in ranked])
+        before = list(itertools.accumulate((max(f, 0) for _, f in ranked), initial=0))
+        return [MEMBER_CHANNEL_PREFIX + t for t, _ in ranked], before[:-1]
 
     async def probe(self, session: ListenSession, *, heartbeat: bool = False) -> bool:
         """One ``waker_probe``: wake the pods new due work needs; True when it woke any.
@@ -431,14 +434,14 @@ class Wakeups:
         """
         seen_run_at, seen_id = self._seen
         from_run_at, from_id = self._mark
-        channels, free = self._targets()
+        channels, before = self._targets()
         shares = self.shares if heartbeat and self._members else None
         params: dict[str, Any] = {
             "max_attempts": self.settings.max_attempts,
             "seen_run_at": seen_run_at, "seen_id": seen_id,
             "from_run_at": from_run_at, "from_id": from_id,
             "margin_seconds": MARGIN_SECONDS, "stuck_seconds": STUCK_SECONDS,
-            "channels": channels, "free": free,
+            "channels": channels, "before": before,
             "channel": NOTIFY_CHANNEL, "heartbeat": heartbeat,
             "waker_channel": WAKER_CHANNEL, "schema_name": self.schema,
             "fleet_channel": FLEET_CHANNEL,

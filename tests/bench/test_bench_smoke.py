@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from receipts.statements import statements
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -170,3 +172,20 @@ def test_the_riding_ack_experiment_writes_the_same_rows_in_fewer_statements(tmp_
     assert summary["one statement"]["statements_per_job"] == 0.25
     assert summary["two statements"]["statements_per_job"] == round(39 / 80, 3)
     assert all(summary[m]["us_per_job"] > 0 for m in summary)
+
+
+@pytest.mark.slow
+def test_the_probe_experiment_wakes_one_pod_per_probe_with_each_text(tmp_path):
+    out = tmp_path / "probe.json"
+    text = tmp_path / "probe.sql"
+    text.write_text(statements(None)["waker_probe"])  # the same text, read from a file
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.experiments.probe", "--rounds", "1", "--probes", "60",
+         "--done", "1000", "--sql", str(text), "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=170,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert [r["sql"] for r in runs] == ["waker_probe", str(text)]
+    # 4 jobs fall due before each probe and the first member has 8 free slots: one pod.
+    assert all(r["woken_per_probe"] == 1.0 and r["us_per_probe"] > 0 for r in runs)

@@ -9,7 +9,9 @@ the same with real worker processes and kill -9.
 from __future__ import annotations
 
 import asyncio
+import random
 import time
+from collections import deque
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime, timedelta
 
@@ -23,12 +25,13 @@ from receipts.jobqueue import JobQueue
 from receipts.metrics import Metrics
 from receipts.waker import (
     FLEET_CHANNEL,
+    MEMBER_CHANNEL_PREFIX,
     SILENT_SECONDS,
     WAKER_CHANNEL,
     Wakeups,
     lock_key,
 )
-from tests.conftest import fetch_rows, make_settings
+from tests.conftest import enqueue_many, fetch_rows, make_settings
 from tests.integration.test_enqueue_api import Listener
 
 # Pickup and failover are measured here in fractions of a second: run alone (solo).
@@ -307,6 +310,57 @@ async def test_a_back_dated_job_below_the_watermark_is_swept_and_claimed(dsn, me
     took = await until(lambda: any("old" in p.claimed for p in members), "the old job claimed")
     assert took < 1.0
     assert FLEET_CHANNEL == "receipts_fleet"
+
+
+def expected_woken(free: list[int], due: int) -> list[int]:
+    """The wake rule, written out: members with free slots first (in their turn), each
+    woken while the free slots of those ahead of it are fewer than the due jobs."""
+    ranked = [k for k, f in enumerate(free) if f > 0] + [k for k, f in enumerate(free) if f <= 0]
+    woken, ahead = [], 0
+    for k in ranked:
+        if ahead < due:
+            woken.append(k)
+        ahead += max(free[k], 0)
+    return sorted(woken)
+
+
+_RULE_CASES = [([4, 8, 8], 3), ([4, 8, 8], 4), ([4, 8, 8], 5), ([4, 8, 8], 30),
+               ([0, 0, 2], 1), ([0, 5, 0, 5], 6), ([0, 0, 0], 2), ([32], 256)]
+_RULE_CASES += [([random.Random(n).randint(0, 9) for _ in range(random.Random(-n).randint(1, 7))],
+                 random.Random(n * 7).randint(1, 40)) for n in range(1, 9)]
+
+
+@pytest.mark.parametrize(("free", "due"), _RULE_CASES)
+async def test_new_due_work_wakes_exactly_the_members_whose_free_slots_it_needs(
+        dsn, free, due):
+    """One probe of the real statement with members named: the channels notified are those
+    the rule picks (the caller adds up the slots ahead; the statement compares)."""
+    settings = make_settings(dsn)
+    wakeups = Wakeups(settings, Metrics(), lambda: None)
+    tags = [f"{k:08x}" for k in range(len(free))]
+    wakeups._members = deque(zip(tags, free, strict=True))
+    enqueue_many(dsn, [f"rule-{k}" for k in range(due)])
+    listener = psycopg.connect(dsn, autocommit=True)
+    session = await ListenSession.open(settings)
+    try:
+        for tag in tags:
+            listener.execute(
+                sql.SQL("LISTEN {}").format(sql.Identifier(MEMBER_CHANNEL_PREFIX + tag)))
+        await wakeups.probe(session)
+        listener.execute("LISTEN sentinel")
+        with psycopg.connect(dsn, autocommit=True) as other:
+            other.execute("SELECT pg_notify('sentinel', '')")
+        channels = []
+        for note in listener.notifies(timeout=10):
+            if note.channel == "sentinel":
+                break
+            channels.append(note.channel)
+    finally:
+        await session.close()
+        listener.close()
+    woken = sorted(tags.index(c.removeprefix(MEMBER_CHANNEL_PREFIX)) for c in channels)
+    assert woken == expected_woken(free, min(due, 256)), channels
+
 
 
 async def test_the_wakers_session_plans_its_probe_once_not_on_every_call(dsn):

@@ -41,9 +41,10 @@ FROM (SELECT pg_try_advisory_lock(%(key)s) AS won) AS attempt;
 -- Wake-ups come from this statement's own short transaction, never an
 -- order's, and only when not paused (the claim's pause rule). With pods
 -- named (%(channels)s, their own channels in the order to wake them, and
--- %(free)s, each one's free slots), new work or a stuck head wakes the first
--- pods whose free slots add up to the due jobs, each with the watermark as
--- payload ('<microseconds since 1970> <id>'), and returns how many it woke.
+-- %(before)s, the free slots of the pods ahead of each one, added up by the
+-- caller), new work or a stuck head wakes the first pods whose free slots add
+-- up to the due jobs, each with the watermark as payload ('<microseconds since
+-- 1970> <id>'), and returns how many it woke.
 -- New work also notifies %(channel)s (receipts_ready), as before, for every
 -- listener that is no member (released workers, pods without a tag): with
 -- no pod named the payload is empty and every pod wakes; with pods named it
@@ -51,6 +52,11 @@ FROM (SELECT pg_try_advisory_lock(%(key)s) AS won) AS attempt;
 -- also notifies the waker channel (payload: the schema, what released pods
 -- listen for) and, with %(shares)s, the fleet channel: a JSON object with the
 -- schema, each pod's share of the rate limit and the watermark.
+-- The plan is kept small, because the waker sets it up 14 times a second and
+-- that set-up was a third of its session's CPU (bench/README.md, "The waker's
+-- probe"): the decision is one row (MATERIALIZED: it is read twice and must
+-- be computed once), the due count a sub-select, the wake-ups a lateral
+-- aggregate over the channels; no window, sort or join of CTEs.
 WITH tail AS (
   SELECT run_at, id
   FROM {schema}.receipt_jobs
@@ -68,30 +74,23 @@ WITH tail AS (
                          coalesce(%(from_id)s::uuid, '00000000-0000-0000-0000-000000000000'))
   ORDER BY run_at, id
   LIMIT 1
-), mark AS (
-  SELECT CASE WHEN h.run_at < c.at THEN h.run_at ELSE c.at END AS run_at,
+), decided AS MATERIALIZED (
+  SELECT t.run_at, t.id,
+         CASE WHEN h.run_at < c.at THEN h.run_at ELSE c.at END AS mark_run_at,
          CASE WHEN h.run_at < c.at THEN h.id
-              ELSE '00000000-0000-0000-0000-000000000000'::uuid END AS id,
+              ELSE '00000000-0000-0000-0000-000000000000'::uuid END AS mark_id,
          coalesce(h.run_at <= statement_timestamp()
-                  - make_interval(secs => %(stuck_seconds)s), false) AS stuck
-  FROM (SELECT statement_timestamp() - make_interval(secs => %(margin_seconds)s) AS at) AS c
-  LEFT JOIN head AS h ON true
-), due AS (
-  SELECT count(*) AS n
-  FROM (
-    SELECT 1
-    FROM {schema}.receipt_jobs
-    WHERE state = 'ready'
-      AND run_at <= statement_timestamp()
-      AND attempts < %(max_attempts)s
-      AND (run_at, id) >= (coalesce(%(from_run_at)s::timestamptz, '-infinity'),
-                           coalesce(%(from_id)s::uuid, '00000000-0000-0000-0000-000000000000'))
-    ORDER BY run_at, id
-    LIMIT 256
-  ) AS d
-), decided AS (
-  SELECT t.run_at, t.id, m.run_at AS mark_run_at, m.id AS mark_id, d.n AS due,
-         m.stuck,
+                  - make_interval(secs => %(stuck_seconds)s), false) AS stuck,
+         (SELECT count(*) FROM (
+            SELECT 1
+            FROM {schema}.receipt_jobs
+            WHERE state = 'ready'
+              AND run_at <= statement_timestamp()
+              AND attempts < %(max_attempts)s
+              AND (run_at, id) >= (coalesce(%(from_run_at)s::timestamptz, '-infinity'),
+                                   coalesce(%(from_id)s::uuid, '00000000-0000-0000-0000-000000000000'))
+            ORDER BY run_at, id
+            LIMIT 256) AS d) AS due,
          t.id IS NOT NULL
          AND (t.run_at, t.id) IS DISTINCT FROM (%(seen_run_at)s::timestamptz, %(seen_id)s::uuid)
            AS fresh,
@@ -101,16 +100,9 @@ WITH tail AS (
              AND {schema}.receipts_pause_reason(pause_reason, paused_until, pause_cause,
                                                 pause_cause_until, statement_timestamp())
                  IS NOT NULL
-         ) AS open,
-         (extract(epoch FROM m.run_at) * 1000000)::int8 || ' ' || m.id AS payload
-  FROM (SELECT 1) AS one LEFT JOIN tail AS t ON true CROSS JOIN mark AS m CROSS JOIN due AS d
-), targets AS (
-  SELECT g.channel, sum(g.free) OVER (ORDER BY g.ord) - g.free AS before
-  FROM unnest(%(channels)s::text[], %(free)s::int[]) WITH ORDINALITY AS g(channel, free, ord)
-), woken AS (
-  SELECT count(pg_notify(g.channel, d.payload)) AS n
-  FROM targets AS g, decided AS d
-  WHERE d.open AND (d.fresh OR d.stuck) AND d.due > 0 AND g.before < d.due
+         ) AS open
+  FROM (SELECT statement_timestamp() - make_interval(secs => %(margin_seconds)s) AS at) AS c
+  LEFT JOIN tail AS t ON true LEFT JOIN head AS h ON true
 )
 SELECT d.run_at, d.id, d.open AND d.fresh AND coalesce(cardinality(%(channels)s::text[]), 0) = 0
          OR w.n > 0 AS wake,
@@ -122,8 +114,14 @@ SELECT d.run_at, d.id, d.open AND d.fresh AND coalesce(cardinality(%(channels)s:
        CASE WHEN %(heartbeat)s AND %(shares)s::jsonb IS NOT NULL
             THEN pg_notify(%(fleet_channel)s, jsonb_build_object(
                    'schema', %(schema_name)s::text, 'shares', %(shares)s::jsonb,
-                   'after', d.payload)::text) END
-FROM decided AS d, woken AS w;
+                   'after', (extract(epoch FROM d.mark_run_at) * 1000000)::int8
+                            || ' ' || d.mark_id)::text) END
+FROM decided AS d CROSS JOIN LATERAL (
+  SELECT count(pg_notify(g.channel, (extract(epoch FROM d.mark_run_at) * 1000000)::int8
+                                    || ' ' || d.mark_id)) AS n
+  FROM unnest(%(channels)s::text[], %(before)s::int[]) AS g(channel, before)
+  WHERE d.open AND (d.fresh OR d.stuck) AND d.due > 0 AND g.before < d.due
+) AS w;
 
 -- name: waker_sweep
 -- The backstop below the watermark, run by the waker now and then: the oldest
