@@ -18,7 +18,9 @@ probe's CPU can be read precisely and a change to it compared in one run:
   asynchronous commit, prepared statements), LISTENs on the ready channel
   and a member channel, and names 4 members of 8 free slots each, with the
   watermark and the tail carried from one probe to the next as
-  :class:`receipts.waker.Wakeups` carries them.
+  :class:`receipts.waker.Wakeups` carries them; with ``--local`` the waker's
+  own pod is a fifth member, first, with 8 free slots: it takes the new work
+  in-process and the probe notifies nobody.
 
 The probing backend's CPU comes from ``/proc/<pid>/schedstat`` (nanoseconds
 on the CPU) around the whole loop; the feeder's is not counted. Each
@@ -82,8 +84,13 @@ def waker_session(dsn: str) -> psycopg.Connection[Any]:
 
 
 def run_once(bench: Bench, *, probes: int, per_probe: int, done: int,
-             perf_seconds: float = 0.0, sql_file: Path | None = None) -> dict[str, Any]:
-    """One run of *probes* probes; the probing backend's CPU per probe (µs)."""
+             perf_seconds: float = 0.0, sql_file: Path | None = None,
+             local: bool = False) -> dict[str, Any]:
+    """One run of *probes* probes; the probing backend's CPU per probe (µs).
+
+    *local*: the waker's own pod is a member with free slots for the new work, so
+    the current text wakes it in-process and notifies nobody.
+    """
     with bench.database("probe") as dsn:
         fill_ready(dsn, done, prefix="d", state="done")
         settle(dsn, "receipt_jobs")
@@ -126,6 +133,8 @@ def run_once(bench: Bench, *, probes: int, per_probe: int, done: int,
                     "margin_seconds": MARGIN_SECONDS, "stuck_seconds": STUCK_SECONDS,
                     "channels": [f"{MEMBER_CHANNEL_PREFIX}m{k}" for k in range(MEMBERS)],
                     "before": [FREE_SLOTS * k for k in range(MEMBERS)],
+                    "local": FREE_SLOTS if local else None,
+                    "slots": FREE_SLOTS * (MEMBERS + local),
                     "free": [FREE_SLOTS] * MEMBERS,  # (the text before 2026-12-07)
                     "channel": NOTIFY_CHANNEL, "heartbeat": False,
                     "waker_channel": WAKER_CHANNEL, "schema_name": SCHEMA,
@@ -134,7 +143,7 @@ def run_once(bench: Bench, *, probes: int, per_probe: int, done: int,
                 got = waker.execute(sql, params, prepare=True).fetchone()
                 assert got is not None
                 seen, mark = (got[0], got[1]), (got[3], got[4])
-                woken += int(got[6] or 0)
+                woken += int(got[6] or 0) + bool(local and len(got) > 10 and got[10])
                 # The waker receives its own notifications, as in the fleet.
                 for _ in waker.notifies(timeout=0, stop_after=8):
                     pass
@@ -167,6 +176,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="also record the probing backend with perf for SECONDS")
     p.add_argument("--sql", type=Path, action="append", default=[],
                    help="also measure this text of the probe (interleaved with the current)")
+    p.add_argument("--local", action="store_true",
+                   help="the waker's own pod is a member with free slots (no notification)")
     p.add_argument("--out", type=Path, default=DEFAULT_OUT)
     args = p.parse_args(argv)
     if args.rounds < 1 or args.probes < 1 or args.per_probe < 1 or args.done < 0:
@@ -179,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         for r in range(args.rounds):
             for text in texts:
                 run = run_once(bench, probes=args.probes, per_probe=args.per_probe,
-                               done=args.done, sql_file=text)
+                               done=args.done, sql_file=text, local=args.local)
                 runs.append({"round": r, "sql": str(text or "waker_probe"), **run})
                 print(f"  round {r} {text or 'waker_probe'}: {run}", flush=True)
         if args.perf:

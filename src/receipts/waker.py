@@ -50,14 +50,18 @@ What keeps a calm day cheap (docs/design.md, "Calm-day wake-ups"):
   looks below it for a row that became ready there (a back-dated run_at, a
   transaction that commits long after it began) and lowers it.
 * **Targeted wake-ups.** New due work, or a due head waiting
-  :data:`STUCK_SECONDS`, wakes only the members whose free slots add up to
-  the due jobs, in turn, on their own channels, with the watermark as
-  payload. With no member known, every pod is woken on ``receipts_ready`` as
-  before; with members, new work still notifies ``receipts_ready``, with
-  payload :data:`MEMBERS_PAYLOAD`, which wakes released workers and pods
-  without a tag and which members ignore. A pod not woken keeps a slow,
-  jittered poll whose fleet-wide rate does not grow with the pod count
-  (:meth:`Wakeups.fleet_size`).
+  :data:`STUCK_SECONDS`, wakes the waker's own pod first, in-process (no
+  notification: a notifying commit signals every LISTEN session of the
+  database), then only the other members whose free slots add up to the
+  rest, in turn, on their own channels, with the watermark as payload. A
+  stuck head does not count the waker's own slots (its pod did not take
+  that work). With no member known, every pod is woken on
+  ``receipts_ready`` as before; with members, new work that woke one, or
+  that is more than all the members' free slots, also notifies
+  ``receipts_ready`` with payload :data:`MEMBERS_PAYLOAD`, which wakes
+  released workers and pods without a tag and which members ignore. A pod
+  not woken keeps a slow, jittered poll whose fleet-wide rate does not grow
+  with the pod count (:meth:`Wakeups.fleet_size`).
 """
 
 from __future__ import annotations
@@ -182,6 +186,9 @@ class Wakeups:
         metrics: ``receipts_waker_elected``, ``receipts_waker_wakes_total`` and
             the probe's ``receipts_db_statement_duration_seconds``.
         wake: called for every wake-up (cuts the claim loop's sleep short).
+        tag: this pod's tag (its heartbeat row's), or None: no member.
+        free_slots: this pod's free slots now (may be ≤ 0), when this pod is the
+            waker and a member; None: its heartbeat row's figure, as for the others.
         clock: monotonic seconds (tests pass their own).
 
     :meth:`run` keeps one :class:`~receipts.db.ListenSession` open, reconnecting
@@ -189,9 +196,10 @@ class Wakeups:
     """
 
     def __init__(self, settings: Settings, metrics: Metrics, wake: Callable[[], None], *,
-                 tag: str | None = None,
+                 tag: str | None = None, free_slots: Callable[[], int] | None = None,
                  clock: Callable[[], float] = time.monotonic) -> None:
         self.settings = settings
+        self._free_slots = free_slots
         self.metrics = metrics
         self._wake = wake
         self._clock = clock
@@ -418,13 +426,27 @@ class Wakeups:
         self.shares, self.shares_at = shares, self._clock()
         return shares
 
-    def _targets(self) -> tuple[list[str], list[int]]:
-        """Member channels in wake-up order (pods with free slots first), and for each
-        the free slots of the pods ahead of it (``waker_probe`` wakes a pod while
-        that sum is below the due jobs)."""
-        ranked = sorted(self._members, key=lambda m: m[1] <= 0)  # stable: keeps the turn
+    def _targets(self) -> tuple[int | None, list[str], list[int]]:
+        """Who ``waker_probe`` wakes, in order: this pod's free slots when it is a
+        member (live when the worker gave them; None when no member: then it is
+        woken with everyone), the other
+        members' channels (pods with free slots first, in their turn), and for
+        each the free slots of the others ahead of it."""
+        own = [f for t, f in self._members if t == self.tag]
+        if own and self._free_slots is not None:
+            own = [self._free_slots()]
+        ranked = sorted((m for m in self._members if m[0] != self.tag),
+                        key=lambda m: m[1] <= 0)  # stable: keeps the turn
         before = list(itertools.accumulate((max(f, 0) for _, f in ranked), initial=0))
-        return [MEMBER_CHANNEL_PREFIX + t for t, _ in ranked], before[:-1]
+        return (max(own[0], 0) if own else None,
+                [MEMBER_CHANNEL_PREFIX + t for t, _ in ranked], before[:-1])
+
+    def _next_turn(self, woken: int) -> None:
+        """Move the *woken* first of the other members to the end of the turn."""
+        own = [m for m in self._members if m[0] == self.tag]
+        others = deque(m for m in self._members if m[0] != self.tag)
+        others.rotate(-woken)
+        self._members = deque([*own, *others])
 
     async def probe(self, session: ListenSession, *, heartbeat: bool = False) -> bool:
         """One ``waker_probe``: wake the pods new due work needs; True when it woke any.
@@ -434,14 +456,15 @@ class Wakeups:
         """
         seen_run_at, seen_id = self._seen
         from_run_at, from_id = self._mark
-        channels, before = self._targets()
+        local, channels, before = self._targets()
         shares = self.shares if heartbeat and self._members else None
         params: dict[str, Any] = {
             "max_attempts": self.settings.max_attempts,
             "seen_run_at": seen_run_at, "seen_id": seen_id,
             "from_run_at": from_run_at, "from_id": from_id,
             "margin_seconds": MARGIN_SECONDS, "stuck_seconds": STUCK_SECONDS,
-            "channels": channels, "before": before,
+            "local": local, "channels": channels, "before": before,
+            "slots": (local or 0) + sum(max(f, 0) for t, f in self._members if t != self.tag),
             "channel": NOTIFY_CHANNEL, "heartbeat": heartbeat,
             "waker_channel": WAKER_CHANNEL, "schema_name": self.schema,
             "fleet_channel": FLEET_CHANNEL,
@@ -457,11 +480,11 @@ class Wakeups:
         self.watermark = (row[3], row[4])
         woken = int(row[6] or 0)
         if woken:
-            self._members.rotate(-woken)  # the next new work goes to the next pods
+            self._next_turn(woken)  # the next new work goes to the next pods
         if row[2]:
             self.metrics.waker_wakes.inc()
-            if not channels:  # (a targeted wake reaches this pod on its own channel)
-                self._wake()
+            if row[10] or (local is None and not channels):
+                self._wake()  # this pod, in-process (other members: on their channels)
             return True
         return False
 

@@ -263,7 +263,8 @@ class Worker:
         #: The pod's LISTEN session and its part in the fleet's waker election; None
         #: when it cannot have one (behind PgBouncer, or RECEIPTS_LISTEN_NOTIFY off).
         self.wakeups = Wakeups(settings, metrics, self.wake,
-                               tag=getattr(queue, "worker_tag", None)) if (
+                               tag=getattr(queue, "worker_tag", None),
+                               free_slots=self._waker_free_slots) if (
             settings.listen_notify and not settings.pgbouncer) else None
         #: This pod's share of the fleet-wide rate limit (rate and capacity set
         #: from the waker's announcement before each use; receipts.ratelimit).
@@ -434,6 +435,12 @@ class Worker:
             seconds, wakeable = wait
             if seconds > 0:
                 await self._sleep(seconds, wakeable=wakeable)
+
+    def _waker_free_slots(self) -> int:
+        """What this pod can take of new work when it is the fleet's waker: its free
+        slots, none while it stops or the fleet is paused (the waker then wakes
+        the other pods for the work; receipts.waker)."""
+        return 0 if self._stop.is_set() or self.gate.paused else self._free_slots()
 
     def _free_slots(self) -> int:
         """Slots free for a claim now: fewer while the gate sees unexplained rejections

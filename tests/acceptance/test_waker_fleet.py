@@ -15,8 +15,9 @@ from collections.abc import Iterator
 import psycopg
 import pytest
 
-from receipts.enqueue import NOTIFY_CHANNEL, enqueue
+from receipts.enqueue import NOTIFY_CHANNEL, enqueue, enqueue_many
 from receipts.supervisor import Child
+from receipts.waker import MEMBERS_PAYLOAD
 from tests.acceptance.test_flow_fleet import answers, start_workers, until
 from tests.conftest import fetch_rows
 
@@ -128,8 +129,10 @@ def test_a_frozen_waker_loses_its_session_and_the_fleet_elects_another(dsn, sup,
 def test_an_upgrade_released_workers_are_woken_and_old_enqueuers_keep_working(
         dsn, sup, provider):
     """A released worker listens on receipts_ready and polls every second; a released
-    enqueuer notifies in its own transaction. Beside a new worker, both keep working."""
-    woken: list[float] = []
+    enqueuer notifies in its own transaction. Beside a new worker, both keep working.
+    The released worker is woken for work the new pods cannot take, not for work the
+    waker's own pod takes (that probe notifies nobody)."""
+    heard: list[tuple[float, str]] = []
     ready = threading.Event()
     stop = threading.Event()
 
@@ -139,26 +142,43 @@ def test_an_upgrade_released_workers_are_woken_and_old_enqueuers_keep_working(
             conn.execute(f"LISTEN {NOTIFY_CHANNEL}")
             ready.set()
             while not stop.is_set():
-                woken.extend(time.monotonic() for _ in conn.notifies(timeout=0.2))
+                heard.extend((time.monotonic(), n.payload) for n in conn.notifies(timeout=0.2))
+
+    def woken_since(seen: int) -> list[str]:
+        """What the released worker heard after the first *seen*, up to a sentinel."""
+        with psycopg.connect(dsn, autocommit=True) as conn:
+            conn.execute("SELECT pg_notify(%s, 'sentinel')", (NOTIFY_CHANNEL,))
+        until(lambda: any(p == "sentinel" for _, p in heard[seen:]), "the sentinel", 5)
+        got = [p for _, p in heard[seen:]]
+        return got[:got.index("sentinel")]
 
     thread = threading.Thread(target=released_worker_listener, daemon=True)
     thread.start()
     try:
         assert ready.wait(10)
-        (worker,) = start_workers(sup, dsn, provider, 1)
+        # One slot: the new pod (the waker) can take one job at a time.
+        (worker,) = start_workers(sup, dsn, provider, 1, concurrency="1")
         the_waker([worker])
-        seen = len(woken)
+        seen = len(heard)
         committed = checkout(dsn, "from-a-new-enqueuer")  # no notification of its own
-        until(lambda: len(woken) > seen, "the released worker woken by the new waker", 5)
-        assert woken[-1] - committed < 1.0
         until(lambda: len(answers(provider)) == 1, "delivered", 5)
+        assert pickups(provider, [committed])[0] < 1.0
+        assert woken_since(seen) == []  # the waker's own pod took it, in-process
+
+        seen = len(heard)
+        with psycopg.connect(dsn) as conn, conn.transaction():
+            enqueue_many(conn, ["more-1", "more-2", "more-3"])  # more than its one slot
+        committed = time.monotonic()
+        until(lambda: len(heard) > seen, "the released worker woken by the new waker", 5)
+        assert heard[seen][0] - committed < 1.0 and heard[seen][1] == MEMBERS_PAYLOAD
+        until(lambda: len(answers(provider)) == 4, "delivered", 10)
 
         committed = checkout(dsn, "from-a-released-enqueuer", old_enqueuer=True)
-        until(lambda: len(answers(provider)) == 2, "delivered", 5)
-        assert pickups(provider, [0.0, committed])[1] < 1.0
+        until(lambda: len(answers(provider)) == 5, "delivered", 5)
+        assert pickups(provider, [0.0] * 4 + [committed])[4] < 1.0
     finally:
         stop.set()
         thread.join(5)
     # The ack follows the provider's answer within the completer's trickle linger (250 ms).
     until(lambda: fetch_rows(dsn, "SELECT state, count(*) FROM receipt_jobs GROUP BY state")
-          == [("done", 2)], "both jobs acked", 5)
+          == [("done", 5)], "every job acked", 5)

@@ -47,13 +47,13 @@ class Pod:
     """
 
     def __init__(self, dsn: str, *, tag: str | None = None, queue: JobQueue | None = None,
-                 **settings: object) -> None:
+                 free_slots: Callable[[], int] | None = None, **settings: object) -> None:
         self.metrics = Metrics()
         self.woken = 0
         self.claimed: list[str] = []
         self.queue = queue
         self.wakeups = Wakeups(make_settings(dsn, **settings), self.metrics, self._wake,
-                               tag=tag)
+                               tag=tag, free_slots=free_slots)
         self.task: asyncio.Task[None] | None = None
         self._claims: set[asyncio.Task[None]] = set()
 
@@ -265,20 +265,52 @@ async def members(dsn) -> AsyncIterator[list[Pod]]:
     await pool.close()
 
 
-async def test_new_work_wakes_only_the_pod_it_needs_and_the_next_goes_to_the_next_pod(
+async def test_new_work_the_wakers_pod_can_take_wakes_only_it_and_notifies_nobody(
         dsn, members):
+    """At a calm rate no probe notifies: each costs every LISTEN session a signal."""
     waker = waker_of(members)
-    for n, order in enumerate(("first", "second"), start=1):
-        before = [p.woken for p in members]
-        await enqueue_one(dsn, order)
-        await until(lambda o=order: any(o in p.claimed for p in members), f"{order} claimed")
-        await probes_pass(waker, 5)  # nothing due is left: nobody else is woken
-        woken = [p.woken - b for p, b in zip(members, before, strict=True)]
-        assert sorted(woken) == [0, 0, 1], (order, woken)
-        assert waker.wakes() == n
-    first = next(p for p in members if "first" in p.claimed)
-    second = next(p for p in members if "second" in p.claimed)
-    assert first is not second  # in turn, not always the same pod
+    listener = Listener(dsn)  # receipts_ready: released workers and pods without a tag
+    try:
+        for n, order in enumerate(("first", "second"), start=1):
+            before = [p.woken for p in members]
+            await enqueue_one(dsn, order)
+            await until(lambda o=order: o in waker.claimed, f"{order} claimed by the waker")
+            await probes_pass(waker, 5)  # nothing due is left: nobody else is woken
+            woken = [p.woken - b for p, b in zip(members, before, strict=True)]
+            assert woken == [1 if p is waker else 0 for p in members], (order, woken)
+            assert waker.wakes() == n
+        assert listener.count() == 0
+    finally:
+        listener.close()
+
+
+async def test_new_work_the_wakers_pod_cannot_take_goes_to_the_others_in_turn(dsn):
+    settings = make_settings(dsn)
+    pool = make_pool(settings, "test", max_size=4)
+    await pool.open(wait=True, timeout=10)
+    queue = JobQueue(pool, lease_seconds=30.0, max_attempts=settings.max_attempts)
+    # Each pod's own slots are full: as the waker it takes nothing itself.
+    members = [Pod(dsn, tag=c * 8, queue=queue, free_slots=lambda: 0).start() for c in "abc"]
+    try:
+        await until(lambda: sum(p.is_waker for p in members) == 1, "a waker elected")
+        await until(lambda: all(p.wakeups.shares is not None and len(p.wakeups.shares) == 3
+                                for p in members), "three members announced")
+        waker = waker_of(members)
+        for n, order in enumerate(("first", "second"), start=1):
+            before = [p.woken for p in members]
+            await enqueue_one(dsn, order)
+            await until(lambda o=order: any(o in p.claimed for p in members), f"{order} claimed")
+            await probes_pass(waker, 5)
+            woken = [p.woken - b for p, b in zip(members, before, strict=True)]
+            assert sorted(woken) == [0, 0, 1] and woken[members.index(waker)] == 0, woken
+            assert waker.wakes() == n
+        first = next(p for p in members if "first" in p.claimed)
+        second = next(p for p in members if "second" in p.claimed)
+        assert first is not second  # in turn, not always the same pod
+    finally:
+        for pod in members:
+            await pod.stop()
+        await pool.close()
 
 
 async def test_the_waker_announces_shares_and_a_killed_member_drops_out_at_once(dsn, members):
@@ -312,55 +344,80 @@ async def test_a_back_dated_job_below_the_watermark_is_swept_and_claimed(dsn, me
     assert FLEET_CHANNEL == "receipts_fleet"
 
 
-def expected_woken(free: list[int], due: int) -> list[int]:
-    """The wake rule, written out: members with free slots first (in their turn), each
-    woken while the free slots of those ahead of it are fewer than the due jobs."""
-    ranked = [k for k, f in enumerate(free) if f > 0] + [k for k, f in enumerate(free) if f <= 0]
-    woken, ahead = [], 0
+def expected_woken(free: list[int], due: int, own: int | None = None,
+                   stuck: bool = False) -> tuple[bool, list[int]]:
+    """The wake rule, written out: whether the waker's own pod (member *own*, None: it
+    is none) is woken in-process, and which other members are woken on their channels.
+    The waker's pod comes first when it has free slots; the others, those with free
+    slots first (in their turn), are each woken while the free slots ahead of them
+    are fewer than the due jobs. A stuck head does not count the waker's slots."""
+    self_woken = own is not None and free[own] > 0
+    ahead = 0 if own is None or stuck else max(free[own], 0)
+    others = [k for k in range(len(free)) if k != own]
+    ranked = [k for k in others if free[k] > 0] + [k for k in others if free[k] <= 0]
+    woken = []
     for k in ranked:
         if ahead < due:
             woken.append(k)
         ahead += max(free[k], 0)
-    return sorted(woken)
+    return self_woken, sorted(woken)
 
 
-_RULE_CASES = [([4, 8, 8], 3), ([4, 8, 8], 4), ([4, 8, 8], 5), ([4, 8, 8], 30),
-               ([0, 0, 2], 1), ([0, 5, 0, 5], 6), ([0, 0, 0], 2), ([32], 256)]
+_RULE_CASES = [([4, 8, 8], 3, None), ([4, 8, 8], 4, None), ([4, 8, 8], 5, None),
+               ([4, 8, 8], 30, None), ([0, 0, 2], 1, None), ([0, 5, 0, 5], 6, None),
+               ([0, 0, 0], 2, None), ([32], 256, None),
+               # The waker's own pod first: alone while its slots cover the work.
+               ([30, 32, 32], 4, 0), ([3, 32, 32], 4, 0), ([0, 32, 32], 4, 0),
+               ([32, 8, 8], 40, 0), ([8, 4, 8], 13, 1), ([32], 5, 0), ([0], 5, 0)]
 _RULE_CASES += [([random.Random(n).randint(0, 9) for _ in range(random.Random(-n).randint(1, 7))],
-                 random.Random(n * 7).randint(1, 40)) for n in range(1, 9)]
+                 random.Random(n * 7).randint(1, 40), None if n % 2 else 0)
+                for n in range(1, 9)]
 
 
-@pytest.mark.parametrize(("free", "due"), _RULE_CASES)
-async def test_new_due_work_wakes_exactly_the_members_whose_free_slots_it_needs(
-        dsn, free, due):
-    """One probe of the real statement with members named: the channels notified are those
-    the rule picks (the caller adds up the slots ahead; the statement compares)."""
+@pytest.mark.parametrize("stuck", [False, True], ids=["new", "stuck"])
+@pytest.mark.parametrize(("free", "due", "own"), _RULE_CASES)
+async def test_due_work_wakes_the_wakers_pod_and_exactly_the_members_it_needs_beside(
+        dsn, free, due, own, stuck):
+    """One probe of the real statement with members named: the waker's own pod is woken
+    in-process and the channels notified are those the rule picks (the caller adds up
+    the slots ahead; the statement compares). No notification at all when the waker's
+    pod takes the work alone."""
     settings = make_settings(dsn)
-    wakeups = Wakeups(settings, Metrics(), lambda: None)
+    local: list[int] = []
     tags = [f"{k:08x}" for k in range(len(free))]
+    wakeups = Wakeups(settings, Metrics(), lambda: local.append(1),
+                      tag=None if own is None else tags[own])
     wakeups._members = deque(zip(tags, free, strict=True))
     enqueue_many(dsn, [f"rule-{k}" for k in range(due)])
+    if stuck:  # the head has waited longer than STUCK_SECONDS
+        fetch_rows(dsn, "UPDATE receipt_jobs SET run_at = run_at - interval '0.5 s'"
+                        " RETURNING 1")
     listener = psycopg.connect(dsn, autocommit=True)
     session = await ListenSession.open(settings)
     try:
         for tag in tags:
             listener.execute(
                 sql.SQL("LISTEN {}").format(sql.Identifier(MEMBER_CHANNEL_PREFIX + tag)))
+        listener.execute(f"LISTEN {NOTIFY_CHANNEL}")
         await wakeups.probe(session)
         listener.execute("LISTEN sentinel")
         with psycopg.connect(dsn, autocommit=True) as other:
             other.execute("SELECT pg_notify('sentinel', '')")
-        channels = []
+        notes = []
         for note in listener.notifies(timeout=10):
             if note.channel == "sentinel":
                 break
-            channels.append(note.channel)
+            notes.append(note)
     finally:
         await session.close()
         listener.close()
+    channels = [n.channel for n in notes if n.channel != NOTIFY_CHANNEL]
     woken = sorted(tags.index(c.removeprefix(MEMBER_CHANNEL_PREFIX)) for c in channels)
-    assert woken == expected_woken(free, min(due, 256)), channels
-
+    assert (bool(local), woken) == expected_woken(free, min(due, 256), own, stuck), channels
+    # For released workers: when a member was woken, or the work is more than the
+    # members' free slots together (new work is fresh at a first probe, stuck or not).
+    assert [n.payload for n in notes if n.channel == NOTIFY_CHANNEL] == (
+        ["members"] if woken or min(due, 256) > sum(free) else [])
 
 
 async def test_the_wakers_session_plans_its_probe_once_not_on_every_call(dsn):

@@ -39,16 +39,29 @@ FROM (SELECT pg_try_advisory_lock(%(key)s) AS won) AS attempt;
 --   a longer backlog keeps the head stuck, which wakes the next pods).
 -- * stuck: the head is due and has waited %(stuck_seconds)s or more.
 -- Wake-ups come from this statement's own short transaction, never an
--- order's, and only when not paused (the claim's pause rule). With pods
--- named (%(channels)s, their own channels in the order to wake them, and
--- %(before)s, the free slots of the pods ahead of each one, added up by the
--- caller), new work or a stuck head wakes the first pods whose free slots add
--- up to the due jobs, each with the watermark as payload ('<microseconds since
--- 1970> <id>'), and returns how many it woke.
--- New work also notifies %(channel)s (receipts_ready), as before, for every
--- listener that is no member (released workers, pods without a tag): with
--- no pod named the payload is empty and every pod wakes; with pods named it
--- is 'members', which members ignore (they were woken on their own channels). %(heartbeat)s
+-- order's, and only when not paused (the claim's pause rule). A notifying
+-- commit costs every LISTEN session of the database a signal, whatever the
+-- channel, so the waker's own pod comes first and is woken in-process:
+-- %(local)s is its free slots when it is a member (NULL: it is none), and
+-- new work or a stuck head with due jobs returns wake_self, no notification.
+-- The other pods named (%(channels)s, their own channels in the order to wake
+-- them, and %(before)s, the free slots of the pods ahead of each one among
+-- them, added up by the caller) are woken while the free slots ahead of them,
+-- the waker's own included, are fewer than the due jobs, each with the
+-- watermark as payload ('<microseconds since 1970> <id>'); the statement
+-- returns how many it woke. A stuck head does not count the waker's slots:
+-- work that waited 150 ms is work the waker's pod did not take (its share of
+-- the rate limit ran out, or its heartbeat's free slots are stale), so the
+-- others are woken as if it had none. At a calm rate the waker's pod takes
+-- the new work alone and no probe notifies (bench/README.md, "The waker's
+-- probe").
+-- New work that woke a member on its channel, or that is more than the
+-- members' free slots together (%(slots)s, the waker's own included), also
+-- notifies %(channel)s (receipts_ready), for every listener that is no
+-- member (released workers during an upgrade, pods without a tag): with no
+-- pod named at all the payload is empty and every pod wakes; with pods named
+-- it is 'members', which members ignore (they were woken on their own
+-- channels). %(heartbeat)s
 -- also notifies the waker channel (payload: the schema, what released pods
 -- listen for) and, with %(shares)s, the fleet channel: a JSON object with the
 -- schema, each pod's share of the rate limit and the watermark.
@@ -104,23 +117,28 @@ WITH tail AS (
   FROM (SELECT statement_timestamp() - make_interval(secs => %(margin_seconds)s) AS at) AS c
   LEFT JOIN tail AS t ON true LEFT JOIN head AS h ON true
 )
-SELECT d.run_at, d.id, d.open AND d.fresh AND coalesce(cardinality(%(channels)s::text[]), 0) = 0
-         OR w.n > 0 AS wake,
+SELECT d.run_at, d.id, d.open AND d.fresh AND d.nobody OR w.n > 0 OR d.self AS wake,
        d.mark_run_at, d.mark_id, d.due, w.n,
-       CASE WHEN d.open AND d.fresh
-            THEN pg_notify(%(channel)s, CASE WHEN coalesce(cardinality(%(channels)s::text[]), 0) = 0
-                                             THEN '' ELSE 'members' END) END,
+       CASE WHEN d.open AND d.fresh AND (d.nobody OR w.n > 0 OR d.due > %(slots)s::int)
+            THEN pg_notify(%(channel)s, CASE WHEN d.nobody THEN '' ELSE 'members' END) END,
        CASE WHEN %(heartbeat)s THEN pg_notify(%(waker_channel)s, %(schema_name)s) END,
        CASE WHEN %(heartbeat)s AND %(shares)s::jsonb IS NOT NULL
             THEN pg_notify(%(fleet_channel)s, jsonb_build_object(
                    'schema', %(schema_name)s::text, 'shares', %(shares)s::jsonb,
                    'after', (extract(epoch FROM d.mark_run_at) * 1000000)::int8
-                            || ' ' || d.mark_id)::text) END
-FROM decided AS d CROSS JOIN LATERAL (
+                            || ' ' || d.mark_id)::text) END,
+       d.self AS wake_self
+FROM (
+  SELECT d.*,
+         d.open AND (d.fresh OR d.stuck) AND d.due > 0 AND %(local)s::int > 0 AS self,
+         %(local)s::int IS NULL AND coalesce(cardinality(%(channels)s::text[]), 0) = 0 AS nobody,
+         CASE WHEN d.stuck THEN 0 ELSE coalesce(%(local)s::int, 0) END AS ahead
+  FROM decided AS d
+) AS d CROSS JOIN LATERAL (
   SELECT count(pg_notify(g.channel, (extract(epoch FROM d.mark_run_at) * 1000000)::int8
                                     || ' ' || d.mark_id)) AS n
   FROM unnest(%(channels)s::text[], %(before)s::int[]) AS g(channel, before)
-  WHERE d.open AND (d.fresh OR d.stuck) AND d.due > 0 AND g.before < d.due
+  WHERE d.open AND (d.fresh OR d.stuck) AND d.due > 0 AND d.ahead + g.before < d.due
 ) AS w;
 
 -- name: waker_sweep
