@@ -429,9 +429,9 @@ class Wakeups:
     def _targets(self) -> tuple[int | None, list[str], list[int]]:
         """Who ``waker_probe`` wakes, in order: this pod's free slots when it is a
         member (live when the worker gave them; None when no member: then it is
-        woken with everyone), the other
-        members' channels (pods with free slots first, in their turn), and for
-        each the free slots of the others ahead of it."""
+        woken with everyone), the other members' channels (pods with free slots
+        first, in their turn), and for each the free slots of the others ahead
+        of it."""
         own = [f for t, f in self._members if t == self.tag]
         if own and self._free_slots is not None:
             own = [self._free_slots()]
@@ -451,8 +451,11 @@ class Wakeups:
     async def probe(self, session: ListenSession, *, heartbeat: bool = False) -> bool:
         """One ``waker_probe``: wake the pods new due work needs; True when it woke any.
 
-        Also moves the watermark forward (:attr:`watermark`), and on a
-        *heartbeat* announces the members' shares with it.
+        This pod, when it is a member with free slots, is woken in-process
+        (the *wake* callback), the others on their channels. Also moves the
+        watermark forward (:attr:`watermark`), and on a *heartbeat* announces
+        the members' shares with it. Raises :class:`QueueError` when the
+        session fails.
         """
         seen_run_at, seen_id = self._seen
         from_run_at, from_id = self._mark
