@@ -236,7 +236,8 @@ class Metrics:
         )
         self.waker_wakes = Counter(
             "receipts_waker_wakes",
-            "Wake-up notifications this pod sent as the fleet's waker (new due work appeared).",
+            "Wake-ups this pod made as the fleet's waker (new due work appeared or waited):"
+            " its own pod woken in-process, or other pods notified.",
             registry=r,
         )
         self.pool_connections = Gauge(
