@@ -212,6 +212,15 @@ class AdmissionController:
             return n, 0.0
         return 0, (batch - self._tokens) / limit
 
+    def available(self, want: int) -> int:
+        """What :meth:`allowance` would grant *want* now, without taking it (0 when
+        it would wait)."""
+        limit = self.limit
+        capacity = max(limit * BURST_SECONDS, float(want), 1.0)
+        tokens = min(capacity, self._tokens + (self._clock() - self._tokens_at) * limit)
+        batch = max(1, min(want, int(limit * BURST_SECONDS)))
+        return min(want, int(tokens)) if want >= 1 and tokens >= batch else 0
+
     def refund(self, unused: int) -> None:
         """Give back tokens for jobs the last claim asked for but did not get."""
         if unused > 0:

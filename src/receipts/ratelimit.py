@@ -97,6 +97,12 @@ class TokenBucket:
         need = max(1.0, min(float(want), self.rate * CLAIM_TOKENS_SECONDS, self.capacity))
         return 0, (need - self.tokens) / self.rate
 
+    def available(self, want: int) -> int:
+        """What :meth:`allowance` would grant *want* now, without taking it (0 when
+        it would wait)."""
+        self._refill()
+        return min(want, int(self.tokens)) if want >= 1 and self.tokens >= 1.0 else 0
+
     def refund(self, unused: int) -> None:
         """Give back tokens for jobs a claim asked for but did not get."""
         if unused > 0:

@@ -163,3 +163,16 @@ def test_the_allowance_spends_tokens_at_the_limit_in_whole_batches():
     assert ac.allowance(10)[0] == 10
     ac.refund(4)
     assert ac.allowance(4)[0] == 4  # refunded tokens are spent again
+
+
+@pytest.mark.parametrize("want", [0, 1, 5, 40, 500])
+@pytest.mark.parametrize("seconds", [0.0, 0.01, 0.05, 0.3, 5.0])
+def test_what_admission_has_available_is_what_a_claim_would_be_granted_and_stays(
+        want, seconds):
+    clock = Clock()
+    ac = with_baseline(clock)
+    ac.allowance(10_000)  # spend what the baseline's window left
+    clock.now += seconds
+    offered = ac.available(want)
+    assert ac.available(want) == offered  # looking takes nothing
+    assert offered == ac.allowance(want)[0]

@@ -100,3 +100,14 @@ def test_a_tag_is_a_signed_32_bit_lock_key():
     assert tag_number("00000001") == 1
     assert tag_number("7fffffff") == 2**31 - 1
     assert tag_number("ffffffff") == -1
+
+
+@pytest.mark.parametrize("want", [0, 1, 3, 7, 50])
+@pytest.mark.parametrize("seconds", [0.0, 0.05, 0.25, 0.9, 10.0])
+def test_what_a_bucket_has_available_is_what_a_claim_would_be_granted_and_stays(want, seconds):
+    clock = Clock()
+    bucket = TokenBucket(10.0, 8.0, clock=clock)
+    clock.now += seconds
+    offered = bucket.available(want)
+    assert bucket.available(want) == offered  # looking takes nothing
+    assert offered == bucket.allowance(want)[0]

@@ -13,6 +13,7 @@ from receipts.completion import Completer
 from receipts.flow import FlowPolicy, ProviderGate
 from receipts.metrics import Metrics
 from receipts.model import FlowState, Job, JobState, Outcome, PauseReason, Reason, Verdict
+from receipts.ratelimit import TokenBucket
 from receipts.settings import Settings, load_settings
 from receipts.worker import Worker
 from tests.unit.fakes import FakeQueue, ScriptedDeliverer, outcome
@@ -708,3 +709,41 @@ def test_the_prefetch_depth_covers_the_deliveries_ending_during_a_claim(slots, c
     assert worker.prefetch_depth() == depth
     worker.gate.observe_flow(FlowState(PauseReason.MANUAL, 60.0))
     assert worker.prefetch_depth() == 0  # paused: claims take only what they can send
+
+
+class _Heard:
+    """What a pod's wake-ups say of the waker's announcement (for Worker.rate_choice)."""
+
+    def __init__(self, tag: str, share: float) -> None:
+        self.tag, self.shares, self.shares_at = tag, {tag: share}, time.monotonic()
+
+    def member_age(self) -> float:
+        return 60.0
+
+
+def test_as_the_waker_a_pod_offers_only_what_its_throttles_let_it_claim_now():
+    """The waker wakes its own pod first for what it offers; an offer above what its
+    share of the rate limit lets it claim would leave the rest of the new work to wait
+    150 ms for the stuck head instead of going to the other pods at once."""
+    clock = [100.0]
+    worker = Loop(FakeQueue(rate=20.0), ScriptedDeliverer(), concurrency=8,
+                  rate_limit_per_second=20.0, provider_burst=20.0).worker
+    worker.wakeups = _Heard("0000abcd", 0.25)  # type: ignore[assignment]  # 5 jobs/s
+    worker.bucket = TokenBucket(5.0, 5.0, clock=lambda: clock[0])
+    assert worker._waker_free_slots() == 0  # its bucket starts empty: it must wait
+    clock[0] += 0.5
+    assert worker._waker_free_slots() == 2  # 2.5 tokens: two jobs now, the rest to others
+    assert worker._waker_free_slots() == 2  # offering takes nothing
+    clock[0] += 60
+    assert worker._waker_free_slots() == 5  # a full bucket: its share's burst
+    worker.wakeups = _Heard("0000abcd", 1.0)  # type: ignore[assignment]  # alone: 20 jobs/s
+    assert worker._waker_free_slots() == 5  # (the new share's bucket from now on)
+    clock[0] += 60
+    assert worker._waker_free_slots() == 8  # its free slots
+    worker.stop()
+    assert worker._waker_free_slots() == 0  # a stopping pod takes nothing new
+
+
+def test_as_the_waker_without_a_rate_limit_a_pod_offers_its_free_slots():
+    worker = Loop(FakeQueue(), ScriptedDeliverer(), concurrency=8).worker
+    assert worker._waker_free_slots() == 8
