@@ -50,12 +50,12 @@ What keeps a calm day cheap (docs/design.md, "Calm-day wake-ups"):
   looks below it for a row that became ready there (a back-dated run_at, a
   transaction that commits long after it began) and lowers it.
 * **Targeted wake-ups.** New due work, or a due head waiting
-  :data:`STUCK_SECONDS`, wakes the waker's own pod first, in-process (no
-  notification: a notifying commit signals every LISTEN session of the
-  database), then only the other members whose free slots add up to the
-  rest, in turn, on their own channels, with the watermark as payload. A
-  stuck head does not count the waker's own slots (its pod did not take
-  that work). With no member known, every pod is woken on
+  :data:`STUCK_SECONDS`, wakes the waker's own pod first, in-process, for
+  what it could claim now (no notification: a notifying commit signals
+  every LISTEN session of the database), then only the other members whose
+  free slots add up to the rest, in turn, on their own channels, with the
+  watermark as payload. A stuck head does not count the waker's own offer
+  (its pod did not take that work). With no member known, every pod is woken on
   ``receipts_ready`` as before; with members, new work that woke one, or
   that is more than all the members' free slots, also notifies
   ``receipts_ready`` with payload :data:`MEMBERS_PAYLOAD`, which wakes
@@ -187,8 +187,10 @@ class Wakeups:
             the probe's ``receipts_db_statement_duration_seconds``.
         wake: called for every wake-up (cuts the claim loop's sleep short).
         tag: this pod's tag (its heartbeat row's), or None: no member.
-        free_slots: this pod's free slots now (may be ≤ 0), when this pod is the
-            waker and a member; None: its heartbeat row's figure, as for the others.
+        free_slots: how many new jobs this pod could claim now (its free slots
+            within its throttles; ≤ 0: none), offered to itself when it is the
+            waker and a member; None: its heartbeat row's free slots, as for the
+            others.
         clock: monotonic seconds (tests pass their own).
 
     :meth:`run` keeps one :class:`~receipts.db.ListenSession` open, reconnecting

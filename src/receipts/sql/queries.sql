@@ -42,7 +42,8 @@ FROM (SELECT pg_try_advisory_lock(%(key)s) AS won) AS attempt;
 -- order's, and only when not paused (the claim's pause rule). A notifying
 -- commit costs every LISTEN session of the database a signal, whatever the
 -- channel, so the waker's own pod comes first and is woken in-process:
--- %(local)s is its free slots when it is a member (NULL: it is none), and
+-- %(local)s is what it could claim now when it is a member (its free slots
+-- within its throttles: Worker._waker_free_slots; NULL: it is none), and
 -- new work or a stuck head with due jobs returns wake_self, no notification.
 -- The other pods named (%(channels)s, their own channels in the order to wake
 -- them, and %(before)s, the free slots of the pods ahead of each one among
@@ -50,11 +51,10 @@ FROM (SELECT pg_try_advisory_lock(%(key)s) AS won) AS attempt;
 -- the waker's own included, are fewer than the due jobs, each with the
 -- watermark as payload ('<microseconds since 1970> <id>'); the statement
 -- returns how many it woke. A stuck head does not count the waker's slots:
--- work that waited 150 ms is work the waker's pod did not take (its share of
--- the rate limit ran out, or its heartbeat's free slots are stale), so the
--- others are woken as if it had none. At a calm rate the waker's pod takes
--- the new work alone and no probe notifies (bench/README.md, "The waker's
--- probe").
+-- work that waited 150 ms is work the waker's pod did not take (it was
+-- slower than its offer said), so the others are woken as if it had none.
+-- At a calm rate the waker's pod takes the new work alone and no probe
+-- notifies (bench/README.md, "The waker's probe").
 -- New work that woke a member on its channel, or that is more than the
 -- members' free slots together (%(slots)s, the waker's own included), also
 -- notifies %(channel)s (receipts_ready), for every listener that is no
