@@ -48,7 +48,7 @@ FROM (SELECT pg_try_advisory_lock(%(key)s) AS won) AS attempt;
 -- The other pods named (%(channels)s, their own channels in the order to wake
 -- them, and %(before)s, the free slots of the pods ahead of each one among
 -- them, added up by the caller) are woken while the free slots ahead of them,
--- the waker's own included, are fewer than the due jobs, each with the
+-- the waker's offer included, are fewer than the due jobs, each with the
 -- watermark as payload ('<microseconds since 1970> <id>'); the statement
 -- returns how many it woke. A stuck head does not count the waker's slots:
 -- work that waited 150 ms is work the waker's pod did not take (it was
@@ -130,7 +130,8 @@ SELECT d.run_at, d.id, d.open AND d.fresh AND d.nobody OR w.n > 0 OR d.self AS w
        d.self AS wake_self
 FROM (
   SELECT d.*,
-         d.open AND (d.fresh OR d.stuck) AND d.due > 0 AND %(local)s::int > 0 AS self,
+         d.open AND (d.fresh OR d.stuck) AND d.due > 0
+           AND coalesce(%(local)s::int, 0) > 0 AS self,
          %(local)s::int IS NULL AND coalesce(cardinality(%(channels)s::text[]), 0) = 0 AS nobody,
          CASE WHEN d.stuck THEN 0 ELSE coalesce(%(local)s::int, 0) END AS ahead
   FROM decided AS d
