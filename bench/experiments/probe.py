@@ -134,7 +134,6 @@ def run_once(bench: Bench, *, probes: int, per_probe: int, done: int,
                     "channels": [f"{MEMBER_CHANNEL_PREFIX}m{k}" for k in range(MEMBERS)],
                     "before": [FREE_SLOTS * k for k in range(MEMBERS)],
                     "local": FREE_SLOTS if local else None,
-                    "slots": FREE_SLOTS * (MEMBERS + local),
                     "free": [FREE_SLOTS] * MEMBERS,  # (the text before 2026-12-07)
                     "channel": NOTIFY_CHANNEL, "heartbeat": False,
                     "waker_channel": WAKER_CHANNEL, "schema_name": SCHEMA,

@@ -429,26 +429,20 @@ class Wakeups:
         return shares
 
     def _targets(self) -> tuple[int | None, list[str], list[int]]:
-        """Who ``waker_probe`` wakes, in order: this pod's free slots when it is a
-        member (live when the worker gave them; None when no member: then it is
-        woken with everyone), the other members' channels (pods with free slots
-        first, in their turn), and for each the free slots of the others ahead
-        of it."""
-        own = [f for t, f in self._members if t == self.tag]
-        if own and self._free_slots is not None:
-            own = [self._free_slots()]
-        ranked = sorted((m for m in self._members if m[0] != self.tag),
-                        key=lambda m: m[1] <= 0)  # stable: keeps the turn
+        """Who ``waker_probe`` may wake: what this pod could claim now when it is a
+        member (live when the worker gave it; None when no member), the members'
+        channels in turn, pods with free slots first (this pod among them, with
+        that offer), and for each the free slots of the pods ahead of it."""
+        members = list(self._members)
+        own = [f for t, f in members if t == self.tag]
+        offer: int | None = None
+        if own:
+            offer = own[0] if self._free_slots is None else self._free_slots()
+            members = [(t, offer if t == self.tag else f) for t, f in members]
+        ranked = sorted(members, key=lambda m: m[1] <= 0)  # stable: keeps the turn
         before = list(itertools.accumulate((max(f, 0) for _, f in ranked), initial=0))
-        return (max(own[0], 0) if own else None,
+        return ((None if offer is None else max(offer, 0)),
                 [MEMBER_CHANNEL_PREFIX + t for t, _ in ranked], before[:-1])
-
-    def _next_turn(self, woken: int) -> None:
-        """Move the *woken* first of the other members to the end of the turn."""
-        own = [m for m in self._members if m[0] == self.tag]
-        others = deque(m for m in self._members if m[0] != self.tag)
-        others.rotate(-woken)
-        self._members = deque([*own, *others])
 
     async def probe(self, session: ListenSession, *, heartbeat: bool = False) -> bool:
         """One ``waker_probe``: wake the pods new due work needs; True when it woke any.
@@ -469,7 +463,6 @@ class Wakeups:
             "from_run_at": from_run_at, "from_id": from_id,
             "margin_seconds": MARGIN_SECONDS, "stuck_seconds": STUCK_SECONDS,
             "local": local, "channels": channels, "before": before,
-            "slots": (local or 0) + sum(max(f, 0) for t, f in self._members if t != self.tag),
             "channel": NOTIFY_CHANNEL, "heartbeat": heartbeat,
             "waker_channel": WAKER_CHANNEL, "schema_name": self.schema,
             "fleet_channel": FLEET_CHANNEL,
@@ -484,12 +477,14 @@ class Wakeups:
         self._mark = (row[3], row[4])
         self.watermark = (row[3], row[4])
         woken = int(row[6] or 0)
-        if woken:
-            self._next_turn(woken)  # the next new work goes to the next pods
+        if woken:  # the next new work goes to the next pods: the woken go last
+            done = {c.removeprefix(MEMBER_CHANNEL_PREFIX) for c in channels[:woken]}
+            self._members = deque([m for m in self._members if m[0] not in done]
+                                  + [m for m in self._members if m[0] in done])
         if row[2]:
             self.metrics.waker_wakes.inc()
-            if row[10] or (local is None and not channels):
-                self._wake()  # this pod, in-process (other members: on their channels)
+            if row[10] or not channels:
+                self._wake()  # this pod, in-process (members: on their channels)
             return True
         return False
 

@@ -181,7 +181,7 @@ def test_the_wakers_probe_reads_a_few_pages_of_the_ready_index(
             ("schema_name", "text"), ("from_run_at", "timestamptz"), ("from_id", "uuid"),
             ("margin_seconds", "float8"), ("stuck_seconds", "float8"),
             ("channels", "text[]"), ("before", "int[]"), ("fleet_channel", "text"),
-            ("shares", "text"), ("local", "int"), ("slots", "int"))
+            ("shares", "text"), ("local", "int"))
     for n, (key, _) in enumerate(keys, start=1):
         probe = probe.replace(f"%({key})s", f"${n}")
     with psycopg.connect(big_dsn, autocommit=True, cursor_factory=psycopg.ClientCursor) as conn:
@@ -196,7 +196,7 @@ def test_the_wakers_probe_reads_a_few_pages_of_the_ready_index(
             assert head is not None
             args = ("5, NULL, NULL, 'bench_unheard', false, 'bench_unheard', 'public',"
                     f" '{head[0].isoformat()}', '{head[1]}', 1.0, 0.15,"
-                    " '{bench_unheard_1}', '{0}', 'bench_unheard', NULL, NULL, 32")
+                    " '{bench_unheard_1}', '{0}', 'bench_unheard', NULL, NULL")
             _explain(conn, f"EXECUTE probe_stmt({args})")  # warm; measure the second
             top, nodes = _explain(conn, f"EXECUTE probe_stmt({args})")
         finally:

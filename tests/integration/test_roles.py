@@ -733,7 +733,7 @@ def exercises(role: Role) -> dict[str, Callable[[], Awaitable[Any]]]:
             "max_attempts": 5, "seen_run_at": None, "seen_id": None,
             "from_run_at": None, "from_id": None, "margin_seconds": 1.0,
             "stuck_seconds": 0.15, "channels": ["receipts_ready_role"], "before": [0],
-            "local": 1, "slots": 2,
+            "local": 1,
             "channel": "receipts_ready", "heartbeat": True, "waker_channel": "receipts_waker",
             "schema_name": SCHEMA, "fleet_channel": "receipts_fleet",
             "shares": '{"0000abcd": 1.0}'}),

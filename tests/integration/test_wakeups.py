@@ -347,20 +347,19 @@ async def test_a_back_dated_job_below_the_watermark_is_swept_and_claimed(dsn, me
 def expected_woken(free: list[int], due: int, own: int | None = None,
                    stuck: bool = False) -> tuple[bool, list[int]]:
     """The wake rule, written out: whether the waker's own pod (member *own*, None: it
-    is none) is woken in-process, and which other members are woken on their channels.
-    The waker's pod comes first when it has free slots; the others, those with free
-    slots first (in their turn), are each woken while the free slots ahead of them
-    are fewer than the due jobs. A stuck head does not count the waker's slots."""
-    self_woken = own is not None and free[own] > 0
-    ahead = 0 if own is None or stuck else max(free[own], 0)
-    others = [k for k in range(len(free)) if k != own]
-    ranked = [k for k in others if free[k] > 0] + [k for k in others if free[k] <= 0]
-    woken = []
+    is none) is woken in-process, and which members are woken on their channels.
+    New work that the waker's pod can take whole is its alone (not for a stuck
+    head); otherwise the members, those with free slots first (in their turn), are
+    each woken while the free slots ahead of them are fewer than the due jobs."""
+    if own is not None and not stuck and free[own] >= due > 0:
+        return True, []
+    ranked = [k for k, f in enumerate(free) if f > 0] + [k for k, f in enumerate(free) if f <= 0]
+    woken, ahead = [], 0
     for k in ranked:
         if ahead < due:
             woken.append(k)
         ahead += max(free[k], 0)
-    return self_woken, sorted(woken)
+    return False, sorted(woken)
 
 
 _RULE_CASES = [([4, 8, 8], 3, None), ([4, 8, 8], 4, None), ([4, 8, 8], 5, None),
@@ -376,12 +375,12 @@ _RULE_CASES += [([random.Random(n).randint(0, 9) for _ in range(random.Random(-n
 
 @pytest.mark.parametrize("stuck", [False, True], ids=["new", "stuck"])
 @pytest.mark.parametrize(("free", "due", "own"), _RULE_CASES)
-async def test_due_work_wakes_the_wakers_pod_and_exactly_the_members_it_needs_beside(
+async def test_due_work_wakes_the_wakers_pod_alone_or_exactly_the_members_it_needs(
         dsn, free, due, own, stuck):
     """One probe of the real statement with members named: the waker's own pod is woken
-    in-process and the channels notified are those the rule picks (the caller adds up
-    the slots ahead; the statement compares). No notification at all when the waker's
-    pod takes the work alone."""
+    in-process when it can take the work whole, and otherwise the channels notified are
+    those the rule picks (the caller adds up the slots ahead; the statement compares).
+    No notification at all when the waker's pod takes the work alone."""
     settings = make_settings(dsn)
     local: list[int] = []
     tags = [f"{k:08x}" for k in range(len(free))]
@@ -414,10 +413,10 @@ async def test_due_work_wakes_the_wakers_pod_and_exactly_the_members_it_needs_be
     channels = [n.channel for n in notes if n.channel != NOTIFY_CHANNEL]
     woken = sorted(tags.index(c.removeprefix(MEMBER_CHANNEL_PREFIX)) for c in channels)
     assert (bool(local), woken) == expected_woken(free, min(due, 256), own, stuck), channels
-    # For released workers: when a member was woken, or the work is more than the
-    # members' free slots together (new work is fresh at a first probe, stuck or not).
+    # For released workers: when a member was woken (new work is fresh at a first
+    # probe, stuck or not).
     assert [n.payload for n in notes if n.channel == NOTIFY_CHANNEL] == (
-        ["members"] if woken or min(due, 256) > sum(free) else [])
+        ["members"] if woken else [])
 
 
 async def test_the_wakers_session_plans_its_probe_once_not_on_every_call(dsn):

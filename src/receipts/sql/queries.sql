@@ -41,27 +41,26 @@ FROM (SELECT pg_try_advisory_lock(%(key)s) AS won) AS attempt;
 -- Wake-ups come from this statement's own short transaction, never an
 -- order's, and only when not paused (the claim's pause rule). A notifying
 -- commit costs every LISTEN session of the database a signal, whatever the
--- channel, so the waker's own pod comes first and is woken in-process:
--- %(local)s is what it could claim now when it is a member (its free slots
--- within its throttles: Worker._waker_free_slots; NULL: it is none), and
--- new work or a stuck head with due jobs returns wake_self, no notification.
--- The other pods named (%(channels)s, their own channels in the order to wake
--- them, and %(before)s, the free slots of the pods ahead of each one among
--- them, added up by the caller) are woken while the free slots ahead of them,
--- the waker's offer included, are fewer than the due jobs, each with the
--- watermark as payload ('<microseconds since 1970> <id>'); the statement
--- returns how many it woke. A stuck head does not count the waker's slots:
--- work that waited 150 ms is work the waker's pod did not take (it was
--- slower than its offer said), so the others are woken as if it had none.
--- At a calm rate the waker's pod takes the new work alone and no probe
--- notifies (bench/README.md, "The waker's probe").
--- New work that woke a member on its channel, or that is more than the
--- members' free slots together (%(slots)s, the waker's own included), also
--- notifies %(channel)s (receipts_ready), for every listener that is no
--- member (released workers during an upgrade, pods without a tag): with no
--- pod named at all the payload is empty and every pod wakes; with pods named
--- it is 'members', which members ignore (they were woken on their own
--- channels). %(heartbeat)s
+-- channel, so new work that the waker's own pod can take whole is its alone:
+-- %(local)s is what that pod could claim now when it is a member (its free
+-- slots within its throttles: Worker._waker_free_slots; NULL: it is none),
+-- and when it is at least the due jobs (the head not stuck) the statement
+-- returns wake_self and notifies nobody. Otherwise, or for a stuck head, the
+-- pods named (%(channels)s, their own channels in turn, the waker's own
+-- among them, and %(before)s, the free slots of the pods ahead of each one,
+-- added up by the caller) are woken while the free slots ahead of them are
+-- fewer than the due jobs, each with the watermark as payload ('<microseconds
+-- since 1970> <id>'), and the statement returns how many it woke. All or
+-- nothing: a waker's pod that took part of the work while others were woken
+-- for the rest would race them for the same rows (at 16 pods, whose shares
+-- of the rate limit are below the order rate, 15 % of claims came back
+-- empty). At a calm rate the waker's pod takes the new work alone and no
+-- probe notifies (bench/README.md, "The waker's probe").
+-- New work that woke a member on its channel also notifies %(channel)s
+-- (receipts_ready), for every listener that is no member (released workers
+-- during an upgrade, pods without a tag): with no pod named the payload is
+-- empty and every pod wakes; with pods named it is 'members', which members
+-- ignore (they were woken on their own channels). %(heartbeat)s
 -- also notifies the waker channel (payload: the schema, what released pods
 -- listen for) and, with %(shares)s, the fleet channel: a JSON object with the
 -- schema, each pod's share of the rate limit and the watermark.
@@ -119,7 +118,7 @@ WITH tail AS (
 )
 SELECT d.run_at, d.id, d.open AND d.fresh AND d.nobody OR w.n > 0 OR d.self AS wake,
        d.mark_run_at, d.mark_id, d.due, w.n,
-       CASE WHEN d.open AND d.fresh AND (d.nobody OR w.n > 0 OR d.due > %(slots)s::int)
+       CASE WHEN d.open AND d.fresh AND (d.nobody OR w.n > 0)
             THEN pg_notify(%(channel)s, CASE WHEN d.nobody THEN '' ELSE 'members' END) END,
        CASE WHEN %(heartbeat)s THEN pg_notify(%(waker_channel)s, %(schema_name)s) END,
        CASE WHEN %(heartbeat)s AND %(shares)s::jsonb IS NOT NULL
@@ -130,16 +129,15 @@ SELECT d.run_at, d.id, d.open AND d.fresh AND d.nobody OR w.n > 0 OR d.self AS w
        d.self AS wake_self
 FROM (
   SELECT d.*,
-         d.open AND (d.fresh OR d.stuck) AND d.due > 0
-           AND coalesce(%(local)s::int, 0) > 0 AS self,
-         %(local)s::int IS NULL AND coalesce(cardinality(%(channels)s::text[]), 0) = 0 AS nobody,
-         CASE WHEN d.stuck THEN 0 ELSE coalesce(%(local)s::int, 0) END AS ahead
+         d.open AND d.fresh AND NOT d.stuck AND d.due > 0
+           AND coalesce(%(local)s::int, 0) >= d.due AS self,
+         coalesce(cardinality(%(channels)s::text[]), 0) = 0 AS nobody
   FROM decided AS d
 ) AS d CROSS JOIN LATERAL (
   SELECT count(pg_notify(g.channel, (extract(epoch FROM d.mark_run_at) * 1000000)::int8
                                     || ' ' || d.mark_id)) AS n
   FROM unnest(%(channels)s::text[], %(before)s::int[]) AS g(channel, before)
-  WHERE d.open AND (d.fresh OR d.stuck) AND d.due > 0 AND d.ahead + g.before < d.due
+  WHERE d.open AND (d.fresh OR d.stuck) AND d.due > 0 AND NOT d.self AND g.before < d.due
 ) AS w;
 
 -- name: waker_sweep
