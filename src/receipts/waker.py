@@ -49,19 +49,18 @@ What keeps a calm day cheap (docs/design.md, "Calm-day wake-ups"):
   it costs at most :data:`SWEEP_BUSY_SHARE` of the time), ``waker_sweep``
   looks below it for a row that became ready there (a back-dated run_at, a
   transaction that commits long after it began) and lowers it.
-* **Targeted wake-ups.** New due work, or a due head waiting
-  :data:`STUCK_SECONDS`, wakes the waker's own pod first, in-process, for
-  what it could claim now (no notification: a notifying commit signals
-  every LISTEN session of the database), then only the other members whose
-  free slots add up to the rest, in turn, on their own channels, with the
-  watermark as payload. A stuck head does not count the waker's own offer
-  (its pod did not take that work). With no member known, every pod is woken on
-  ``receipts_ready`` as before; with members, new work that woke one, or
-  that is more than all the members' free slots, also notifies
-  ``receipts_ready`` with payload :data:`MEMBERS_PAYLOAD`, which wakes
-  released workers and pods without a tag and which members ignore. A pod
-  not woken keeps a slow, jittered poll whose fleet-wide rate does not grow
-  with the pod count (:meth:`Wakeups.fleet_size`).
+* **Targeted wake-ups.** New due work that the waker's own pod can take
+  whole (what it could claim now, within its throttles) wakes that pod
+  alone, in-process: no notification, since a notifying commit signals every
+  LISTEN session of the database. Other new work, or a due head waiting
+  :data:`STUCK_SECONDS`, wakes only the members whose free slots add up to
+  the due jobs, in turn, on their own channels (the waker's pod among
+  them), with the watermark as payload. With no member known, every pod is
+  woken on ``receipts_ready`` as before; with members, new work that woke
+  one also notifies ``receipts_ready`` with payload :data:`MEMBERS_PAYLOAD`,
+  which wakes released workers and pods without a tag and which members
+  ignore. A pod not woken keeps a slow, jittered poll whose fleet-wide rate
+  does not grow with the pod count (:meth:`Wakeups.fleet_size`).
 """
 
 from __future__ import annotations
@@ -188,9 +187,8 @@ class Wakeups:
         wake: called for every wake-up (cuts the claim loop's sleep short).
         tag: this pod's tag (its heartbeat row's), or None: no member.
         free_slots: how many new jobs this pod could claim now (its free slots
-            within its throttles; ≤ 0: none), offered to itself when it is the
-            waker and a member; None: its heartbeat row's free slots, as for the
-            others.
+            within its throttles; ≤ 0: none), its offer when it is the waker and
+            a member; None: its heartbeat row's free slots, as for the others.
         clock: monotonic seconds (tests pass their own).
 
     :meth:`run` keeps one :class:`~receipts.db.ListenSession` open, reconnecting
@@ -431,14 +429,16 @@ class Wakeups:
     def _targets(self) -> tuple[int | None, list[str], list[int]]:
         """Who ``waker_probe`` may wake: what this pod could claim now when it is a
         member (live when the worker gave it; None when no member), the members'
-        channels in turn, pods with free slots first (this pod among them, with
-        that offer), and for each the free slots of the pods ahead of it."""
+        channels in turn, pods with free slots first (this pod among them as one
+        with none), and for each the free slots of the pods ahead of it."""
         members = list(self._members)
         own = [f for t, f in members if t == self.tag]
         offer: int | None = None
         if own:
             offer = own[0] if self._free_slots is None else self._free_slots()
-            members = [(t, offer if t == self.tag else f) for t, f in members]
+            # Woken in-process when it can take the work whole; else it counts as
+            # full: woken beside others for a part, it would race them for the rows.
+            members = [(t, 0 if t == self.tag else f) for t, f in members]
         ranked = sorted(members, key=lambda m: m[1] <= 0)  # stable: keeps the turn
         before = list(itertools.accumulate((max(f, 0) for _, f in ranked), initial=0))
         return ((None if offer is None else max(offer, 0)),
@@ -447,11 +447,11 @@ class Wakeups:
     async def probe(self, session: ListenSession, *, heartbeat: bool = False) -> bool:
         """One ``waker_probe``: wake the pods new due work needs; True when it woke any.
 
-        This pod, when it is a member with free slots, is woken in-process
-        (the *wake* callback), the others on their channels. Also moves the
-        watermark forward (:attr:`watermark`), and on a *heartbeat* announces
-        the members' shares with it. Raises :class:`QueueError` when the
-        session fails.
+        This pod, when it is a member that can take the new work whole, is
+        woken in-process (the *wake* callback); otherwise members are woken on
+        their channels. Also moves the watermark forward (:attr:`watermark`),
+        and on a *heartbeat* announces the members' shares with it. Raises
+        :class:`QueueError` when the session fails.
         """
         seen_run_at, seen_id = self._seen
         from_run_at, from_id = self._mark

@@ -349,10 +349,13 @@ def expected_woken(free: list[int], due: int, own: int | None = None,
     """The wake rule, written out: whether the waker's own pod (member *own*, None: it
     is none) is woken in-process, and which members are woken on their channels.
     New work that the waker's pod can take whole is its alone (not for a stuck
-    head); otherwise the members, those with free slots first (in their turn), are
-    each woken while the free slots ahead of them are fewer than the due jobs."""
+    head); otherwise the members, those with free slots first (in their turn; the
+    waker's pod as one with none), are each woken while the free slots ahead of them
+    are fewer than the due jobs."""
     if own is not None and not stuck and free[own] >= due > 0:
         return True, []
+    if own is not None:  # it counts as full: woken for a part, it would race the others
+        free = [0 if k == own else f for k, f in enumerate(free)]
     ranked = [k for k, f in enumerate(free) if f > 0] + [k for k, f in enumerate(free) if f <= 0]
     woken, ahead = [], 0
     for k in ranked:
