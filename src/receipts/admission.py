@@ -200,10 +200,8 @@ class AdmissionController:
         """
         now = self._clock()
         limit = self.limit
-        capacity = max(limit * BURST_SECONDS, float(want), 1.0)
-        self._tokens = min(capacity, self._tokens + (now - self._tokens_at) * limit)
+        self._tokens, batch = self._refilled(want, now)
         self._tokens_at = now
-        batch = max(1, min(want, int(limit * BURST_SECONDS)))
         if self._tokens >= batch:
             n = min(want, int(self._tokens))
             self._tokens -= n
@@ -215,11 +213,16 @@ class AdmissionController:
     def available(self, want: int) -> int:
         """What :meth:`allowance` would grant *want* now, without taking it (0 when
         it would wait)."""
+        tokens, batch = self._refilled(want, self._clock())
+        return min(want, int(tokens)) if want >= 1 and tokens >= batch else 0
+
+    def _refilled(self, want: int, now: float) -> tuple[float, int]:
+        """The tokens there would be at *now* (monotonic seconds), and the batch a
+        claim of *want* waits for while the limit binds."""
         limit = self.limit
         capacity = max(limit * BURST_SECONDS, float(want), 1.0)
-        tokens = min(capacity, self._tokens + (self._clock() - self._tokens_at) * limit)
-        batch = max(1, min(want, int(limit * BURST_SECONDS)))
-        return min(want, int(tokens)) if want >= 1 and tokens >= batch else 0
+        tokens = min(capacity, self._tokens + (now - self._tokens_at) * limit)
+        return tokens, max(1, min(want, int(limit * BURST_SECONDS)))
 
     def refund(self, unused: int) -> None:
         """Give back tokens for jobs the last claim asked for but did not get."""

@@ -458,10 +458,14 @@ class Worker:
             if choice.mode == "wait":
                 return 0
             if choice.mode == "local":
-                self.bucket.resize(self.queue.rate * choice.share,
-                                   self.settings.burst * choice.share)
-                room = self.bucket.available(room)
+                room = self._share_bucket(choice.share).available(room)
         return max(room, 0)
+
+    def _share_bucket(self, share: float) -> TokenBucket:
+        """This pod's token bucket, sized to *share* (0–1) of the fleet's rate limit
+        and burst as of now (receipts.ratelimit)."""
+        self.bucket.resize(self.queue.rate * share, self.settings.burst * share)
+        return self.bucket
 
     def _free_slots(self) -> int:
         """Slots free for a claim now: fewer while the gate sees unexplained rejections
@@ -619,8 +623,7 @@ class Worker:
                 return wait, False
         if choice is not None and choice.mode == "local":
             # The pod's own share of the fleet's rate limit (receipts.ratelimit).
-            bucket = self.bucket
-            bucket.resize(self.queue.rate * choice.share, self.settings.burst * choice.share)
+            bucket = self._share_bucket(choice.share)
             granted, wait = bucket.allowance(limit)
             if granted == 0:
                 if admission is not None:
