@@ -55,10 +55,7 @@ What keeps a calm day cheap (docs/design.md, "Calm-day wake-ups"):
   LISTEN session of the database. Other new work, or a due head waiting
   :data:`STUCK_SECONDS`, wakes only the members whose free slots add up to
   the due jobs, in turn, on their own channels (the waker's pod among
-  them), with the watermark as payload. A waker's pod that could not take
-  the new work whole stands aside for a while (:data:`OWN_ASIDE_FIRST_SECONDS`,
-  doubling while it keeps falling short soon after rejoining) and is woken in
-  turn with the others meanwhile. With no member known, every pod is
+  them), with the watermark as payload. With no member known, every pod is
   woken on ``receipts_ready`` as before; with members, new work that woke
   one also notifies ``receipts_ready`` with payload :data:`MEMBERS_PAYLOAD`,
   which wakes released workers and pods without a tag and which members
@@ -130,15 +127,6 @@ STUCK_SECONDS = 0.15
 SWEEP_SECONDS = 0.25
 #: ...and at least (seconds), however slow the sweep is.
 SWEEP_MAX_SECONDS = 10.0
-#: After a probe whose new work the waker's own pod could not take whole (others
-#: were woken for it), that pod stands aside from the in-process path for this
-#: long, seconds, and is woken in turn with the others on its channel.
-OWN_ASIDE_FIRST_SECONDS = 1.0
-#: ...doubled at each shortfall within this long of its rejoining, up to this
-#: long, seconds: a pod whose share of the rate limit is below the arrival rate
-#: falls short within seconds of each rejoining, and alternating with the others
-#: raced them for the rows (at 16 pods: 0.40 claims per job against 0.28).
-OWN_ASIDE_MAX_SECONDS = 60.0
 #: The sweep's share of the waker's time: after a sweep that took t seconds
 #: the next waits at least t / SWEEP_BUSY_SHARE (a long reader makes it slow).
 SWEEP_BUSY_SHARE = 0.02
@@ -240,10 +228,6 @@ class Wakeups:
         self._mark: tuple[datetime | None, UUID | None] = (None, None)
         self._members: deque[tuple[str, int]] = deque()
         self._next_sweep = clock()
-        # The waker's own pod, standing aside from the in-process path: until when
-        # (monotonic), for how long the last time.
-        self._aside_until = float("-inf")
-        self._aside_seconds = 0.0
         self._started = clock()
         self._probe_seconds = metrics.statement_duration.labels("waker_probe")
         self._sweep_seconds = metrics.statement_duration.labels("waker_sweep")
@@ -309,7 +293,6 @@ class Wakeups:
         self._mark = (None, None)  # a new waker walks the index once from its start
         self._members.clear()
         self._next_sweep = self._clock()
-        self._aside_until, self._aside_seconds = float("-inf"), 0.0
 
     async def serve(self, session: ListenSession) -> None:
         """One session's life: LISTEN, then listen, elect and probe until it fails.
@@ -445,49 +428,28 @@ class Wakeups:
 
     def _targets(self) -> tuple[int | None, list[str], list[int]]:
         """Who ``waker_probe`` may wake: what this pod could claim now when it is a
-        member and not standing aside (live when the worker gave it; None: no
-        offer), the members' channels in turn, pods with free slots first, and for
-        each the free slots of the pods ahead of it. With an offer this pod counts
-        in the turn as one with none; standing aside, with what it could claim."""
+        member (live when the worker gave it; None when no member), the members'
+        channels in turn, pods with free slots first (this pod among them as one
+        with none), and for each the free slots of the pods ahead of it."""
         members = list(self._members)
         own = [f for t, f in members if t == self.tag]
         offer: int | None = None
         if own:
-            live = own[0] if self._free_slots is None else self._free_slots()
-            if self._clock() < self._aside_until:
-                members = [(t, live if t == self.tag else f) for t, f in members]
-            else:
-                offer = max(live, 0)
-                # Woken in-process when it can take the work whole; else it counts as
-                # full: woken beside others for a part, it would race them for the rows.
-                members = [(t, 0 if t == self.tag else f) for t, f in members]
+            offer = own[0] if self._free_slots is None else self._free_slots()
+            # Woken in-process when it can take the work whole; else it counts as
+            # full: woken beside others for a part, it would race them for the rows.
+            members = [(t, 0 if t == self.tag else f) for t, f in members]
         ranked = sorted(members, key=lambda m: m[1] <= 0)  # stable: keeps the turn
         before = list(itertools.accumulate((max(f, 0) for _, f in ranked), initial=0))
-        return offer, [MEMBER_CHANNEL_PREFIX + t for t, _ in ranked], before[:-1]
-
-    def _stand_aside(self) -> None:
-        """The waker's pod could not take a probe's new work whole: it leaves the
-        in-process path for :data:`OWN_ASIDE_FIRST_SECONDS`, or twice its last
-        time (at most :data:`OWN_ASIDE_MAX_SECONDS`) when it fell short within
-        that long of rejoining. Falling short once is a burst; falling short again
-        soon after each rejoining means its throttles (its share of the rate
-        limit, most often) are below the arrival rate, where taking the work by
-        turns with the others made them race for the same rows."""
-        now = self._clock()
-        if now - self._aside_until < OWN_ASIDE_MAX_SECONDS:
-            self._aside_seconds = min(2 * self._aside_seconds, OWN_ASIDE_MAX_SECONDS)
-        else:
-            self._aside_seconds = OWN_ASIDE_FIRST_SECONDS
-        self._aside_until = now + self._aside_seconds
-        log.debug("waker_pod_aside", extra={"seconds": self._aside_seconds})
+        return ((None if offer is None else max(offer, 0)),
+                [MEMBER_CHANNEL_PREFIX + t for t, _ in ranked], before[:-1])
 
     async def probe(self, session: ListenSession, *, heartbeat: bool = False) -> bool:
         """One ``waker_probe``: wake the pods new due work needs; True when it woke any.
 
         This pod, when it is a member that can take the new work whole, is
         woken in-process (the *wake* callback); otherwise members are woken on
-        their channels, and this pod stands aside from the in-process path for
-        a while (:meth:`_stand_aside`). Also moves the watermark forward (:attr:`watermark`),
+        their channels. Also moves the watermark forward (:attr:`watermark`),
         and on a *heartbeat* announces the members' shares with it. Raises
         :class:`QueueError` when the session fails.
         """
@@ -515,8 +477,6 @@ class Wakeups:
         self._mark = (row[3], row[4])
         self.watermark = (row[3], row[4])
         woken = int(row[6] or 0)
-        if local is not None and woken:
-            self._stand_aside()
         if woken:  # the next new work goes to the next pods: the woken go last
             done = {c.removeprefix(MEMBER_CHANNEL_PREFIX) for c in channels[:woken]}
             self._members = deque([m for m in self._members if m[0] not in done]

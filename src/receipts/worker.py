@@ -438,9 +438,8 @@ class Worker:
 
     def _waker_free_slots(self) -> int:
         """How many new jobs this pod could claim now, when it is the fleet's waker
-        (receipts.waker wakes it alone, in-process, when this covers the new
-        work, and ranks it in the fleet's turn by it while it stands aside): its
-        free slots, capped by what its throttles would let a claim
+        (receipts.waker wakes it first, in-process, and the other pods for the
+        rest): its free slots, capped by what its throttles would let a claim
         take now — suspect pacing, admission control, its share of the rate
         limit (none while it must wait for its share) — and none while it stops
         or the fleet is paused. Nothing is taken. Counting the free slots alone

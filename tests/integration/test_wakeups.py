@@ -14,7 +14,6 @@ import time
 from collections import deque
 from collections.abc import AsyncIterator, Callable
 from datetime import UTC, datetime, timedelta
-from typing import Any
 
 import psycopg
 import pytest
@@ -27,8 +26,6 @@ from receipts.metrics import Metrics
 from receipts.waker import (
     FLEET_CHANNEL,
     MEMBER_CHANNEL_PREFIX,
-    OWN_ASIDE_FIRST_SECONDS,
-    OWN_ASIDE_MAX_SECONDS,
     SILENT_SECONDS,
     WAKER_CHANNEL,
     Wakeups,
@@ -347,28 +344,6 @@ async def test_a_back_dated_job_below_the_watermark_is_swept_and_claimed(dsn, me
     assert FLEET_CHANNEL == "receipts_fleet"
 
 
-def member_listener(dsn: str, tags: list[str]) -> psycopg.Connection[Any]:
-    """A connection LISTENing on the members' channels and on receipts_ready."""
-    listener = psycopg.connect(dsn, autocommit=True)
-    for tag in tags:
-        listener.execute(sql.SQL("LISTEN {}").format(sql.Identifier(MEMBER_CHANNEL_PREFIX + tag)))
-    listener.execute(f"LISTEN {NOTIFY_CHANNEL}")
-    listener.execute("LISTEN sentinel")
-    return listener
-
-
-def heard(dsn: str, listener: psycopg.Connection[Any]) -> list[psycopg.Notify]:
-    """Every notification *listener* got so far: a sentinel sent after them marks the end."""
-    with psycopg.connect(dsn, autocommit=True) as other:
-        other.execute("SELECT pg_notify('sentinel', '')")
-    notes = []
-    for note in listener.notifies(timeout=10):
-        if note.channel == "sentinel":
-            break
-        notes.append(note)
-    return notes
-
-
 def expected_woken(free: list[int], due: int, own: int | None = None,
                    stuck: bool = False) -> tuple[bool, list[int]]:
     """The wake rule, written out: whether the waker's own pod (member *own*, None: it
@@ -419,11 +394,22 @@ async def test_due_work_wakes_the_wakers_pod_alone_or_exactly_the_members_it_nee
     if stuck:  # the head has waited longer than STUCK_SECONDS
         fetch_rows(dsn, "UPDATE receipt_jobs SET run_at = run_at - interval '0.5 s'"
                         " RETURNING 1")
-    listener = member_listener(dsn, tags)
+    listener = psycopg.connect(dsn, autocommit=True)
     session = await ListenSession.open(settings)
     try:
+        for tag in tags:
+            listener.execute(
+                sql.SQL("LISTEN {}").format(sql.Identifier(MEMBER_CHANNEL_PREFIX + tag)))
+        listener.execute(f"LISTEN {NOTIFY_CHANNEL}")
         await wakeups.probe(session)
-        notes = heard(dsn, listener)
+        listener.execute("LISTEN sentinel")
+        with psycopg.connect(dsn, autocommit=True) as other:
+            other.execute("SELECT pg_notify('sentinel', '')")
+        notes = []
+        for note in listener.notifies(timeout=10):
+            if note.channel == "sentinel":
+                break
+            notes.append(note)
     finally:
         await session.close()
         listener.close()
@@ -434,68 +420,6 @@ async def test_due_work_wakes_the_wakers_pod_alone_or_exactly_the_members_it_nee
     # probe, stuck or not).
     assert [n.payload for n in notes if n.channel == NOTIFY_CHANNEL] == (
         ["members"] if woken else [])
-
-
-async def test_a_wakers_pod_that_falls_short_stands_aside_and_rejoins(dsn):
-    """New work the waker's own pod cannot take whole wakes the others, and the pod then
-    stands aside: new work goes to the members in turn, this pod among them, ranked by
-    what it could claim, until OWN_ASIDE_FIRST_SECONDS have passed. Falling short again
-    soon after rejoining doubles the time aside, up to OWN_ASIDE_MAX_SECONDS (a pod
-    whose share of the rate limit is below the arrival rate); long after, it starts
-    again from the first. One probe of the real statement per step, the clock the
-    test's."""
-    settings = make_settings(dsn)
-    now, offer, local = [1000.0], [0], []
-    tags = [f"{k:08x}" for k in range(3)]
-    wakeups = Wakeups(settings, Metrics(), lambda: local.append(1), tag=tags[0],
-                      free_slots=lambda: offer[0], clock=lambda: now[0])
-    wakeups._members = deque((t, 8) for t in tags)
-    listener = member_listener(dsn, tags)
-    session = await ListenSession.open(settings)
-
-    async def step(order: str, *, later: float, can_take: int) -> tuple[bool, list[int]]:
-        """One new job, *later* seconds on, the waker's pod able to take *can_take*:
-        whether it was woken in-process, and which members on their channels."""
-        now[0] += later
-        offer[0] = can_take
-        fetch_rows(dsn, "DELETE FROM receipt_jobs RETURNING 1")  # due: this one, never stuck
-        enqueue_many(dsn, [order])
-        del local[:]
-        await wakeups.probe(session)
-        notes = heard(dsn, listener)
-        woken = sorted(tags.index(n.channel.removeprefix(MEMBER_CHANNEL_PREFIX))
-                       for n in notes if n.channel != NOTIFY_CHANNEL)
-        return bool(local), woken
-
-    try:
-        assert await step("fits", later=0, can_take=8) == (True, [])
-        # Short: another member takes it; the waker's pod counts as full.
-        assert await step("short", later=0.1, can_take=0) == (False, [1])
-        # Aside: it can take the next, but it is woken in turn, on its channel.
-        assert await step("aside", later=0.5, can_take=8) == (False, [0])
-        assert await step("rejoined", later=0.6, can_take=8) == (True, [])
-        # Short again 1.2 s after rejoining: twice as long aside.
-        assert await step("short again", later=1.2, can_take=0) == (False, [2])
-        assert await step("still aside", later=1.5, can_take=8) == (False, [1])
-        assert await step("back", later=0.6, can_take=8) == (True, [])
-        times = []
-        for n in range(6):  # short each time at once after rejoining
-            assert (await step(f"short {n}", later=wakeups._aside_seconds + 0.1,
-                               can_take=0))[0] is False
-            times.append(wakeups._aside_seconds)
-        assert times == [4.0, 8.0, 16.0, 32.0, OWN_ASIDE_MAX_SECONDS, OWN_ASIDE_MAX_SECONDS]
-        # A burst long after rejoining: a second aside, no more.
-        await step("in again", later=OWN_ASIDE_MAX_SECONDS + 0.1, can_take=8)
-        in_process, woken = await step("burst", later=OWN_ASIDE_MAX_SECONDS + 1, can_take=0)
-        assert not in_process and len(woken) == 1 and 0 not in woken
-        assert wakeups._aside_seconds == OWN_ASIDE_FIRST_SECONDS
-        # Aside, the pod is ranked by what it could claim, not by its heartbeat row:
-        # first in turn but with nothing to take, the next one is woken instead.
-        wakeups._members = deque((t, 8) for t in tags)
-        assert await step("aside, full", later=0.5, can_take=0) == (False, [1])
-    finally:
-        await session.close()
-        listener.close()
 
 
 async def test_the_wakers_session_plans_its_probe_once_not_on_every_call(dsn):
