@@ -139,7 +139,8 @@ def http_deliverer(settings: Any, transport: str) -> Any:
 
 def _log_claims(path: str) -> None:
     """Time every claim statement of this worker: one line per claim appended to
-    *path*: Unix time (s), duration (ms), jobs claimed (the soak reads it).
+    *path*: Unix time (s), duration (ms), jobs claimed, acks it carried (the soak
+    reads it; a claim that carries acks is also their ack statement).
 
     Wraps ``JobQueue.claim`` in this process only: the worker runs unchanged.
     """
@@ -152,7 +153,7 @@ def _log_claims(path: str) -> None:
         start = time.perf_counter()
         result = await original(self, limit, **kwargs)
         out.write(f"{time.time():.3f} {(time.perf_counter() - start) * 1000:.3f} "
-                  f"{len(result.attempts)}\n")
+                  f"{len(result.attempts)} {len(kwargs.get('acks') or ())}\n")
         return result
 
     JobQueue.claim = claim  # type: ignore[method-assign]
@@ -321,7 +322,8 @@ def main(argv: list[str] | None = None) -> None:
                    help="receipts: RECEIPTS_QUEUE_STATS_INTERVAL_SECONDS (default: the setting's)")
     p.add_argument("--retry-base-seconds", type=float, default=None,
                    help="receipts: RECEIPTS_RETRY_BASE_SECONDS (default: the setting's)")
-    p.add_argument("--claim-log", help="receipts: append 'unix time, ms, jobs' per claim here")
+    p.add_argument("--claim-log",
+                   help="receipts: append 'unix time, ms, jobs, acks' per claim here")
     p.add_argument("--profile", help="receipts: py-spy raw profile to this file")
     p.add_argument("--profile-seconds", type=float, default=6.0)
     args = p.parse_args(argv)

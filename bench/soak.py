@@ -276,6 +276,8 @@ class ClaimLogs:
         self._offsets = [0] * len(self.paths)
         #: Every claim so far: (unix time, ms, jobs).
         self.claims: list[tuple[float, float, int]] = []
+        #: The acks each of :attr:`claims` carried (0 for a log without the column).
+        self.acks: list[int] = []
 
     def read(self) -> list[tuple[float, float, int]]:
         """The claims logged since the last call (also kept in :attr:`claims`)."""
@@ -292,8 +294,9 @@ class ClaimLogs:
                 continue
             self._offsets[i] += len(complete) + 1
             for line in complete.splitlines():
-                t, ms, n = line.split()
+                t, ms, n, *acks = line.split()
                 new.append((float(t), float(ms), int(n)))
+                self.acks.append(int(acks[0]) if acks else 0)
         self.claims += new
         return new
 
@@ -724,12 +727,23 @@ def _scrape_total(children: Children, name: str) -> float:
     return total
 
 
-def claim_counts(claims: Sequence[tuple[float, float, int]], delivered: int) -> dict[str, Any]:
-    """Claims per delivered job and the share of claims that came back empty."""
+def claim_counts(claims: Sequence[tuple[float, float, int]], delivered: int,
+                 acks: Sequence[int] = ()) -> dict[str, Any]:
+    """Claims per delivered job and the share of claims that came back empty; with
+    *acks* (the acks each claim carried, same order) also the claims that carried
+    none, and the empty ones among them: a claim carrying acks is their ack
+    statement too, so one that claims nothing still did a statement's work."""
     empty = sum(1 for _, _, n in claims if n == 0)
-    return {"claims": len(claims), "empty_claims": empty,
-            "claims_per_job": round(len(claims) / max(delivered, 1), 3),
-            "empty_claim_share": round(empty / max(len(claims), 1), 3)}
+    out = {"claims": len(claims), "empty_claims": empty,
+           "claims_per_job": round(len(claims) / max(delivered, 1), 3),
+           "empty_claim_share": round(empty / max(len(claims), 1), 3)}
+    if acks:
+        bare = [n for (_, _, n), a in zip(claims, acks, strict=True) if a == 0]
+        out.update(claims_without_acks_per_job=round(len(bare) / max(delivered, 1), 3),
+                   empty_without_acks=sum(1 for n in bare if n == 0),
+                   empty_without_acks_share=round(
+                       sum(1 for n in bare if n == 0) / max(len(claims), 1), 3))
+    return out
 
 
 def baseline_phase(dsn: str, plan: SoakPlan,
@@ -904,7 +918,7 @@ def run(plan: SoakPlan, out_dir: Path, *, log: Any = print) -> dict[str, Any]:
                 "recovery_failures": recovery.failures,
                 "pruned": sum(int(s.get("pruned", 0)) for s in recovery.sweeps),
                 "db_cpu_us_per_job": round(cpu / max(delivered, 1) * 1e6, 1),
-                **claim_counts(claim_logs.claims, delivered),
+                **claim_counts(claim_logs.claims, delivered, claim_logs.acks),
                 "wal_bytes_per_job": round(wal / max(delivered, 1), 1),
             },
             # The queue phase's (workers released → drain over), most exec time first.
@@ -946,6 +960,10 @@ def summary(doc: dict[str, Any]) -> str:
              f"{e['wal_bytes_per_job']} B per job"]
     lines.append(f"  claims {e.get('claims')}: {e.get('claims_per_job')} per job delivered, "
                  f"{e.get('empty_claim_share')} of them empty")
+    if e.get("claims_without_acks_per_job") is not None:
+        lines.append(f"  claims carrying no acks: {e['claims_without_acks_per_job']} per job "
+                     f"delivered; empty and carrying no acks: "
+                     f"{e['empty_without_acks_share']} of all claims")
     for c in v["sizes"]:
         lines.append(f"  size {c['key']}: peak {c.get('previous_peak')} -> "
                      f"{c.get('last_peak')} ({c.get('ratio')}) ok={c['ok']}")

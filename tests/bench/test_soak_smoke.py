@@ -30,6 +30,10 @@ def test_the_one_minute_soak_loses_nothing_and_judges_every_target(tmp_path):
     assert end["orders"] > 1_000
     assert end["lost"] == 0 and end["left"] == 0
     assert verdict["nothing_lost"]["ok"] is True
+    # Claims that carried acks are also their ack statement: counted apart.
+    assert 0 < end["claims_per_job"] < 2
+    assert 0 <= end["claims_without_acks_per_job"] <= end["claims_per_job"]
+    assert 0 <= end["empty_without_acks"] <= end["empty_claims"]
     assert end["pruned"] > 0, "retention pruning ran on the shipped schedule's sweeps"
     assert len(doc["holds"]) == 2, "the reporting query held its snapshot twice"
     assert all(h["ok"] in (True, False) and h["ratio"] > 0 for h in verdict["holds"])
