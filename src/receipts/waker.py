@@ -55,9 +55,7 @@ What keeps a calm day cheap (docs/design.md, "Calm-day wake-ups"):
   LISTEN session of the database. Other new work, or a due head waiting
   :data:`STUCK_SECONDS`, wakes only the members whose free slots add up to
   the due jobs, in turn, on their own channels (the waker's pod among
-  them), with the watermark as payload. The turn moves on past the pods last
-  woken when the head is then stuck; a pod that takes the work it was woken
-  for stays first. With no member known, every pod is
+  them), with the watermark as payload. With no member known, every pod is
   woken on ``receipts_ready`` as before; with members, new work that woke
   one also notifies ``receipts_ready`` with payload :data:`MEMBERS_PAYLOAD`,
   which wakes released workers and pods without a tag and which members
@@ -229,8 +227,6 @@ class Wakeups:
         # the order they are woken (tag, free slots), the next sweep.
         self._mark: tuple[datetime | None, UUID | None] = (None, None)
         self._members: deque[tuple[str, int]] = deque()
-        #: The members the last probe that woke any woke (tags).
-        self._woken_last: set[str] = set()
         self._next_sweep = clock()
         self._started = clock()
         self._probe_seconds = metrics.statement_duration.labels("waker_probe")
@@ -296,7 +292,6 @@ class Wakeups:
         self._seen = (None, None)
         self._mark = (None, None)  # a new waker walks the index once from its start
         self._members.clear()
-        self._woken_last = set()
         self._next_sweep = self._clock()
 
     async def serve(self, session: ListenSession) -> None:
@@ -482,18 +477,10 @@ class Wakeups:
         self._mark = (row[3], row[4])
         self.watermark = (row[3], row[4])
         woken = int(row[6] or 0)
-        if row[11] and self._woken_last:
-            # The head is stuck: the pods the last wake-up went to did not take it
-            # (frozen, slower than their slots said, or a backlog beyond them), so
-            # the turn moves on past them. A pod that takes the work it was woken for
-            # stays first: the work beyond the waker's pod goes to one partner,
-            # whose acks ride on its claims (spread over the fleet in turn, each was
-            # acked alone: bench/README.md, "A turn that moves on").
-            done = self._woken_last
+        if woken:  # the next new work goes to the next pods: the woken go last
+            done = {c.removeprefix(MEMBER_CHANNEL_PREFIX) for c in channels[:woken]}
             self._members = deque([m for m in self._members if m[0] not in done]
                                   + [m for m in self._members if m[0] in done])
-        if woken:
-            self._woken_last = {c.removeprefix(MEMBER_CHANNEL_PREFIX) for c in channels[:woken]}
         if row[2]:
             self.metrics.waker_wakes.inc()
             if row[10] or not channels:

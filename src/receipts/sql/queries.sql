@@ -50,10 +50,7 @@ FROM (SELECT pg_try_advisory_lock(%(key)s) AS won) AS attempt;
 -- among them, and %(before)s, the free slots of the pods ahead of each one,
 -- added up by the caller) are woken while the free slots ahead of them are
 -- fewer than the due jobs, each with the watermark as payload ('<microseconds
--- since 1970> <id>'), and the statement returns how many it woke and whether
--- the head was stuck (only then does the caller move the turn on, past the
--- pods it last woke: a pod that takes the work it is woken for stays first,
--- so its acks ride on its claims; Wakeups.probe). All or
+-- since 1970> <id>'), and the statement returns how many it woke. All or
 -- nothing: a waker's pod that took part of the work while others were woken
 -- for the rest would race them for the same rows (at 16 pods, whose shares
 -- of the rate limit are below the order rate, 15 % of claims came back
@@ -129,7 +126,7 @@ SELECT d.run_at, d.id, d.open AND d.fresh AND d.nobody OR w.n > 0 OR d.self AS w
                    'schema', %(schema_name)s::text, 'shares', %(shares)s::jsonb,
                    'after', (extract(epoch FROM d.mark_run_at) * 1000000)::int8
                             || ' ' || d.mark_id)::text) END,
-       d.self AS wake_self, d.stuck
+       d.self AS wake_self
 FROM (
   SELECT d.*,
          d.open AND d.fresh AND NOT d.stuck AND d.due > 0
