@@ -274,14 +274,13 @@ class ClaimLogs:
     def __init__(self, paths: Sequence[Path]) -> None:
         self.paths = list(paths)
         self._offsets = [0] * len(self.paths)
-        #: Every claim so far: (unix time, ms, jobs).
-        self.claims: list[tuple[float, float, int]] = []
-        #: The acks each of :attr:`claims` carried (0 for a log without the column).
-        self.acks: list[int] = []
+        #: Every claim so far: (unix time, ms, jobs, acks it carried; 0 for a log
+        #: without that column).
+        self.claims: list[tuple[float, float, int, int]] = []
 
-    def read(self) -> list[tuple[float, float, int]]:
+    def read(self) -> list[tuple[float, float, int, int]]:
         """The claims logged since the last call (also kept in :attr:`claims`)."""
-        new: list[tuple[float, float, int]] = []
+        new: list[tuple[float, float, int, int]] = []
         for i, path in enumerate(self.paths):
             try:
                 with open(path) as fh:
@@ -295,8 +294,7 @@ class ClaimLogs:
             self._offsets[i] += len(complete) + 1
             for line in complete.splitlines():
                 t, ms, n, *acks = line.split()
-                new.append((float(t), float(ms), int(n)))
-                self.acks.append(int(acks[0]) if acks else 0)
+                new.append((float(t), float(ms), int(n), int(acks[0]) if acks else 0))
         self.claims += new
         return new
 
@@ -727,23 +725,21 @@ def _scrape_total(children: Children, name: str) -> float:
     return total
 
 
-def claim_counts(claims: Sequence[tuple[float, float, int]], delivered: int,
-                 acks: Sequence[int] = ()) -> dict[str, Any]:
-    """Claims per delivered job and the share of claims that came back empty; with
-    *acks* (the acks each claim carried, same order) also the claims that carried
-    none, and the empty ones among them: a claim carrying acks is their ack
-    statement too, so one that claims nothing still did a statement's work."""
-    empty = sum(1 for _, _, n in claims if n == 0)
-    out = {"claims": len(claims), "empty_claims": empty,
-           "claims_per_job": round(len(claims) / max(delivered, 1), 3),
-           "empty_claim_share": round(empty / max(len(claims), 1), 3)}
-    if acks:
-        bare = [n for (_, _, n), a in zip(claims, acks, strict=True) if a == 0]
-        out.update(claims_without_acks_per_job=round(len(bare) / max(delivered, 1), 3),
-                   empty_without_acks=sum(1 for n in bare if n == 0),
-                   empty_without_acks_share=round(
-                       sum(1 for n in bare if n == 0) / max(len(claims), 1), 3))
-    return out
+def claim_counts(claims: Sequence[tuple[float, float, int, int]],
+                 delivered: int) -> dict[str, Any]:
+    """Claims per delivered job and the share of claims that came back empty; also
+    the claims that carried no acks, and the empty ones among them: a claim carrying
+    acks is their ack statement too, so one that claims nothing still did a
+    statement's work. *claims*: (unix time, ms, jobs, acks) as ClaimLogs reads them."""
+    empty = sum(1 for _, _, n, _ in claims if n == 0)
+    bare = [n for _, _, n, acks in claims if acks == 0]
+    bare_empty = bare.count(0)
+    return {"claims": len(claims), "empty_claims": empty,
+            "claims_per_job": round(len(claims) / max(delivered, 1), 3),
+            "empty_claim_share": round(empty / max(len(claims), 1), 3),
+            "claims_without_acks_per_job": round(len(bare) / max(delivered, 1), 3),
+            "empty_without_acks": bare_empty,
+            "empty_without_acks_share": round(bare_empty / max(len(claims), 1), 3)}
 
 
 def baseline_phase(dsn: str, plan: SoakPlan,
@@ -908,7 +904,7 @@ def run(plan: SoakPlan, out_dir: Path, *, log: Any = print) -> dict[str, Any]:
                         "postgres": bench.durability()},
             "holds": [[round(a - wall0, 1), round(b - wall0, 1)] for a, b in holds.held],
             "samples": samples,
-            "claim_latencies": [[round(t - wall0, 3), ms] for t, ms, _ in claim_logs.claims],
+            "claim_latencies": [[round(t - wall0, 3), ms] for t, ms, _, _ in claim_logs.claims],
             "end": {
                 "orders": orders.enqueued, "order_errors": orders.errors,
                 "orders_max_behind_seconds": round(orders.max_behind_seconds, 3),
@@ -918,7 +914,7 @@ def run(plan: SoakPlan, out_dir: Path, *, log: Any = print) -> dict[str, Any]:
                 "recovery_failures": recovery.failures,
                 "pruned": sum(int(s.get("pruned", 0)) for s in recovery.sweeps),
                 "db_cpu_us_per_job": round(cpu / max(delivered, 1) * 1e6, 1),
-                **claim_counts(claim_logs.claims, delivered, claim_logs.acks),
+                **claim_counts(claim_logs.claims, delivered),
                 "wal_bytes_per_job": round(wal / max(delivered, 1), 1),
             },
             # The queue phase's (workers released → drain over), most exec time first.
