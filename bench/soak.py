@@ -58,7 +58,8 @@ At the end it stops the orders, waits until nothing is ready or running, and
 checks that every order was delivered (the provider's distinct receipts plus
 the jobs that failed for good equal the orders), then judges
 (:func:`verdict`), plots (matplotlib, the ``bench`` extra) and writes
-``soak.json`` and three PNGs into ``--out``.
+``soak.json``, ``claims.json`` (every claim's time and latency) and three PNGs
+into ``--out``.
 """
 
 from __future__ import annotations
@@ -725,6 +726,11 @@ def _scrape_total(children: Children, name: str) -> float:
     return total
 
 
+def _count(total: float) -> float | int:
+    """A scraped counter as a count: an int, or NaN when a worker's metrics were unreachable."""
+    return total if math.isnan(total) else int(total)
+
+
 def claim_counts(claims: Sequence[tuple[float, float, int, int]],
                  delivered: int) -> dict[str, Any]:
     """Claims per delivered job and the share of claims that came back empty; also
@@ -908,8 +914,8 @@ def run(plan: SoakPlan, out_dir: Path, *, log: Any = print) -> dict[str, Any]:
             "end": {
                 "orders": orders.enqueued, "order_errors": orders.errors,
                 "orders_max_behind_seconds": round(orders.max_behind_seconds, 3),
-                "delivered": delivered, "provider": stats, "failed_for_good": failures,
-                "stale_acks": stale, "lost": lost, "left": left,
+                "delivered": delivered, "provider": stats, "failed_for_good": _count(failures),
+                "stale_acks": _count(stale), "lost": lost, "left": left,
                 "recovery_sweeps": len(recovery.sweeps),
                 "recovery_failures": recovery.failures,
                 "pruned": sum(int(s.get("pruned", 0)) for s in recovery.sweeps),
@@ -1042,7 +1048,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     doc = run(plan, args.out, log=lambda m: print(m, file=sys.stderr, flush=True))
     print(summary(doc))
-    print(f"wrote {args.out / 'soak.json'} and {len(doc['plots'])} PNGs", file=sys.stderr)
+    print(f"wrote {args.out / 'soak.json'}, claims.json and {len(doc['plots'])} PNGs",
+          file=sys.stderr)
     return 0 if doc["verdict"]["ok"] else 1
 
 
