@@ -677,12 +677,13 @@ def headline(summary: dict[str, Any]) -> str:
 def table(summary: dict[str, Any], *, details: bool = True) -> str:
     """The headline table and, per row, where the CPU and the WAL went."""
     lines = [f"{'row':<26}{'unit':>7}{'DB CPU µs':>11}{'×raw1':>7}{'WAL B':>9}{'×raw1':>7}"
-             f"{'stmts':>8}{'dead':>7}{'FPI':>7}{'jobs/s':>9}"]
+             f"{'stmts':>8}{'dead':>7}{'FPI':>7}{'jobs/s':>9}{'wkr CPU µs':>12}"]
     for key, r in summary.items():
         lines.append(
             f"{key:<26}{r['per']:>7}{r['db_cpu_us']:>11.1f}{r.get('cpu_vs_raw1', 0):>7.2f}"
             f"{r['wal_bytes']:>9.1f}{r.get('wal_vs_raw1', 0):>7.2f}{r['statements']:>8.3g}"
-            f"{r['dead_tuples']:>7.2f}{r['wal_fpi']:>7.3f}{r.get('jobs_per_second', 0):>9,.0f}")
+            f"{r['dead_tuples']:>7.2f}{r['wal_fpi']:>7.3f}{r.get('jobs_per_second', 0):>9,.0f}"
+            + (f"{r['worker_cpu_us']:>12.1f}" if "worker_cpu_us" in r else ""))
     if not details:
         return "\n".join(lines)
     for key, r in summary.items():
