@@ -7,8 +7,10 @@ fresh database, so rounds can interleave them freely.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import json
 import os
+import random
 import statistics
 import tempfile
 import time
@@ -16,6 +18,7 @@ import uuid
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 from functools import partial
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -193,8 +196,13 @@ def peer_drain(bench: Bench, peer: str, *, jobs: int, **opts: Any) -> dict[str, 
 # ------------------------------------------------------------ pickup latency
 
 
-def _schedule(n: int, rate: float) -> list[float]:
-    return [i / rate for i in range(n)]
+def _schedule(n: int, rate: float, seed: int | None = None) -> list[float]:
+    """*n* arrival times (seconds from the start) at *rate*/s: evenly spaced, or
+    a Poisson process (exponential gaps) when a *seed* is given."""
+    if seed is None:
+        return [i / rate for i in range(n)]
+    rng = random.Random(seed)
+    return list(itertools.accumulate((rng.expovariate(rate) for _ in range(n)), initial=0.0))[:n]
 
 
 #: receipts_pickup modes: how idle workers learn of a new job.
@@ -211,14 +219,19 @@ def _waker_elected(probe: psycopg.Connection[Any]) -> bool:
 
 
 def receipts_pickup(bench: Bench, *, jobs: int, rate: float, mode: str = "waker",
-                    poll_seconds: float = 1.0, processes: int = 1) -> dict[str, Any]:
+                    poll_seconds: float = 1.0, processes: int = 1, rate_limit: float = 0.0,
+                    delay_ms: float = 0.0, seed: int | None = None,
+                    src: Path | None = None) -> dict[str, Any]:
     """Enqueue-commit → delivery-start for *jobs* enqueued one per transaction at *rate*/s.
 
     *mode*: ``waker`` (the defaults: the enqueue sends no notification, the
     fleet's elected waker notices the job); ``notify`` (0.2.0's default: the
     enqueuing transaction also runs ``pg_notify``, which listening workers
     receive at its commit); ``poll`` (no LISTEN session at all: polling every
-    *poll_seconds* ± 25 %). *processes* workers (32 slots, claim batch 100).
+    *poll_seconds* ± 25 %). *processes* workers (32 slots, claim batch 100),
+    with a fleet-wide *rate_limit* (jobs/s; 0: none) and deliveries of
+    *delay_ms* × U(0.5, 1.5) when given; arrivals evenly spaced, or Poisson
+    with a *seed*; *src*: an older worker's ``src`` folder (``bench.procs``).
     """
     if mode not in PICKUP_MODES:
         raise ValueError(f"mode must be one of {PICKUP_MODES}")
@@ -226,9 +239,10 @@ def receipts_pickup(bench: Bench, *, jobs: int, rate: float, mode: str = "waker"
     with bench.database("pick") as dsn, tempfile.TemporaryDirectory() as tmp:
         records = [os.path.join(tmp, f"record-{i}.json") for i in range(processes)]
         argvs = [receipts_argv(dsn, concurrency=DEFAULT_CONCURRENCY, batch=DEFAULT_BATCH,
-                               no_listen=not listen, poll_seconds=poll_seconds, record=record)
+                               no_listen=not listen, poll_seconds=poll_seconds, record=record,
+                               rate_limit=rate_limit or None, delay_ms=delay_ms or None)
                  for record in records]
-        children = Children(argvs)
+        children = Children(argvs, src=src)
         committed: dict[str, float] = {}
         try:
             children.go()
@@ -240,7 +254,7 @@ def receipts_pickup(bench: Bench, *, jobs: int, rate: float, mode: str = "waker"
                 wait_until(lambda: remaining_jobs(probe) == 0
                            and (not listen or _waker_elected(probe)), timeout_seconds=30)
                 t0 = time.monotonic()
-                for i, at in enumerate(_schedule(jobs, rate)):
+                for i, at in enumerate(_schedule(jobs, rate, seed)):
                     delay = t0 + at - time.monotonic()
                     if delay > 0:
                         time.sleep(delay)

@@ -143,15 +143,30 @@ def choose(*, shares: Mapping[str, float] | None, tag: str | None, shares_age: f
     return Choice("shared")
 
 
-def shares_of(members: Mapping[str, int | None]) -> dict[str, float]:
+def shares_of(members: Mapping[str, int | None],
+              lead: tuple[str, float] | None = None) -> dict[str, float]:
     """Each live pod's share of the fleet's rate limit, by its weight (its slots).
 
     *members*: pod tag → slots (None: not reported yet, weighed as the mean of
-    the others, or 1). Shares add up to 1; an empty fleet has none.
+    the others, or 1). *lead*: ``(tag, share)``, a pod that gets *share* of
+    the limit when that is more than its weight's (the waker's pod at a calm
+    rate: :data:`receipts.waker.LEAD_MAX_SHARE`, "A leading share" in
+    docs/design.md); the others split the rest by weight. A lead is ignored
+    when its pod is the only member or not one, and clamped to [0, 1).
+    Shares add up to 1; an empty fleet has none.
     """
     known = [s for s in members.values() if s is not None and s > 0]
     default = sum(known) / len(known) if known else 1.0
     weights = {tag: float(s) if s is not None and s > 0 else default
                for tag, s in members.items()}
     total = sum(weights.values())
-    return {tag: round(w / total, 6) for tag, w in weights.items()} if total > 0 else {}
+    if total <= 0:
+        return {}
+    shares = {tag: w / total for tag, w in weights.items()}
+    if lead is not None and lead[0] in shares and len(shares) > 1:
+        tag, share = lead[0], min(max(float(lead[1]), 0.0), 0.999)
+        if share > shares[tag]:
+            rest = total - weights[tag]
+            shares = {t: (share if t == tag else (1.0 - share) * w / rest)
+                      for t, w in weights.items()}
+    return {tag: round(v, 6) for tag, v in shares.items()}

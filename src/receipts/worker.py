@@ -264,11 +264,15 @@ class Worker:
         #: when it cannot have one (behind PgBouncer, or RECEIPTS_LISTEN_NOTIFY off).
         self.wakeups = Wakeups(settings, metrics, self.wake,
                                tag=getattr(queue, "worker_tag", None),
-                               free_slots=self._waker_free_slots) if (
+                               free_slots=self._waker_free_slots,
+                               unshared_room=self._waker_unshared_room) if (
             settings.listen_notify and not settings.pgbouncer) else None
         #: This pod's share of the fleet-wide rate limit (rate and capacity set
         #: from the waker's announcement before each use; receipts.ratelimit).
         self.bucket = TokenBucket(max(queue.rate, 1e-9), 1.0)
+        #: The waker's pod's last offer before its share of the rate limit cut it,
+        #: or None (_waker_free_slots).
+        self._unshared_room: int | None = None
         #: receipts_delivery_duration_seconds by outcome, labelled once (labels() locks).
         self._delivery_seconds = {reason: metrics.delivery_duration.labels(reason)
                                   for reason in Reason}
@@ -446,6 +450,7 @@ class Worker:
         left a throttled waker's pod first in line and new work to the stuck
         head's 150 ms: at 8 orders/s under a 20/s limit of 4 pods, pickup p99
         was 219 ms against 74 before (a new user's trial)."""
+        self._unshared_room = None
         if self._stop.is_set() or self.gate.paused:
             return 0
         room = self._free_slots()
@@ -458,8 +463,18 @@ class Worker:
             if choice.mode == "wait":
                 return 0
             if choice.mode == "local":
-                room = self._share_bucket(choice.share).available(room)
+                allowed = self._share_bucket(choice.share).available(room)
+                if allowed < room:
+                    self._unshared_room = room
+                room = allowed
         return max(room, 0)
+
+    def _waker_unshared_room(self) -> int | None:
+        """What the last :meth:`_waker_free_slots` offer would have been but for
+        this pod's share of the rate limit (its free slots within its other
+        throttles), or None when the share did not cut it (receipts.waker, "A
+        leading share")."""
+        return self._unshared_room
 
     def _share_bucket(self, share: float) -> TokenBucket:
         """This pod's token bucket, sized to *share* (0–1) of the fleet's rate limit

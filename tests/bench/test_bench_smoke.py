@@ -127,6 +127,23 @@ def test_the_wakeups_scenario_measures_pickup_and_an_idle_fleet(tmp_path):
     assert "idle fleet" in stdout
 
 
+@pytest.mark.slow
+def test_the_leading_share_experiment_measures_pickup_under_a_binding_limit(tmp_path):
+    """Two workers (this checkout's, and the same src as the "baseline"), one round at
+    one rate: every job's pickup measured, under the fleet's rate limit."""
+    out = tmp_path / "lead.json"
+    result = subprocess.run(
+        [sys.executable, "-m", "bench.experiments.lead", "--smoke", "--rates", "8",
+         "--pods", "2", "--baseline-src", str(ROOT / "src"), "--out", str(out)],
+        cwd=ROOT, capture_output=True, text=True, timeout=170,
+    )
+    assert result.returncode == 0, result.stderr[-3000:]
+    runs = json.loads(out.read_text())["runs"]
+    assert sorted(r["worker"] for r in runs) == ["baseline", "this"]
+    assert all(r["measured"] == r["jobs"] == 40 and r["processes"] == 2 for r in runs)
+    assert "p99 ms" in result.stdout
+
+
 def test_the_capacity_benchmarks_oracle_gives_the_fleet_exactly_the_capacity():
     """The oracle row (``--adaptive oracle``) is a static setting with C in flight: its
     slots add up to C, spread as evenly as the pods allow, and no pod has none."""

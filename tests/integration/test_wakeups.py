@@ -47,13 +47,15 @@ class Pod:
     """
 
     def __init__(self, dsn: str, *, tag: str | None = None, queue: JobQueue | None = None,
-                 free_slots: Callable[[], int] | None = None, **settings: object) -> None:
+                 free_slots: Callable[[], int] | None = None,
+                 unshared_room: Callable[[], int | None] | None = None,
+                 **settings: object) -> None:
         self.metrics = Metrics()
         self.woken = 0
         self.claimed: list[str] = []
         self.queue = queue
         self.wakeups = Wakeups(make_settings(dsn, **settings), self.metrics, self._wake,
-                               tag=tag, free_slots=free_slots)
+                               tag=tag, free_slots=free_slots, unshared_room=unshared_room)
         self.task: asyncio.Task[None] | None = None
         self._claims: set[asyncio.Task[None]] = set()
 
@@ -342,6 +344,54 @@ async def test_a_back_dated_job_below_the_watermark_is_swept_and_claimed(dsn, me
     took = await until(lambda: any("old" in p.claimed for p in members), "the old job claimed")
     assert took < 1.0
     assert FLEET_CHANNEL == "receipts_fleet"
+
+
+async def test_the_wakers_pod_leads_with_a_larger_share_until_the_fleet_falls_behind(dsn):
+    """docs/design.md, "A leading share", on the real probe and announcement: each
+    pod's share of the limit is a third (equal slots) until new work goes to the others
+    only because the waker's pod's share held it back (its bucket allows 1 job, its
+    slots 32); then every pod hears the waker's pod announced at LEAD_MAX_SHARE and the
+    others at a quarter. A backlog nobody claims (a head stuck probe after probe) puts
+    every share back to a third at the next heartbeat."""
+    from receipts.waker import LEAD_MAX_SHARE
+
+    offer = {"n": 1}
+    members = [Pod(dsn, tag=c * 8, free_slots=lambda: offer["n"],
+                   unshared_room=lambda: 32) for c in "abc"]
+    for p in members:
+        p.start()
+    try:
+        await until(lambda: sum(p.is_waker for p in members) == 1, "a waker elected")
+        await until(lambda: all(len(p.wakeups.shares or {}) == 3 for p in members),
+                    "three members announced")
+        waker = waker_of(members)
+        lead, rest = waker.wakeups.tag, [p.wakeups.tag for p in members if p is not waker]
+        assert all(v == pytest.approx(1 / 3, abs=1e-5)
+                   for v in (members[0].wakeups.shares or {}).values())
+
+        def heard(own: float, other: float) -> bool:
+            return all((p.wakeups.shares or {}).get(lead) == pytest.approx(own, abs=1e-5)
+                       and all((p.wakeups.shares or {}).get(t) == pytest.approx(other, abs=1e-5)
+                               for t in rest) for p in members)
+
+        # Nobody claims here (no queue): take the rows away as soon as they are woken for.
+        before = sum(p.woken for p in members if p is not waker)
+        enqueue_many(dsn, ["lead-1", "lead-2", "lead-3"])
+        await until(lambda: sum(p.woken for p in members if p is not waker) > before,
+                    "the others woken for work the waker's pod could not take")
+        fetch_rows(dsn, "DELETE FROM receipt_jobs RETURNING 1")
+        await until(lambda: heard(LEAD_MAX_SHARE, (1 - LEAD_MAX_SHARE) / 2),
+                    "the waker's pod announced leading", timeout=5)
+        # A backlog: due rows older than STUCK_SECONDS that no pod claims.
+        offer["n"] = 0
+        enqueue_many(dsn, [f"backlog-{k}" for k in range(5)])
+        fetch_rows(dsn, "UPDATE receipt_jobs SET run_at = run_at - interval '0.5 s'"
+                        " RETURNING 1")
+        await until(lambda: heard(1 / 3, 1 / 3), "every share back to the slots'", timeout=5)
+        assert waker.wakeups.lead is None
+    finally:
+        for p in members:
+            await p.stop()
 
 
 def expected_woken(free: list[int], due: int, own: int | None = None,

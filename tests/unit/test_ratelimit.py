@@ -111,3 +111,26 @@ def test_what_a_bucket_has_available_is_what_a_claim_would_be_granted_and_stays(
     offered = bucket.available(want)
     assert bucket.available(want) == offered  # looking takes nothing
     assert offered == bucket.allowance(want)[0]
+
+
+def test_a_leading_share_goes_to_its_pod_and_the_others_split_the_rest_by_slots():
+    members = {"a": 32, "b": 32, "c": 64, "d": None}
+    shares = shares_of(members, ("a", 0.5))
+    assert shares["a"] == 0.5
+    assert sum(shares.values()) == pytest.approx(1.0, abs=1e-5)
+    # The rest by slots: b 32, c 64, d the mean (128 / 3).
+    assert shares["c"] == pytest.approx(2 * shares["b"], abs=1e-5)
+    assert shares["d"] == pytest.approx(shares["b"] * (128 / 3) / 32, abs=1e-5)
+
+
+@pytest.mark.parametrize("lead", [("a", 0.1), ("zz", 0.9), ("a", -1.0)])
+def test_a_lead_below_the_pods_own_share_or_for_no_member_changes_nothing(lead):
+    members = {"a": 32, "b": 32, "c": 64}
+    assert shares_of(members, lead) == shares_of(members)
+
+
+def test_a_lone_pod_has_the_whole_limit_whatever_its_lead_and_a_lead_never_takes_it_all():
+    assert shares_of({"a": 8}, ("a", 0.5)) == {"a": 1.0}
+    shares = shares_of({"a": 8, "b": 8}, ("a", 1.5))
+    assert shares["a"] < 1.0 and shares["b"] > 0.0
+    assert sum(shares.values()) == pytest.approx(1.0, abs=1e-5)

@@ -8,6 +8,7 @@ tests/acceptance/test_waker_fleet.py.
 from __future__ import annotations
 
 import json
+from collections import deque
 
 from receipts.enqueue import NOTIFY_CHANNEL
 from receipts.metrics import Metrics
@@ -93,3 +94,92 @@ def test_the_fleets_size_comes_from_a_fresh_announcement_of_this_queue_only():
     assert wakeups.announced_size() == 4 and wakeups.fleet_size() == 4
     clock.now += SILENT_SECONDS + 0.1
     assert wakeups.announced_size() is None and wakeups.fleet_size() == 1
+
+
+class Session:
+    """A stand-in for the waker's LISTEN session: ``fleet_members`` answers with
+    :attr:`members`, ``waker_probe`` with the next row of :attr:`probes`."""
+
+    def __init__(self, members: dict[str, int]) -> None:
+        self.members = members
+        self.probes: list[tuple[object, ...]] = []
+
+    async def fetchall(self, statement: object, params: object = None) -> list[tuple[object, ...]]:
+        return [(tag, slots, 0) for tag, slots in sorted(self.members.items())]
+
+    async def fetchone(self, statement: object, params: object = None) -> tuple[object, ...]:
+        return self.probes.pop(0)
+
+
+def probe_row(*, due: int, woken: int, stuck: bool = False) -> tuple[object, ...]:
+    """A ``waker_probe`` row: fresh work, *due* jobs, *woken* members, head *stuck*."""
+    return (None, None, woken > 0, None, None, due, woken, None, None, None, False, stuck)
+
+
+def test_the_wakers_pod_leads_while_its_share_alone_hands_work_away_and_not_after_a_backlog():
+    """receipts.waker, "A leading share": doubled at each heartbeat after a probe
+    that woke others because this pod's share fell short, up to LEAD_MAX_SHARE;
+    back to the slots' share after a head stuck at two probes in a row."""
+    import asyncio
+
+    from receipts.waker import LEAD_MAX_SHARE
+
+    offer, unshared = [2], [10]  # the bucket allows 2 jobs; the slots would take 10
+    clock = Clock()
+    wakeups = Wakeups(make_settings("postgresql://u@127.0.0.1:9/db"), Metrics(), lambda: None,
+                      tag="a" * 8, free_slots=lambda: offer[0],
+                      unshared_room=lambda: unshared[0], clock=clock)
+    tags = [c * 8 for c in "abcdefgh"]
+    session = Session({t: 32 for t in tags})
+
+    async def heartbeat() -> float:
+        shares = await wakeups.read_members(session)  # type: ignore[arg-type]
+        assert abs(sum(shares.values()) - 1.0) < 1e-5
+        return shares[tags[0]]
+
+    async def probe(**row: object) -> None:
+        session.probes.append(probe_row(**row))  # type: ignore[arg-type]
+        await wakeups.probe(session)  # type: ignore[arg-type]
+
+    async def scenario() -> None:
+        assert await heartbeat() == 0.125  # by slots: an eighth
+        await probe(due=5, woken=2)        # 5 due, 2 allowed by the share, 10 by the slots
+        assert await heartbeat() == 0.25
+        await probe(due=5, woken=2)
+        assert await heartbeat() == LEAD_MAX_SHARE
+        await probe(due=5, woken=2)
+        assert await heartbeat() == LEAD_MAX_SHARE  # at most
+        await probe(due=0, woken=0, stuck=True)     # one stuck probe: a late commit
+        await probe(due=1, woken=0)
+        assert await heartbeat() == LEAD_MAX_SHARE
+        await probe(due=9, woken=3, stuck=True)
+        await probe(due=9, woken=3, stuck=True)     # stuck twice in a row: a backlog
+        assert await heartbeat() == 0.125
+        unshared[0] = 4                             # the slots could not take 5 either
+        await probe(due=5, woken=2)
+        assert await heartbeat() == 0.125
+        offer[0], unshared[0] = 5, 10               # the share allowed it all: woke nobody
+        await probe(due=5, woken=0)
+        assert await heartbeat() == 0.125
+        assert wakeups.lead is None
+
+    asyncio.run(scenario())
+
+
+def test_under_a_rate_limit_a_member_is_counted_for_no_more_than_its_full_bucket():
+    """receipts.waker: a burst of due work beyond one pod's tokens wakes the next pod
+    too. Each member's free slots are capped at burst × its announced share (≥ 1);
+    without a limit, or without a share for it, its free slots stand."""
+    limited = make_settings("postgresql://u@127.0.0.1:9/db",
+                            provider_rate_limit_per_second=20.0)
+    wakeups = Wakeups(limited, Metrics(), lambda: None, tag="a" * 8)
+    wakeups.shares = {"a" * 8: 0.5, "b" * 8: 0.25, "c" * 8: 0.2, "d" * 8: 0.05}
+    wakeups._members = deque([("b" * 8, 32), ("c" * 8, 2), ("d" * 8, 32), ("e" * 8, 7)])
+    # burst = one second's worth (20): b 5 tokens, c 4 (but 2 free slots), d 1, e no share.
+    assert wakeups._targets() == (
+        None, [f"receipts_ready_{c * 8}" for c in "bcde"], [0, 5, 7, 8])
+    unlimited = Wakeups(make_settings("postgresql://u@127.0.0.1:9/db"), Metrics(),
+                        lambda: None, tag="a" * 8)
+    unlimited.shares = dict(wakeups.shares)
+    unlimited._members = deque(wakeups._members)
+    assert unlimited._targets()[2] == [0, 32, 34, 66]

@@ -126,7 +126,7 @@ SELECT d.run_at, d.id, d.open AND d.fresh AND d.nobody OR w.n > 0 OR d.self AS w
                    'schema', %(schema_name)s::text, 'shares', %(shares)s::jsonb,
                    'after', (extract(epoch FROM d.mark_run_at) * 1000000)::int8
                             || ' ' || d.mark_id)::text) END,
-       d.self AS wake_self
+       d.self AS wake_self, d.stuck
 FROM (
   SELECT d.*,
          d.open AND d.fresh AND NOT d.stuck AND d.due > 0
