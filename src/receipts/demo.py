@@ -326,16 +326,23 @@ def _scrape_settled(run: _Run, workers: list[Child]) -> list[MetricSamples]:
 
     The workers read the queue gauges once per ``RECEIPTS_QUEUE_STATS_INTERVAL_SECONDS``
     (1 s here), so a scrape at the very end can show the queue as it was a moment
-    before (a new user read "5 ready" above "nothing lost"). Waits (at most 3 s) until
-    the last worker's ``receipts_ready_jobs`` is the table's count of due ready jobs;
-    then returns every worker's samples.
+    before (a new user read "5 ready" above "nothing lost", and later an oldest
+    undelivered job 9 s old with nothing left). Waits (at most 3 s) until the last
+    worker's gauges agree with the table: ``receipts_ready_jobs`` is its count of due
+    ready jobs, and ``receipts_oldest_undelivered_age_seconds`` is 0 exactly when no
+    job is ready or running; then returns every worker's samples.
     """
     deadline = time.monotonic() + 3.0
     with psycopg.connect(run.dsn, autocommit=True) as conn:
         while workers and time.monotonic() < deadline:
-            row = conn.execute("SELECT count(*) FROM receipt_jobs WHERE state = 'ready'"
-                               " AND run_at <= statement_timestamp()").fetchone()
-            if row is not None and workers[-1].scrape().total("receipts_ready_jobs") == row[0]:
+            row = conn.execute(
+                "SELECT count(*) FILTER (WHERE state = 'ready'"
+                " AND run_at <= statement_timestamp()), count(*)"
+                " FROM receipt_jobs WHERE state IN ('ready', 'running')").fetchone()
+            m = workers[-1].scrape()
+            if (row is not None and m.total("receipts_ready_jobs") == row[0]
+                    and (m.total("receipts_oldest_undelivered_age_seconds") == 0)
+                    == (row[1] == 0)):
                 break
             time.sleep(0.25)
     return [w.scrape() for w in workers]
