@@ -34,7 +34,13 @@ from receipts.db import check_connection, make_pool, transaction
 from receipts.demo import DemoOptions, run_demo
 from receipts.embedded import EmbeddedPostgresError, bin_dir
 from receipts.enqueue import check_order_id, enqueue
-from receipts.errors import InvalidOrderId, QueueError, SchemaMissing, UnusableDatabase
+from receipts.errors import (
+    DatabaseUnavailable,
+    InvalidOrderId,
+    QueueError,
+    SchemaMissing,
+    UnusableDatabase,
+)
 from receipts.grants import GrantsError, grants_sql, parse_assignments
 from receipts.jobqueue import JobQueue
 from receipts.logs import configure_logging, get_logger
@@ -163,9 +169,24 @@ def _run(coro: Coroutine[Any, Any, int]) -> int:
 
 
 async def _with_queue(settings: Settings, role: str,
-                      body: Callable[[JobQueue], Coroutine[Any, Any, int]]) -> int:
-    """Open a one-connection pool, run *body(queue)* (recovery's statements), close the pool."""
-    await check_connection(settings, role)
+                      body: Callable[[JobQueue], Coroutine[Any, Any, int]], *,
+                      wait_for_database: bool = False) -> int:
+    """Open a one-connection pool, run *body(queue)* (recovery's statements), close the pool.
+
+    A one-shot command fails fast when the database cannot be reached
+    (:class:`DatabaseUnavailable` from :func:`check_connection`). With
+    *wait_for_database* (``recover --loop``, a long-running process like the
+    worker) that is logged as ``recovery_failed``, as a failed sweep is, and the body runs
+    anyway: its sweeps retry, so a database that is restarting when the loop
+    starts (a crash recovery: "the database system is starting up") no longer
+    ends it with exit 1. A database receipts refuses still fails fast.
+    """
+    try:
+        await check_connection(settings, role)
+    except DatabaseUnavailable as exc:
+        if not wait_for_database:
+            raise
+        get_logger("recovery").warning("recovery_failed", extra={"error": str(exc)[:300]})
     pool = make_pool(settings, role, max_size=1)
     await pool.open(wait=False)
     try:
@@ -283,7 +304,7 @@ def cmd_recover(settings: Settings, args: argparse.Namespace) -> int:
             await recovery.run_loop(queue, settings, args.loop, stop)
             return EXIT_OK
 
-        return _run(_with_queue(settings, "recover", loop))
+        return _run(_with_queue(settings, "recover", loop, wait_for_database=True))
 
     async def once(queue: JobQueue) -> int:
         report = await recovery.run_once(queue, settings)

@@ -188,3 +188,45 @@ def test_the_summary_says_when_recovered_jobs_are_due_again() -> None:
         "; the recovered jobs are due again within 8s (RECEIPTS_RECOVERY_DELAY_SECONDS, jittered)")
     assert "due again" not in report.summary()
     assert "due again" not in RecoveryReport().summary(delay_seconds=8.0)  # nothing recovered
+
+
+@pytest.mark.slow
+async def test_recover_loop_outlives_a_database_that_is_down_when_it_starts(
+        dsn: str, tmp_path) -> None:
+    """``recover --loop`` is a long-running process, as the worker is: a database that
+    cannot be reached when it starts (a crash recovery's "the database system is
+    starting up" ended it with exit 1 in the crash test) is logged as
+    ``recovery_failed`` and the loop goes on; once the database answers, its sweep
+    recovers the expired leases. SIGTERM still ends it with 0. A one-shot
+    ``recover`` still fails fast."""
+    import asyncio
+
+    from psycopg.conninfo import conninfo_to_dict, make_conninfo
+
+    from receipts.supervisor import Supervisor
+    from tests.chaos.pgproxy import PgProxy
+
+    _seed(dsn)
+    port = free_port()  # nothing listens here until the proxy starts
+    upstream = int(conninfo_to_dict(dsn)["port"] or 5432)
+    through = make_conninfo(dsn, host="127.0.0.1", port=str(port),  # as the proxy speaks
+                            sslmode="disable", gssencmode="disable")
+    once = run_command(["recover"], _env(through))
+    assert once.returncode == 1 and "database unavailable" in once.stderr
+    with Supervisor(tmp_path) as sup:
+        child = sup.start("recover", ["recover", "--loop", "0.2"], _env(through))
+        deadline = time.monotonic() + 30
+        while child.output().count('"event": "recovery_failed"') < 2:
+            assert time.monotonic() < deadline and child.running, child.tail()
+            await asyncio.sleep(0.05)
+        proxy = PgProxy(upstream, port)
+        await proxy.start()
+        try:
+            while fetch_rows(dsn, "SELECT count(*) FROM receipt_jobs"
+                                  " WHERE state = 'running'") != [(0,)]:
+                assert time.monotonic() < deadline and child.running, child.tail()
+                await asyncio.sleep(0.05)
+            child.terminate()
+            assert await asyncio.to_thread(child.wait, timeout_seconds=20) == 0, child.tail()
+        finally:
+            await proxy.close()
