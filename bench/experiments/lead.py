@@ -23,6 +23,7 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -36,21 +37,47 @@ HERE = Path(__file__).resolve().parent
 DEFAULT_OUT = HERE.parent / "results" / "lead.json"
 
 
+def _positive_rates(text: str) -> list[float]:
+    """``--rates``: comma-separated arrival rates, each a positive number of jobs/s."""
+    try:
+        rates = [float(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a list of numbers: {text!r}") from None
+    if not rates or any(not 0 < r < 10_000 for r in rates):
+        raise argparse.ArgumentTypeError("each rate must be above 0 and below 10,000 jobs/s")
+    return rates
+
+
+def _at_least(low: float, kind: type[int] | type[float]) -> Callable[[str], float]:
+    """An argparse type: a number of *kind* that is at least *low*."""
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be at least {low:g}")
+        return value
+    return parse
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m bench.experiments.lead",
                                 description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--baseline-src", type=Path, help="an older checkout's src folder (B)")
-    p.add_argument("--rounds", type=int, default=2)
-    p.add_argument("--jobs", type=int, default=600, help="jobs per run")
-    p.add_argument("--rates", default="8,12", help="arrival rates, jobs/s, comma-separated")
-    p.add_argument("--pods", type=int, default=4)
-    p.add_argument("--limit", type=float, default=20.0, help="the fleet's rate limit, jobs/s")
-    p.add_argument("--delay-ms", type=float, default=20.0)
+    p.add_argument("--rounds", type=_at_least(1, int), default=2)
+    p.add_argument("--jobs", type=_at_least(1, int), default=600, help="jobs per run")
+    p.add_argument("--rates", type=_positive_rates, default=[8.0, 12.0],
+                   help="arrival rates, jobs/s, comma-separated (default 8,12)")
+    p.add_argument("--pods", type=_at_least(1, int), default=4)
+    p.add_argument("--limit", type=_at_least(0.1, float), default=20.0,
+                   help="the fleet's rate limit, jobs/s")
+    p.add_argument("--delay-ms", type=_at_least(0, float), default=20.0)
     p.add_argument("--smoke", action="store_true", help="tiny sizes; figures meaningless")
     p.add_argument("--out", type=Path, help=f"JSON output (default {DEFAULT_OUT}; --smoke: none)")
     args = p.parse_args(argv)
-    jobs, rounds = (40, 1) if args.smoke else (args.jobs, args.rounds)
-    rates = [float(r) for r in args.rates.split(",") if r]
+    jobs, rounds = (40, 1) if args.smoke else (int(args.jobs), int(args.rounds))
+    rates: list[float] = args.rates
     workers: list[tuple[str, Path | None]] = [("this", None)]
     if args.baseline_src:
         workers.append(("baseline", args.baseline_src))
@@ -62,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
                 order = workers if n % 2 == 0 else list(reversed(workers))
                 for name, src in order:
                     t = time.monotonic()
-                    out = receipts_pickup(bench, jobs=jobs, rate=rate, processes=args.pods,
+                    out = receipts_pickup(bench, jobs=jobs, rate=rate, processes=int(args.pods),
                                           rate_limit=args.limit, delay_ms=args.delay_ms,
                                           seed=1000 * n + int(rate), src=src)
                     out.update(worker=name, round=n + 1)
