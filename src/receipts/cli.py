@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import json
 import math
 import os
@@ -170,23 +171,15 @@ def _run(coro: Coroutine[Any, Any, int]) -> int:
 
 async def _with_queue(settings: Settings, role: str,
                       body: Callable[[JobQueue], Coroutine[Any, Any, int]], *,
-                      wait_for_database: bool = False) -> int:
+                      check: bool = True) -> int:
     """Open a one-connection pool, run *body(queue)* (recovery's statements), close the pool.
 
-    A one-shot command fails fast when the database cannot be reached
-    (:class:`DatabaseUnavailable` from :func:`check_connection`). With
-    *wait_for_database* (``recover --loop``, a long-running process like the
-    worker) that is logged as ``recovery_failed``, as a failed sweep is, and the body runs
-    anyway: its sweeps retry, so a database that is restarting when the loop
-    starts (a crash recovery: "the database system is starting up") no longer
-    ends it with exit 1. A database receipts refuses still fails fast.
+    First connects once (*check*), so a one-shot command fails fast when the
+    database cannot be reached (:class:`DatabaseUnavailable`) or is one
+    receipts refuses; ``recover --loop`` checks for itself (:func:`_first_check`).
     """
-    try:
+    if check:
         await check_connection(settings, role)
-    except DatabaseUnavailable as exc:
-        if not wait_for_database:
-            raise
-        get_logger("recovery").warning("recovery_failed", extra={"error": str(exc)[:300]})
     pool = make_pool(settings, role, max_size=1)
     await pool.open(wait=False)
     try:
@@ -293,18 +286,51 @@ def cmd_worker(settings: Settings, args: argparse.Namespace) -> int:
     return EXIT_OK
 
 
+async def _first_check(settings: Settings, role: str, stop: asyncio.Event) -> bool:
+    """``recover --loop``'s first connection: False when *stop* was set first.
+
+    The loop is a long-running process, like the worker: a database it cannot
+    reach as it starts (one restarting after a crash answers "the database
+    system is starting up") is logged as ``recovery_failed``, as a failed sweep
+    is, and the sweeps that follow try again; exit 1 there ended the loop in
+    the crash test. A database receipts refuses (:class:`UnusableDatabase`)
+    still ends it. A stop signal during the attempt ends it at once (the
+    signal handlers are the loop's own from its start).
+    """
+    attempt = asyncio.ensure_future(check_connection(settings, role))
+    stopped = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({attempt, stopped}, return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    if not attempt.done():
+        attempt.cancel()
+        with contextlib.suppress(asyncio.CancelledError, QueueError):
+            await attempt
+        return False
+    try:
+        attempt.result()
+    except DatabaseUnavailable as exc:
+        get_logger("recovery").warning("recovery_failed", extra={"error": str(exc)[:300]})
+    return not stop.is_set()
+
+
 def cmd_recover(settings: Settings, args: argparse.Namespace) -> int:
     """``receipts recover``: one sweep (or ``--loop SECONDS``); a failed push still exits 0."""
     if args.loop is not None:
 
-        async def loop(queue: JobQueue) -> int:
+        async def loop() -> int:
             stop = asyncio.Event()
             for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT):
                 asyncio.get_running_loop().add_signal_handler(sig, stop.set)
-            await recovery.run_loop(queue, settings, args.loop, stop)
-            return EXIT_OK
+            if not await _first_check(settings, "recover", stop):
+                return EXIT_OK
 
-        return _run(_with_queue(settings, "recover", loop, wait_for_database=True))
+            async def sweeps(queue: JobQueue) -> int:
+                await recovery.run_loop(queue, settings, args.loop, stop)
+                return EXIT_OK
+
+            return await _with_queue(settings, "recover", sweeps, check=False)
+
+        return _run(loop())
 
     async def once(queue: JobQueue) -> int:
         report = await recovery.run_once(queue, settings)

@@ -314,6 +314,14 @@ class Wakeups:
         self._set_waker(False)
 
     def _set_waker(self, elected: bool) -> None:
+        if self.lead is not None and self.shares and self.tag in self.shares:
+            # A waker that led keeps using its last shares until a successor's
+            # announcement (up to SHARE_FRESH_SECONDS), while the successor gives
+            # the others shares that add up to 1 without it: back to an even share
+            # (its slots' share when the pods are alike) so the two do not overlap
+            # by the lead (half the limit).
+            self.shares = {**self.shares,
+                           self.tag: min(self.shares[self.tag], 1.0 / len(self.shares))}
         self.is_waker = elected
         self.metrics.waker_elected.set(1 if elected else 0)
         self._seen = (None, None)

@@ -230,3 +230,31 @@ async def test_recover_loop_outlives_a_database_that_is_down_when_it_starts(
             assert await asyncio.to_thread(child.wait, timeout_seconds=20) == 0, child.tail()
         finally:
             await proxy.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", ["SIGINT", "SIGTERM"])
+def test_recover_loop_stops_at_once_on_a_signal_during_its_first_connection(
+        sig: str, tmp_path) -> None:
+    """A server that accepts the connection and never answers (a half-open network):
+    a stop signal while ``recover --loop`` waits for it ends the loop at once with 0,
+    not after a logged failure and another sweep (a new user's trial: the first SIGINT
+    was swallowed and the loop ran on for ten minutes)."""
+    import signal as signals
+    import socket
+
+    from receipts.supervisor import Supervisor
+
+    with socket.socket() as silent, Supervisor(tmp_path) as sup:
+        silent.bind(("127.0.0.1", 0))
+        silent.listen(4)
+        silent.settimeout(30)
+        port = silent.getsockname()[1]
+        child = sup.start("recover", ["recover", "--loop", "0.2"],
+                          _env(f"postgresql://u@127.0.0.1:{port}/x?sslmode=disable"
+                               "&gssencmode=disable&connect_timeout=20"))
+        held, _ = silent.accept()  # the loop's first connection is waiting on us
+        with held:
+            child.send_signal(getattr(signals, sig))
+            assert child.wait(timeout_seconds=5) == 0, child.tail()
+    assert "recovery_failed" not in child.output()

@@ -10,6 +10,8 @@ from __future__ import annotations
 import json
 from collections import deque
 
+import pytest
+
 from receipts.enqueue import NOTIFY_CHANNEL
 from receipts.metrics import Metrics
 from receipts.waker import (
@@ -183,3 +185,20 @@ def test_under_a_rate_limit_a_member_is_counted_for_no_more_than_its_full_bucket
     unlimited.shares = dict(wakeups.shares)
     unlimited._members = deque(wakeups._members)
     assert unlimited._targets()[2] == [0, 32, 34, 66]
+
+
+def test_a_waker_that_led_and_loses_its_role_drops_to_an_even_share_at_once():
+    """Its successor's announcement may take seconds, and meanwhile gives the others
+    shares that add up to 1: the old waker must not go on claiming at its lead."""
+    wakeups, _, _ = pod()
+    wakeups.tag = "a" * 8
+    wakeups.lead = 0.5
+    wakeups.shares = {"a" * 8: 0.5, "b" * 8: 0.25, "c" * 8: 0.25}
+    wakeups._set_waker(False)
+    assert wakeups.lead is None
+    assert wakeups.shares == {"a" * 8: pytest.approx(1 / 3), "b" * 8: 0.25, "c" * 8: 0.25}
+    follower, _, _ = pod()  # a pod that never led keeps what it heard
+    follower.tag = "b" * 8
+    follower.shares = {"a" * 8: 0.5, "b" * 8: 0.25, "c" * 8: 0.25}
+    follower._set_waker(False)
+    assert follower.shares == {"a" * 8: 0.5, "b" * 8: 0.25, "c" * 8: 0.25}
