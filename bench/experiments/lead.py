@@ -14,8 +14,9 @@ per transaction as a Poisson process at 8 and 12 per second
 
 Each run gets a fresh database; this checkout's worker and the one in
 ``--baseline-src`` (an older checkout's ``src``) alternate, A B B A, with the same
-arrival times per round. Prints p50, p99 and the share over 150 ms per rate and
-worker (medians of the rounds); writes every run to ``--out`` (JSON).
+arrival times per round. Prints p50 and p99 per rate and
+worker (medians of the rounds); writes every run to ``--out`` (JSON). ``--smoke``: 40
+jobs, one round, whatever ``--jobs`` and ``--rounds`` say.
 """
 
 from __future__ import annotations
@@ -76,6 +77,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--smoke", action="store_true", help="tiny sizes; figures meaningless")
     p.add_argument("--out", type=Path, help=f"JSON output (default {DEFAULT_OUT}; --smoke: none)")
     args = p.parse_args(argv)
+    if args.baseline_src and not (args.baseline_src / "receipts" / "__init__.py").is_file():
+        p.error(f"--baseline-src {args.baseline_src}: no receipts package there"
+                " (give an older checkout's src folder)")
     jobs, rounds = (40, 1) if args.smoke else (int(args.jobs), int(args.rounds))
     rates: list[float] = args.rates
     workers: list[tuple[str, Path | None]] = [("this", None)]
