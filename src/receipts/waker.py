@@ -549,9 +549,9 @@ class Wakeups:
         self._stuck_probes = self._stuck_probes + 1 if row[11] else 0
         if self._stuck_probes >= 2:
             self._stuck = True
-        elif woken and local is not None and local < int(row[5] or 0):
+        elif woken and local is not None and local < (due := int(row[5] or 0)):
             room = self._unshared_room() if self._unshared_room is not None else None
-            if room is not None and room >= int(row[5] or 0):
+            if room is not None and room >= due:
                 self._share_short = True
         if woken:  # the next new work goes to the next pods: the woken go last
             done = {c.removeprefix(MEMBER_CHANNEL_PREFIX) for c in channels[:woken]}
