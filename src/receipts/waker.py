@@ -55,10 +55,12 @@ What keeps a calm day cheap (docs/design.md, "Calm-day wake-ups"):
 * **The watermark.** Each probe also returns the oldest ready ``(run_at,
   id)`` at or after the previous one (capped at now − :data:`MARGIN_SECONDS`),
   which claims start their index scan from (:meth:`Wakeups.claim_bound`).
-  Every :data:`SWEEP_SECONDS` or so (longer while the sweep is slow, so that
-  it costs at most :data:`SWEEP_BUSY_SHARE` of the time), ``waker_sweep``
-  looks below it for a row that became ready there (a back-dated run_at, a
-  transaction that commits long after it began) and lowers it.
+  Every :data:`SWEEP_SECONDS`, ``waker_sweep`` looks below it for a row that
+  became ready there (a back-dated run_at, a transaction that commits long
+  after it began) and lowers it: the whole index below it when the full
+  sweep is due (spread out while it is slow, so that it costs at most
+  :data:`SWEEP_BUSY_SHARE` of the time), else the last :data:`NEAR_SECONDS`
+  below it, where late commits land.
 * **Targeted wake-ups.** New due work that the waker's own pod can take
   whole (what it could claim now, within its throttles) wakes that pod
   alone, in-process: no notification, since a notifying commit signals every
@@ -134,13 +136,23 @@ MEMBER_CHANNEL_PREFIX = "receipts_ready_"
 MARGIN_SECONDS = 1.0
 #: A due head that has waited this long (seconds) wakes more pods.
 STUCK_SECONDS = 0.15
-#: How often the waker sweeps below the watermark at most, seconds.
+#: How often the waker sweeps below the watermark, seconds: the full sweep
+#: when it is due, the near one otherwise.
 SWEEP_SECONDS = 0.25
-#: ...and at least (seconds), however slow the sweep is.
+#: The full sweep (the whole index below the watermark) runs at least this
+#: often (seconds), however slow it is.
 SWEEP_MAX_SECONDS = 10.0
-#: The sweep's share of the waker's time: after a sweep that took t seconds
-#: the next waits at least t / SWEEP_BUSY_SHARE (a long reader makes it slow).
-SWEEP_BUSY_SHARE = 0.02
+#: The full sweep's share of the time: after one that took t seconds the next
+#: waits at least t / SWEEP_BUSY_SHARE. A long reader keeps the entries of
+#: every job claimed since it began alive below the watermark, and the full
+#: sweep walks them all (about 3 ms a sweep after 10 minutes at 50 jobs/s):
+#: at 0.3 % it then runs about once a second instead of four times.
+SWEEP_BUSY_SHARE = 0.003
+#: The near sweep's reach below the watermark, seconds of run_at: a transaction
+#: that commits up to this long (plus the watermark's margin) after it began is
+#: found within SWEEP_SECONDS whatever a long reader keeps alive; older rows
+#: (a back-dated run_at, a longer transaction) wait for the full sweep.
+NEAR_SECONDS = 10.0
 #: While a waker is heard, the fleet's pods together poll about once per this
 #: many seconds (each pod every pods × this), so an idle fleet's polls do not
 #: grow with its size.
@@ -247,7 +259,7 @@ class Wakeups:
         # the order they are woken (tag, free slots), the next sweep.
         self._mark: tuple[datetime | None, UUID | None] = (None, None)
         self._members: deque[tuple[str, int]] = deque()
-        self._next_sweep = clock()
+        self._next_sweep = self._next_full_sweep = clock()
         #: The waker's pod's leading share (None: its slots' share), and what the
         #: probes saw since the last heartbeat: work handed to others because
         #: this pod's share fell short; a stuck due head.
@@ -327,7 +339,7 @@ class Wakeups:
         self._seen = (None, None)
         self._mark = (None, None)  # a new waker walks the index once from its start
         self._members.clear()
-        self._next_sweep = self._clock()
+        self._next_sweep = self._next_full_sweep = self._clock()
         self.lead, self._share_short, self._stuck, self._stuck_probes = None, False, False, 0
 
     async def serve(self, session: ListenSession) -> None:
@@ -567,27 +579,34 @@ class Wakeups:
     async def sweep(self, session: ListenSession) -> bool:
         """One ``waker_sweep`` below the watermark; True when it lowered it.
 
-        The next sweep is due after :data:`SWEEP_SECONDS`, or after the
-        sweep's own duration / :data:`SWEEP_BUSY_SHARE` when longer (at most
-        :data:`SWEEP_MAX_SECONDS`).
+        The full sweep (from the index's start) when it is due, else the near
+        one (the last :data:`NEAR_SECONDS` of run_at below the watermark). The
+        next sweep is due after :data:`SWEEP_SECONDS`; the next full one after
+        the full sweep's own duration / :data:`SWEEP_BUSY_SHARE` when that is
+        longer (at most :data:`SWEEP_MAX_SECONDS`).
+
+        Raises :class:`QueueError` when the session fails.
         """
         below_run_at, below_id = self._mark
+        now = self._clock()
+        self._next_sweep = now + SWEEP_SECONDS
         if below_run_at is None:
-            self._next_sweep = self._clock() + SWEEP_SECONDS
             return False
-        start = time.perf_counter()
+        full = now >= self._next_full_sweep
+        above = None if full else below_run_at - timedelta(seconds=NEAR_SECONDS)
         row = await session.fetchone(query("waker_sweep", self.schema), {
-            "max_attempts": self.settings.max_attempts,
+            "max_attempts": self.settings.max_attempts, "above_run_at": above,
             "below_run_at": below_run_at, "below_id": below_id or NIL_UUID})
-        took = time.perf_counter() - start
+        took = self._clock() - now
         self._sweep_seconds.observe(took)
-        self._next_sweep = self._clock() + min(
-            SWEEP_MAX_SECONDS, max(SWEEP_SECONDS, took / SWEEP_BUSY_SHARE))
+        if full:
+            self._next_full_sweep = now + min(
+                SWEEP_MAX_SECONDS, max(SWEEP_SECONDS, took / SWEEP_BUSY_SHARE))
         if row is None:
             return False
         self._mark = (row[0], row[1])
         self.watermark = (row[0], row[1])
-        log.info("watermark_lowered", extra={"schema": self.schema})
+        log.info("watermark_lowered", extra={"schema": self.schema, "full": full})
         return True
 
     async def step_down(self, session: ListenSession) -> None:

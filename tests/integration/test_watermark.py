@@ -190,3 +190,95 @@ def test_a_claim_from_the_watermark_skips_what_a_long_reader_keeps_alive(dsn):
     print(f"\n[figures] claim of 100 past 5,000 claimed entries kept by a snapshot:"
           f" buffers {buffers}, ms {[round(p['Execution Time'], 2) for p in plans.values()]}")
     assert buffers["watermark"] * 5 < buffers["start"], buffers
+
+
+@pytest.mark.parametrize("plan_mode", ["force_custom_plan", "force_generic_plan"])
+def test_the_near_sweep_reads_only_its_last_seconds_of_what_a_long_reader_keeps_alive(
+        dsn, plan_mode):
+    """5,000 claimed jobs spread over 50 s of run_at below the watermark, their entries
+    kept by a held snapshot: the full sweep walks them all, the near sweep (the last
+    NEAR_SECONDS) a fifth; both bounds are the ready index's Index Cond, with custom
+    and generic plans, and a row below the near sweep's reach is found by the full."""
+    from receipts.statements import statements
+    from receipts.waker import NEAR_SECONDS
+    fetch_rows(dsn, """
+        INSERT INTO receipt_jobs (id, order_id, run_at)
+        SELECT gen_random_uuid(), 'held-' || g,
+               statement_timestamp() - make_interval(secs => (20000 - g) / 100.0)
+        FROM generate_series(1, 20000) AS g RETURNING 1""")
+    sweep = statements()["waker_sweep"].format(schema="public")
+    for n, key in enumerate(("max_attempts", "above_run_at", "below_run_at", "below_id"), 1):
+        sweep = sweep.replace(f"%({key})s", f"${n}")
+    with psycopg.connect(dsn, autocommit=True) as reader, \
+            psycopg.connect(dsn, autocommit=True, cursor_factory=psycopg.ClientCursor) as conn:
+        conn.execute("ANALYZE receipt_jobs")
+        reader.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        reader.execute("SELECT count(*) FROM receipt_jobs")  # the snapshot is taken
+        text = claim_query(100).as_string(conn)
+        for _ in range(50):  # the oldest 5,000 claimed (and their entries kept alive)
+            conn.execute(text, {"max_attempts": 5, "lease_seconds": 60.0, "probe": False,
+                                "after_run_at": None, "after_id": None})
+        head = conn.execute("SELECT run_at, id FROM receipt_jobs WHERE state = 'ready'"
+                            " ORDER BY run_at, id LIMIT 1").fetchone()
+        assert head is not None
+        near = head[0] - timedelta(seconds=NEAR_SECONDS)
+        conn.execute(f"SET plan_cache_mode = {plan_mode}")
+        plans, found = {}, {}
+        conn.execute("BEGIN")
+        try:
+            conn.execute(f"PREPARE sweep_stmt(int, timestamptz, timestamptz, uuid) AS {sweep}")
+            for name, above in (("full", "NULL"), ("near", f"'{near.isoformat()}'")):
+                args = f"5, {above}, '{head[0].isoformat()}', '{head[1]}'"
+                conn.execute(f"EXECUTE sweep_stmt({args})")  # warm; measure the second
+                plans[name] = _explain(conn, f"EXECUTE sweep_stmt({args})", {})
+            # A back-dated row, far below the near sweep's reach.
+            conn.execute("INSERT INTO receipt_jobs (id, order_id, run_at)"
+                         " VALUES (gen_random_uuid(), 'back-dated', now() - interval '1 hour')")
+            for name, above in (("full", "NULL"), ("near", f"'{near.isoformat()}'")):
+                found[name] = conn.execute(
+                    f"EXECUTE sweep_stmt(5, {above}, '{head[0].isoformat()}', '{head[1]}')"
+                ).fetchall()
+        finally:
+            conn.execute("ROLLBACK")
+        reader.execute("COMMIT")
+    for plan in plans.values():
+        (scan,) = _index_scans(plan["Plan"])
+        assert scan["Index Cond"].count("ROW(run_at, id)") == 2, scan["Index Cond"]
+        assert plan["Plan"]["Actual Rows"] == 0
+    buffers = {name: sum(n.get("Shared Hit Blocks", 0) + n.get("Shared Read Blocks", 0)
+                         for n in _index_scans(p["Plan"])) for name, p in plans.items()}
+    print(f"\n[figures] sweeps below 5,000 claimed entries kept by a snapshot ({plan_mode}):"
+          f" buffers {buffers}, ms {[round(p['Execution Time'], 3) for p in plans.values()]}")
+    assert buffers["near"] * 3 < buffers["full"], buffers
+    assert [r[1] for r in found["full"]] and found["near"] == []
+
+
+async def test_while_the_full_sweep_is_spread_out_a_late_commit_is_claimed_within_a_second(
+        dsn, running, monkeypatch):
+    """A full sweep that is slow (a long reader) runs at most every SWEEP_MAX_SECONDS:
+    in between, the near sweep still finds a transaction that committed late, and
+    the full one a back-dated row."""
+    import receipts.waker as waker
+    run, recorder = running
+    # Every full sweep now waits SWEEP_MAX_SECONDS for the next, however quick it was.
+    monkeypatch.setattr(waker, "SWEEP_BUSY_SHARE", 1e-9)
+    wakeups = run.worker.wakeups
+    assert wakeups is not None
+    wakeups._next_full_sweep = 0.0  # one full sweep now, then only near ones
+    await until(lambda: wakeups._next_full_sweep > time.monotonic() + 5, timeout=5)
+    async with await psycopg.AsyncConnection.connect(dsn) as conn:
+        async with conn.transaction():
+            await enqueue_async(conn, "late-near")
+            cur = await conn.execute("SELECT run_at FROM receipt_jobs WHERE order_id = 'late-near'")
+            row = await cur.fetchone()
+            assert row is not None
+            await until(lambda: mark_of(run)[0] > row[0], timeout=10)
+        since = time.monotonic()
+    assert wakeups._next_full_sweep > time.monotonic()  # no full sweep found it
+    assert await picked_up(recorder, "late-near", since) <= PICKUP_SECONDS
+    # An hour back is beyond the near sweep: the next full sweep finds it.
+    full_due = wakeups._next_full_sweep
+    async with await psycopg.AsyncConnection.connect(dsn) as conn, conn.transaction():
+        await enqueue_async(conn, "back-dated-far", run_at=datetime.now(UTC) - timedelta(hours=1))
+    await until(lambda: "back-dated-far" in recorder.seen, timeout=waker.SWEEP_MAX_SECONDS + 5)
+    assert recorder.seen["back-dated-far"][0] >= full_due

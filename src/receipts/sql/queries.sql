@@ -142,17 +142,22 @@ FROM (
 
 -- name: waker_sweep
 -- The backstop below the watermark, run by the waker now and then: the oldest
--- claimable ready job before (%(below_run_at)s, %(below_id)s), if any. A row
--- gets there when it becomes visible after the watermark passed it: a
--- back-dated run_at, a transaction that commits long after it began (its
--- now() is its start). The waker then lowers the watermark to it and wakes a
--- pod. It walks what the claims skip (entries of claimed jobs a long reader
--- keeps alive), so it runs every SWEEP_SECONDS at most, and less
--- often while it is slow (receipts/waker.py).
+-- claimable ready job in [(%(above_run_at)s, nil id), (%(below_run_at)s,
+-- %(below_id)s)), if any; a NULL above_run_at is the index's start (the full
+-- sweep). A row gets there when it becomes visible after the watermark passed
+-- it: a back-dated run_at, a transaction that commits long after it began
+-- (its now() is its start). The waker then lowers the watermark to it and
+-- wakes a pod. It walks what the claims skip (entries of claimed jobs a long
+-- reader keeps alive): the full sweep runs less often while it is slow, and
+-- between two full sweeps the near one covers the last NEAR_SECONDS below the
+-- watermark, where late commits land (receipts/waker.py). Both bounds are the
+-- ready index's Index Cond (tests/integration/test_watermark.py).
 SELECT run_at, id
 FROM {schema}.receipt_jobs
 WHERE state = 'ready'
   AND attempts < %(max_attempts)s
+  AND (run_at, id) >= (coalesce(%(above_run_at)s::timestamptz, '-infinity'::timestamptz),
+                       '00000000-0000-0000-0000-000000000000'::uuid)
   AND (run_at, id) < (%(below_run_at)s::timestamptz, %(below_id)s::uuid)
 ORDER BY run_at, id
 LIMIT 1;
