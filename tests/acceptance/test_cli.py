@@ -250,6 +250,12 @@ def test_the_demo_runs_end_to_end_and_loses_nothing(server):
     assert figure("late outcomes not written") == count(total, "leases_lost")
     assert f"({count(total, 'stale_acks')} refused as stale" in late
     assert f"{count(total, 'leases_lost') - count(total, 'stale_acks')} given up" in late
+    # The provider outage is called ridden out only when the fleet paused for it.
+    outage = next(ln for ln in out.splitlines() if ln.strip().startswith("provider outage"))
+    ridden = outage.split("ridden out", 1)[1].split()
+    assert ridden[0] in ("yes:", "not", "no"), outage
+    if ridden[0] == "yes:":
+        assert int(ridden[1]) >= 1 and int(ridden[1]) <= count(total, "pauses"), outage
 
 
 @pytest.mark.slow

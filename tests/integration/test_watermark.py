@@ -25,6 +25,7 @@ from receipts.enqueue import enqueue_async
 from receipts.model import Job, Outcome, Reason, Verdict
 from receipts.runtime import make_queue
 from receipts.statements import claim_query
+from receipts.waker import NIL_UUID
 from tests.conftest import enqueue_many, fetch_rows, make_settings
 from tests.integration.test_worker import Running, until
 
@@ -282,3 +283,46 @@ async def test_while_the_full_sweep_is_spread_out_a_late_commit_is_claimed_withi
         await enqueue_async(conn, "back-dated-far", run_at=datetime.now(UTC) - timedelta(hours=1))
     await until(lambda: "back-dated-far" in recorder.seen, timeout=waker.SWEEP_MAX_SECONDS + 5)
     assert recorder.seen["back-dated-far"][0] >= full_due
+
+
+def test_the_probe_on_an_empty_queue_reads_no_further_back_than_the_watermark(dsn):
+    """Every job claimed (the calm-day queue between two probes) and their entries kept
+    by a held snapshot: the probe's scans stop at the watermark instead of walking back
+    over all of them, as a probe from the index's start (a new waker's first) does."""
+    from receipts.statements import statements
+    fetch_rows(dsn, """
+        INSERT INTO receipt_jobs (id, order_id, run_at)
+        SELECT gen_random_uuid(), 'held-' || g,
+               statement_timestamp() - interval '1 minute' + make_interval(secs => g / 1000.0)
+        FROM generate_series(1, 5000) AS g RETURNING 1""")
+    probe = statements()["waker_probe"].format(schema="public")
+    params = {"max_attempts": 5, "seen_run_at": None, "seen_id": None,
+              "channel": "test_unheard", "heartbeat": False, "waker_channel": "test_unheard",
+              "schema_name": "public", "margin_seconds": 1.0, "stuck_seconds": 0.15,
+              "channels": [], "before": [], "fleet_channel": "test_unheard", "shares": None,
+              "local": None}
+    with psycopg.connect(dsn, autocommit=True) as reader, \
+            psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("ANALYZE receipt_jobs")
+        reader.execute("BEGIN ISOLATION LEVEL REPEATABLE READ")
+        reader.execute("SELECT count(*) FROM receipt_jobs")  # the snapshot is taken
+        text = claim_query(100).as_string(conn)
+        for _ in range(50):  # every job claimed; the entries are kept alive
+            conn.execute(text, {"max_attempts": 5, "lease_seconds": 60.0, "probe": False,
+                                "after_run_at": None, "after_id": None})
+        mark = conn.execute("SELECT statement_timestamp() - interval '1 second'").fetchone()
+        assert mark is not None
+        plans = {}
+        for name, start in (("start", (None, None)), ("watermark", (mark[0], NIL_UUID))):
+            conn.execute("BEGIN")
+            try:
+                plans[name] = _explain(conn, probe, params | {"from_run_at": start[0],
+                                                              "from_id": start[1]})
+            finally:
+                conn.execute("ROLLBACK")
+        reader.execute("COMMIT")
+    buffers = {name: sum(n.get("Shared Hit Blocks", 0) + n.get("Shared Read Blocks", 0)
+                         for n in _index_scans(p["Plan"])) for name, p in plans.items()}
+    print(f"\n[figures] probe of an empty queue past 5,000 claimed entries kept by a"
+          f" snapshot: buffers {buffers}")
+    assert buffers["watermark"] * 10 < buffers["start"], buffers

@@ -23,10 +23,15 @@ FROM (SELECT pg_try_advisory_lock(%(key)s) AS won) AS attempt;
 -- The elected waker's look at the queue, every few tens of milliseconds
 -- (receipts/waker.py). Four index probes, each a few pages however long the
 -- queue:
--- * tail: the newest due, claimable ready job (the due part of the ready
---   index read backwards from now). When it differs from the tail the
---   previous probe saw (%(seen_run_at)s, %(seen_id)s), new due work appeared
---   (a job committed, or a scheduled or retried one became due).
+-- * tail: the newest due, claimable ready job at or after the previous
+--   watermark (the due part of the ready index read backwards from now, and
+--   no further back than the watermark: with no ready job there, an unbounded
+--   scan walked every entry a long reader keeps alive below it, and at a
+--   calm rate some probes find the queue empty). When it differs from
+--   the tail the previous probe saw (%(seen_run_at)s, %(seen_id)s), new due
+--   work appeared (a job committed, or a scheduled or retried one became
+--   due). A row below the watermark is the sweep's: once it lowers the
+--   watermark, the row is the head, stuck, and wakes a pod.
 -- * head: the oldest ready job at or after the previous watermark
 --   (%(from_run_at)s, %(from_id)s; NULLs: the index's start). The new
 --   watermark is the head, or now - %(margin_seconds)s when that is lower
@@ -75,6 +80,8 @@ WITH tail AS (
   WHERE state = 'ready'
     AND run_at <= statement_timestamp()
     AND attempts < %(max_attempts)s
+    AND (run_at, id) >= (coalesce(%(from_run_at)s::timestamptz, '-infinity'),
+                         coalesce(%(from_id)s::uuid, '00000000-0000-0000-0000-000000000000'))
   ORDER BY run_at DESC, id DESC
   LIMIT 1
 ), head AS (
