@@ -441,8 +441,8 @@ def _summary(run: _Run, elapsed: float, scraped: list[MetricSamples],
            f" (Retry-After's), {total('receipts_provider_probes_total')} probe(s)"
            " (surviving workers)"
            if run.outage and outage_pauses
-           else "not met: the queue drained before a delivery reached the outage"
-           f" ({pauses} Retry-After pause(s))" if run.outage
+           else "not met: the fleet never paused for it (the queue drained before"
+           f" enough deliveries met it; {pauses} Retry-After pause(s))" if run.outage
            else f"no outage this run ({pauses} Retry-After pause(s))"),
         f"  throughput                     {delivered / elapsed:.0f} receipts/s over "
         f"{elapsed:.1f}s",

@@ -738,7 +738,7 @@ def exercises(role: Role) -> dict[str, Callable[[], Awaitable[Any]]]:
             "schema_name": SCHEMA, "fleet_channel": "receipts_fleet",
             "shares": '{"0000abcd": 1.0}'}),
         "waker_sweep": lambda: _on_listen_session(role.dsn, "waker_sweep", {
-            "max_attempts": 5, "above_run_at": None, "below_run_at": datetime.now(UTC),
+            "max_attempts": 5, "reach_seconds": None, "below_run_at": datetime.now(UTC),
             "below_id": uuid.uuid4()}),
         "member_lock": lambda: _on_listen_session(role.dsn, "member_lock", {
             "key": 4243, "tag": 0xabcd}),

@@ -206,35 +206,40 @@ def test_a_waker_that_led_and_loses_its_role_drops_to_an_even_share_at_once():
 
 class SweepSession:
     """A stand-in for the waker's session that answers ``waker_sweep``: each call
-    takes :attr:`took` seconds of the test's clock and records its bounds."""
+    spends :attr:`took` seconds of the database's time, and *wait* more of the test's
+    clock (a round trip, a busy event loop); it records its bounds."""
 
-    def __init__(self, clock: Clock, took: float) -> None:
-        self.clock, self.took = clock, took
+    def __init__(self, clock: Clock, took: float, wait: float = 0.0) -> None:
+        self.clock, self.took, self.wait = clock, took, wait
         self.calls: list[dict[str, object]] = []
 
-    async def fetchone(self, statement: object, params: dict[str, object]) -> None:
+    async def fetchone(self, statement: object, params: dict[str, object]
+                       ) -> tuple[object, ...]:
         self.calls.append(params)
-        self.clock.now += self.took
-        return None
+        self.clock.now += self.took + self.wait
+        return (None, None, self.took)
 
 
-@pytest.mark.parametrize(("took", "fulls"), [
-    (0.0001, {20}),  # a quick full sweep: every SWEEP_SECONDS, as before
+@pytest.mark.parametrize(("took", "wait", "fulls"), [
+    (0.0001, 0.0, {20}),  # a quick full sweep: every SWEEP_SECONDS, as before
+    # ...however long the round trip and the event loop made it look to the client
+    (0.0001, 0.016, {20}),
     # a long reader's: once per took / SWEEP_BUSY_SHARE = 1 s, on the next tick
-    (0.003, {4, 5}),
-    (0.2, {1}),  # a very slow one: at most SWEEP_MAX_SECONDS apart
+    (0.003, 0.0, {4, 5}),
+    (0.2, 0.0, {1}),  # a very slow one: at most SWEEP_MAX_SECONDS apart
 ])
-def test_a_slow_full_sweep_is_spread_out_and_the_near_sweep_fills_the_gaps(took, fulls):
-    """receipts.waker, "The watermark": the full sweep costs at most
-    SWEEP_BUSY_SHARE of the time; between two full sweeps a near one looks at the
-    last NEAR_SECONDS below the watermark every SWEEP_SECONDS."""
+def test_a_slow_full_sweep_is_spread_out_and_the_near_sweep_fills_the_gaps(took, wait, fulls):
+    """receipts.waker, "The watermark": the full sweep costs the database at most
+    SWEEP_BUSY_SHARE of the time (by the database's own clock); between two full
+    sweeps a near one looks at the last NEAR_SECONDS below the watermark every
+    SWEEP_SECONDS."""
     import asyncio
-    from datetime import UTC, datetime, timedelta
+    from datetime import UTC, datetime
     from uuid import UUID
 
     from receipts.waker import NEAR_SECONDS, SWEEP_SECONDS
     wakeups, clock, _ = pod()
-    session = SweepSession(clock, took)
+    session = SweepSession(clock, took, wait)
     mark = (datetime(2026, 12, 7, 12, tzinfo=UTC), UUID(int=7))
     wakeups._mark = mark
 
@@ -246,12 +251,12 @@ def test_a_slow_full_sweep_is_spread_out_and_the_near_sweep_fills_the_gaps(took,
             clock.now = max(clock.now, min(wakeups._next_sweep, end))
 
     asyncio.run(five_seconds())
-    full = [c for c in session.calls if c["above_run_at"] is None]
-    near = [c for c in session.calls if c["above_run_at"] is not None]
+    full = [c for c in session.calls if c["reach_seconds"] is None]
+    near = [c for c in session.calls if c["reach_seconds"] is not None]
     assert len(full) in fulls
-    assert session.calls[0]["above_run_at"] is None  # a new waker sweeps it all first
+    assert session.calls[0]["reach_seconds"] is None  # a new waker sweeps it all first
     assert len(session.calls) == pytest.approx(5.0 / SWEEP_SECONDS, abs=1)
-    assert all(c["above_run_at"] == mark[0] - timedelta(seconds=NEAR_SECONDS) for c in near)
+    assert all(c["reach_seconds"] == NEAR_SECONDS for c in near)
     assert all((c["below_run_at"], c["below_id"]) == mark for c in session.calls)
 
 
@@ -266,10 +271,15 @@ def test_a_sweep_that_finds_a_row_lowers_the_watermark_to_it():
 
     class Finds:
         async def fetchone(self, statement: object, params: object) -> tuple[object, ...]:
-            return found
+            return (*found, 0.0001)
 
     assert asyncio.run(wakeups.sweep(Finds())) is True  # type: ignore[arg-type]
     assert wakeups._mark == found and wakeups.watermark == found
     # No watermark yet (a new waker before its first probe): nothing to sweep below.
     fresh, _, _ = pod()
     assert asyncio.run(fresh.sweep(Finds())) is False  # type: ignore[arg-type]
+    # Nothing found: the statement's one row has NULLs.
+    quiet, clock, _ = pod()
+    quiet._mark = mark
+    assert asyncio.run(quiet.sweep(SweepSession(clock, 0.0001))) is False  # type: ignore[arg-type]
+    assert quiet._mark == mark

@@ -149,25 +149,37 @@ FROM (
 
 -- name: waker_sweep
 -- The backstop below the watermark, run by the waker now and then: the oldest
--- claimable ready job in [(%(above_run_at)s, nil id), (%(below_run_at)s,
--- %(below_id)s)), if any; a NULL above_run_at is the index's start (the full
--- sweep). A row gets there when it becomes visible after the watermark passed
--- it: a back-dated run_at, a transaction that commits long after it began
--- (its now() is its start). The waker then lowers the watermark to it and
--- wakes a pod. It walks what the claims skip (entries of claimed jobs a long
--- reader keeps alive): the full sweep runs less often while it is slow, and
--- between two full sweeps the near one covers the last NEAR_SECONDS below the
--- watermark, where late commits land (receipts/waker.py). Both bounds are the
--- ready index's Index Cond (tests/integration/test_watermark.py).
-SELECT run_at, id
-FROM {schema}.receipt_jobs
-WHERE state = 'ready'
-  AND attempts < %(max_attempts)s
-  AND (run_at, id) >= (coalesce(%(above_run_at)s::timestamptz, '-infinity'::timestamptz),
-                       '00000000-0000-0000-0000-000000000000'::uuid)
-  AND (run_at, id) < (%(below_run_at)s::timestamptz, %(below_id)s::uuid)
-ORDER BY run_at, id
-LIMIT 1;
+-- claimable ready job below (%(below_run_at)s, %(below_id)s) and no more than
+-- %(reach_seconds)s of run_at below it (NULL: from the index's start, the
+-- full sweep), if any, and the seconds the database spent on it (its own
+-- clock, so neither the round trip nor a busy client counts). A row gets
+-- there when it becomes visible after the watermark passed it: a back-dated
+-- run_at, a transaction that commits long after it began (its now() is its
+-- start). The waker then lowers the watermark to it and wakes a pod. It walks
+-- what the claims skip (entries of claimed jobs a long reader keeps alive):
+-- the full sweep runs less often while it is slow, and between two full
+-- sweeps the near one covers the last NEAR_SECONDS below the watermark, where
+-- late commits land (receipts/waker.py). The reach is subtracted here, in
+-- absolute time: the watermark arrives in the session's time zone, and
+-- Python's arithmetic on it is wall-clock time, wrong across a daylight-saving
+-- change. Both bounds are the ready index's Index Cond
+-- (tests/integration/test_watermark.py). Always one row (NULLs: none found).
+SELECT s.run_at, s.id,
+       extract(epoch FROM clock_timestamp() - statement_timestamp())::float8 AS spent
+FROM (SELECT 1) AS one
+LEFT JOIN LATERAL (
+  SELECT run_at, id
+  FROM {schema}.receipt_jobs
+  WHERE state = 'ready'
+    AND attempts < %(max_attempts)s
+    AND (run_at, id) >= (coalesce(%(below_run_at)s::timestamptz
+                                  - make_interval(secs => %(reach_seconds)s::float8),
+                                  '-infinity'::timestamptz),
+                         '00000000-0000-0000-0000-000000000000'::uuid)
+    AND (run_at, id) < (%(below_run_at)s::timestamptz, %(below_id)s::uuid)
+  ORDER BY run_at, id
+  LIMIT 1
+) AS s ON true;
 
 -- name: member_lock
 -- A pod says it is alive on its LISTEN session: a session advisory lock on
