@@ -346,3 +346,26 @@ async def test_without_a_long_reader_back_dated_rows_in_a_row_are_each_claimed_w
         since = time.monotonic()
         late.append(await picked_up(recorder, f"back-dated-{n}", since))
     assert max(late) <= PICKUP_SECONDS, late
+
+
+def test_the_near_sweeps_reach_is_absolute_time_across_a_daylight_saving_change(dsn):
+    """The watermark comes back in the session's time zone; the reach is subtracted in
+    SQL, in absolute time. Europe/Berlin's clocks went forward at 01:00 UTC on
+    2026-03-29: 10 s below 01:00:05 UTC reaches 00:59:55 UTC, not an hour further."""
+    from zoneinfo import ZoneInfo
+
+    from receipts.statements import query
+    changed = datetime(2026, 3, 29, 1, 0, 5, tzinfo=UTC)
+    fetch_rows(dsn, """
+        INSERT INTO receipt_jobs (id, order_id, run_at)
+        VALUES (gen_random_uuid(), 'inside', %(changed)s - interval '7 seconds'),
+               (gen_random_uuid(), 'outside', %(changed)s - interval '15 seconds')
+        RETURNING 1""", {"changed": changed})
+    with psycopg.connect(dsn, autocommit=True) as conn:
+        conn.execute("SET TimeZone = 'Europe/Berlin'")
+        mark = conn.execute("SELECT %s::timestamptz", (changed,)).fetchone()
+        assert mark is not None and mark[0].tzinfo == ZoneInfo("Europe/Berlin")
+        (run_at, _, spent), = conn.execute(query("waker_sweep"), {
+            "max_attempts": 5, "reach_seconds": 10.0, "below_run_at": mark[0],
+            "below_id": NIL_UUID}).fetchall()
+    assert run_at == changed - timedelta(seconds=7) and spent >= 0
