@@ -149,10 +149,10 @@ SWEEP_MAX_SECONDS = 10.0
 #: 50 jobs/s): at 0.3 % it then runs about once a second instead of four times.
 SWEEP_BUSY_SHARE = 0.003
 #: The near sweep's reach below the watermark, seconds of run_at: a transaction
-#: that commits up to about this long after it began (the watermark's margin,
-#: less how far the watermark moves until the next near sweep) is found within
-#: SWEEP_SECONDS whatever a long reader keeps alive; older rows (a back-dated
-#: run_at, a longer transaction) wait for the full sweep.
+#: that commits up to this long after it began, plus the watermark's margin,
+#: less how far the watermark moves until the next near sweep (about 10.7-11 s
+#: in all), is found within SWEEP_SECONDS whatever a long reader keeps alive;
+#: older rows (a back-dated run_at, a longer transaction) wait for the full sweep.
 NEAR_SECONDS = 10.0
 #: While a waker is heard, the fleet's pods together poll about once per this
 #: many seconds (each pod every pods × this), so an idle fleet's polls do not
