@@ -604,7 +604,7 @@ class Wakeups:
             # What the database spent, by its own clock: a round trip or a busy
             # event loop would otherwise hold off a quick sweep (a trial: 0.7-16 ms
             # a call without a long reader, rows back-dated an hour claimed 1-5 s late).
-            spent = float(row[2]) if row is not None and row[2] is not None else 0.0
+            spent = row[2].total_seconds() if row is not None and row[2] is not None else 0.0
             self._next_full_sweep = now + min(
                 SWEEP_MAX_SECONDS, max(SWEEP_SECONDS, spent / SWEEP_BUSY_SHARE))
         if row is None or row[0] is None:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 from collections import deque
+from datetime import timedelta
 
 import pytest
 
@@ -217,7 +218,7 @@ class SweepSession:
                        ) -> tuple[object, ...]:
         self.calls.append(params)
         self.clock.now += self.took + self.wait
-        return (None, None, self.took)
+        return (None, None, timedelta(seconds=self.took))
 
 
 @pytest.mark.parametrize(("took", "wait", "fulls"), [
@@ -271,7 +272,7 @@ def test_a_sweep_that_finds_a_row_lowers_the_watermark_to_it():
 
     class Finds:
         async def fetchone(self, statement: object, params: object) -> tuple[object, ...]:
-            return (*found, 0.0001)
+            return (*found, timedelta(microseconds=100))
 
     assert asyncio.run(wakeups.sweep(Finds())) is True  # type: ignore[arg-type]
     assert wakeups._mark == found and wakeups.watermark == found

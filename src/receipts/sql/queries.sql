@@ -151,7 +151,7 @@ FROM (
 -- The backstop below the watermark, run by the waker now and then: the oldest
 -- claimable ready job below (%(below_run_at)s, %(below_id)s) and no more than
 -- %(reach_seconds)s of run_at below it (NULL: from the index's start, the
--- full sweep), if any, and the seconds the database spent on it (its own
+-- full sweep), if any, and the time the database spent on it (by its own
 -- clock, so neither the round trip nor a busy client counts). A row gets
 -- there when it becomes visible after the watermark passed it: a back-dated
 -- run_at, a transaction that commits long after it began (its now() is its
@@ -164,8 +164,7 @@ FROM (
 -- Python's arithmetic on it is wall-clock time, wrong across a daylight-saving
 -- change. Both bounds are the ready index's Index Cond
 -- (tests/integration/test_watermark.py). Always one row (NULLs: none found).
-SELECT s.run_at, s.id,
-       extract(epoch FROM clock_timestamp() - statement_timestamp())::float8 AS spent
+SELECT s.run_at, s.id, clock_timestamp() - statement_timestamp() AS spent
 FROM (SELECT 1) AS one
 LEFT JOIN LATERAL (
   SELECT run_at, id
