@@ -160,6 +160,21 @@ def _buffers(plans: dict[str, dict[str, Any]]) -> dict[str, int]:
                       for n in _index_scans(p["Plan"])) for name, p in plans.items()}
 
 
+def _plans_from(conn: psycopg.Connection[Any], statement: str, params: dict[str, Any],
+                keys: tuple[str, str], bounds: dict[str, tuple[Any, Any]]
+                ) -> dict[str, dict[str, Any]]:
+    """EXPLAIN ANALYZE of *statement* once per named (run_at, id) bound, passed as the
+    two *keys* of *params*; each in a transaction rolled back (a claim writes)."""
+    plans = {}
+    for name, (run_at, job_id) in bounds.items():
+        conn.execute("BEGIN")
+        try:
+            plans[name] = _explain(conn, statement, params | {keys[0]: run_at, keys[1]: job_id})
+        finally:
+            conn.execute("ROLLBACK")
+    return plans
+
+
 @contextlib.contextmanager
 def _claimed_under_a_held_snapshot(dsn: str, **connect: Any
                                    ) -> Iterator[psycopg.Connection[Any]]:
@@ -197,14 +212,8 @@ def test_a_claim_from_the_watermark_skips_what_a_long_reader_keeps_alive(dsn):
         head = conn.execute("SELECT run_at, id FROM receipt_jobs WHERE state = 'ready'"
                             " ORDER BY run_at, id LIMIT 1").fetchone()
         assert head is not None
-        plans = {}
-        for name, after in (("start", (None, None)), ("watermark", head)):
-            conn.execute("BEGIN")
-            try:
-                plans[name] = _explain(conn, text, params | {"after_run_at": after[0],
-                                                             "after_id": after[1]})
-            finally:
-                conn.execute("ROLLBACK")
+        plans = _plans_from(conn, text, params, ("after_run_at", "after_id"),
+                            {"start": (None, None), "watermark": (head[0], head[1])})
     (scan,) = _index_scans(plans["watermark"]["Plan"])
     assert "ROW(run_at, id) >=" in scan["Index Cond"]
     buffers = _buffers(plans)
@@ -315,14 +324,8 @@ def test_the_probe_on_an_empty_queue_reads_no_further_back_than_the_watermark(ds
     with _claimed_under_a_held_snapshot(dsn) as conn:  # every job claimed
         mark = conn.execute("SELECT statement_timestamp() - interval '1 second'").fetchone()
         assert mark is not None
-        plans = {}
-        for name, start in (("start", (None, None)), ("watermark", (mark[0], NIL_UUID))):
-            conn.execute("BEGIN")
-            try:
-                plans[name] = _explain(conn, probe, params | {"from_run_at": start[0],
-                                                              "from_id": start[1]})
-            finally:
-                conn.execute("ROLLBACK")
+        plans = _plans_from(conn, probe, params, ("from_run_at", "from_id"),
+                            {"start": (None, None), "watermark": (mark[0], NIL_UUID)})
     buffers = _buffers(plans)
     print(f"\n[figures] probe of an empty queue past 5,000 claimed entries kept by a"
           f" snapshot: buffers {buffers}")
